@@ -1,0 +1,3 @@
+"""pd-operator: reconciles PDDeployments into prefill/decode serving workloads."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,187 @@
+"""The observed state of a PDDeployment: what the operator writes under `status`."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import Field
+
+from pd_operator.api._base import APIModel
+from pd_operator.api.conditions import Condition
+
+
+class Phase(StrEnum):
+    """A one-word summary derived from the conditions, for the printer column only."""
+
+    PENDING = "Pending"
+    PROGRESSING = "Progressing"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+    INVALID = "Invalid"
+
+
+class RoleStatus(APIModel):
+    """Replica counts of one role, counted for the current revision only."""
+
+    replicas: int = Field(default=0, ge=0, description="Pods that exist for this role.")
+    ready_replicas: int = Field(
+        default=0, ge=0, description="Pods of the current revision that are Ready."
+    )
+    updated_replicas: int = Field(
+        default=0, ge=0, description="Pods that run the current revision."
+    )
+    revision: str = Field(
+        default="", description="Hash of the pod template of the current revision."
+    )
+    selector: str = Field(
+        default="", description="Label selector of the role's pods (for the scale subresource)."
+    )
+    summary: str = Field(default="", description="ready/desired, for `kubectl get`.")
+
+
+class TransferTotals(APIModel):
+    """Totals summed over the reports of all pods."""
+
+    bytes: int = Field(default=0, ge=0, description="KV bytes transferred.")
+    transfers: int = Field(default=0, ge=0, description="Transfer requests (rooms) finished.")
+    failures: int = Field(default=0, ge=0, description="Transfer requests that failed.")
+    live_requests: int = Field(default=0, ge=0, description="Requests in flight now.")
+
+
+class TransferFailure(APIModel):
+    """One recent transfer failure reported by a pod."""
+
+    pod: str = Field(description="Pod that reported the failure.")
+    peer: str = Field(default="", description="Peer pod or agent involved, if known.")
+    reason: str = Field(description="Failure reason code, e.g. GrantTimeout.")
+    message: str = Field(default="", description="What happened.")
+    time: datetime = Field(description="When the failure happened.")
+
+
+class StagingWatermark(APIModel):
+    """Staging ring occupancy reported by one decode (or prefill) pod."""
+
+    pod: str = Field(description="Pod name.")
+    role: str = Field(description="prefill or decode.")
+    pool_mib: int = Field(
+        default=0, ge=0, alias="poolMiB", description="Pool size in force in the pod, in MiB."
+    )
+    used_mib: float = Field(
+        default=0.0, ge=0, alias="usedMiB", description="Bytes granted now, in MiB."
+    )
+    high_water_mib: float = Field(
+        default=0.0,
+        ge=0,
+        alias="highWaterMiB",
+        description="Highest occupancy since the previous report, in MiB.",
+    )
+    pending_grants: int = Field(
+        default=0, ge=0, description="Allocation requests waiting for room."
+    )
+    report_time: datetime | None = Field(default=None, description="Time of the report.")
+
+
+class ObservedTransport(APIModel):
+    """The transport a pod's NIXL agent actually uses."""
+
+    pod: str = Field(description="Pod name.")
+    transport: str = Field(description="Transport seen, e.g. rc, tcp, cuda_ipc.")
+
+
+class TransferStatus(APIModel):
+    """KV-transfer health aggregated from the pods' TransferAgent reports."""
+
+    reporting_pods: int = Field(default=0, ge=0, description="Pods with a fresh report.")
+    stale_pods: list[str] = Field(
+        default_factory=list, description="Pods whose last report is older than the limit."
+    )
+    totals: TransferTotals = Field(
+        default_factory=TransferTotals, description="Totals over all pods."
+    )
+    failure_ratio: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="Failed/total transfers over the window."
+    )
+    failures_by_reason: dict[str, int] = Field(
+        default_factory=dict, description="Failed transfers per reason code, over all pods."
+    )
+    recent_failures: list[TransferFailure] = Field(
+        default_factory=list, description="The most recent failures (bounded list)."
+    )
+    watermarks: list[StagingWatermark] = Field(
+        default_factory=list, description="Staging occupancy per pod."
+    )
+    observed_transports: list[ObservedTransport] = Field(
+        default_factory=list, description="Transport in use per pod."
+    )
+    recommended_decode_pool_mib: int | None = Field(
+        default=None,
+        ge=0,
+        alias="recommendedDecodePoolMiB",
+        description="Decode pool size suggested by the observed high-water marks, in MiB.",
+    )
+    summary: str = Field(default="", description="One-word health, for `kubectl get`.")
+
+
+class RolloutPhase(StrEnum):
+    IDLE = "Idle"
+    PROGRESSING = "Progressing"
+    PAUSED = "Paused"
+    ROLLED_BACK = "RolledBack"
+    COMPLETE = "Complete"
+
+
+class StagingRolloutStatus(APIModel):
+    """Progress of a staging pool size rollout."""
+
+    phase: RolloutPhase = Field(default=RolloutPhase.IDLE, description="Rollout phase.")
+    from_decode_pool_mib: int | None = Field(
+        default=None, ge=0, alias="fromDecodePoolMiB", description="Decode pool size before."
+    )
+    to_decode_pool_mib: int | None = Field(
+        default=None, ge=0, alias="toDecodePoolMiB", description="Decode pool size rolled out."
+    )
+    from_prefill_buffer_mib: int | None = Field(
+        default=None,
+        ge=0,
+        alias="fromPrefillBufferMiB",
+        description="Prefill buffer size before.",
+    )
+    to_prefill_buffer_mib: int | None = Field(
+        default=None,
+        ge=0,
+        alias="toPrefillBufferMiB",
+        description="Prefill buffer size rolled out.",
+    )
+    updated_pods: list[str] = Field(
+        default_factory=list, description="Pods that report the new size."
+    )
+    total_pods: int = Field(default=0, ge=0, description="Pods the rollout covers.")
+    message: str = Field(default="", description="What the rollout is doing or why it stopped.")
+    started_at: datetime | None = Field(default=None, description="When the rollout started.")
+    summary: str = Field(default="", description="Pool size or progress, for `kubectl get`.")
+
+
+class PDDeploymentStatus(APIModel):
+    """Observed state of a PDDeployment."""
+
+    observed_generation: int = Field(
+        default=0, ge=0, description="metadata.generation the status was computed for."
+    )
+    phase: Phase = Field(
+        default=Phase.PENDING,
+        description="Summary of the conditions for the printer column; read the conditions.",
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Progressing, Degraded, SpecValid, TransferHealthy, "
+        "TransportVerified, StagingPoolReady.",
+    )
+    prefill: RoleStatus = Field(default_factory=RoleStatus, description="Prefill role.")
+    decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode role.")
+    transfer: TransferStatus = Field(
+        default_factory=TransferStatus, description="KV-transfer health from the pods."
+    )
+    staging_rollout: StagingRolloutStatus = Field(
+        default_factory=StagingRolloutStatus, description="Staging pool size rollout."
+    )

@@ -1,0 +1,99 @@
+"""TransferAgent: one per engine pod; spec is what the operator wants, status what the pod did."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import Field
+
+from pd_operator.api._base import APIModel
+from pd_operator.api.status import TransferFailure
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class AgentStaging(APIModel):
+    """Staging sizes desired for one pod."""
+
+    decode_pool_mib: int = Field(
+        ge=1, alias="decodePoolMiB", description="Decode staging ring per rank, in MiB."
+    )
+    prefill_buffer_mib: int = Field(
+        ge=1, alias="prefillBufferMiB", description="Prefill staging buffer per rank, in MiB."
+    )
+
+
+class TransferAgentSpec(APIModel):
+    """What the operator wants of one pod's transfer module."""
+
+    pd_deployment: str = Field(min_length=1, description="Name of the owning PDDeployment.")
+    role: Role = Field(description="prefill or decode.")
+    staging: AgentStaging = Field(description="Staging sizes the pod should run with.")
+    paused: bool = Field(
+        default=False, description="Stop accepting new transfers (in-flight ones finish)."
+    )
+
+
+class RingWatermark(APIModel):
+    """Staging ring occupancy of one pod (summed over its ranks)."""
+
+    capacity_bytes: int = Field(default=0, ge=0, description="Ring capacity in force.")
+    used_bytes: int = Field(default=0, ge=0, description="Bytes granted now.")
+    high_water_bytes: int = Field(
+        default=0, ge=0, description="Highest occupancy since the previous report."
+    )
+    largest_free_extent_bytes: int = Field(
+        default=0, ge=0, description="Largest allocation that would succeed now."
+    )
+    pending_grants: int = Field(default=0, ge=0, description="Allocation requests waiting.")
+
+
+class PeerTransport(APIModel):
+    """Transport the pod's NIXL agent uses towards one peer."""
+
+    peer: str = Field(description="Peer agent name.")
+    transport: str = Field(description="Transport seen, e.g. rc, tcp, cuda_ipc, shm.")
+
+
+class TransferAgentStatus(APIModel):
+    """What one pod's transfer module reports."""
+
+    pod_uid: str = Field(default="", alias="podUID", description="UID of the reporting pod.")
+    incarnation: str = Field(
+        default="", description="Identity of the reporting process (pod UID and start time)."
+    )
+    staging: AgentStaging | None = Field(
+        default=None, description="Staging sizes actually in force."
+    )
+    registration_version: int = Field(
+        default=0, ge=0, description="Version of the staging registration peers see."
+    )
+    resizing: bool = Field(default=False, description="A staging resize is under way.")
+    ring: RingWatermark = Field(
+        default_factory=RingWatermark, description="Staging ring occupancy."
+    )
+    live_requests: int = Field(default=0, ge=0, description="Requests in flight.")
+    bytes_total: int = Field(default=0, ge=0, description="KV bytes moved since start.")
+    transfers_total: int = Field(default=0, ge=0, description="Requests finished since start.")
+    failures_total: int = Field(default=0, ge=0, description="Requests failed since start.")
+    failures_by_reason: dict[str, int] = Field(
+        default_factory=dict, description="Failed requests per reason since start."
+    )
+    recent_failures: list[TransferFailure] = Field(
+        default_factory=list, description="Most recent failures (bounded)."
+    )
+    transports: list[PeerTransport] = Field(
+        default_factory=list, description="Transport in use per peer."
+    )
+    healthy: bool | None = Field(
+        default=None, description="The pod's own judgement of its transfer health."
+    )
+    last_error: str = Field(default="", description="Most recent error message.")
+    report_time: datetime | None = Field(default=None, description="When this was written.")
+    observed_generation: int = Field(
+        default=0, ge=0, description="metadata.generation of the spec the pod has applied."
+    )

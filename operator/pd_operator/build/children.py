@@ -1,0 +1,42 @@
+"""All children of a PDDeployment, in apply order."""
+
+from __future__ import annotations
+
+from pd_operator.api.resources import PDDeployment
+from pd_operator.api.transferagent import Role
+from pd_operator.build.capabilities import Capabilities
+from pd_operator.build.config import build_transfer_configmap
+from pd_operator.build.meta import Manifest, desired_hash, stamp
+from pd_operator.build.network import build_headless_service
+from pd_operator.build.rbac import build_role, build_role_binding, build_service_account
+from pd_operator.build.router import build_router_deployment, build_router_service
+from pd_operator.build.workloads import build_pod_disruption_budget, build_statefulset
+
+__all__ = ["build_children", "child_key", "desired_hash"]
+
+
+def build_children(pdd: PDDeployment, capabilities: Capabilities) -> list[Manifest]:
+    """Every child the PDDeployment should have, identity and config before workloads."""
+    children: list[Manifest] = [
+        build_service_account(pdd),
+        build_role(pdd),
+        build_role_binding(pdd),
+        build_transfer_configmap(pdd),
+    ]
+    for role in (Role.PREFILL, Role.DECODE):
+        children.append(build_headless_service(pdd, role))
+    for role in (Role.PREFILL, Role.DECODE):
+        children.append(build_statefulset(pdd, role))
+    if capabilities.pod_disruption_budgets:
+        for role in (Role.PREFILL, Role.DECODE):
+            children.append(build_pod_disruption_budget(pdd, role))
+    if pdd.spec.router.enabled:
+        children.append(build_router_deployment(pdd))
+        children.append(build_router_service(pdd))
+    return [stamp(child) for child in children]
+
+
+def child_key(manifest: Manifest) -> tuple[str, str, str, str]:
+    """Identity of a child: (apiVersion, kind, namespace, name)."""
+    meta = manifest["metadata"]
+    return (manifest["apiVersion"], manifest["kind"], meta.get("namespace", ""), meta["name"])

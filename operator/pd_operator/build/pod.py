@@ -1,0 +1,155 @@
+"""Pod template of a role: the engine container plus identity, placement and volumes."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pd_operator.api.resources import PDDeployment
+from pd_operator.api.transferagent import Role
+from pd_operator.build.config import transfer_config_hash
+from pd_operator.build.engine import (
+    ENGINE_CONTAINER,
+    engine_command,
+    engine_env,
+    engine_ports,
+    engine_probes,
+    engine_resources,
+    role_spec,
+)
+from pd_operator.build.meta import content_hash
+from pd_operator.build.names import (
+    ANNOTATION_TRANSFER_CONFIG_HASH,
+    LABEL_DEPLOYMENT,
+    LABEL_ROLE,
+    LABEL_TEMPLATE_HASH,
+    TRANSFER_CONFIG_MOUNT,
+    TRANSFER_READY_CONDITION,
+    agent_service_account,
+    base_labels,
+    role_selector,
+    role_workload,
+    transfer_config_name,
+)
+
+MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
+# Volcano reads the annotation, the scheduler-plugins coscheduling plugin the label.
+GANG_ANNOTATION = "scheduling.k8s.io/group-name"
+GANG_LABEL = "scheduling.x-k8s.io/pod-group"
+
+
+def _affinity(pdd: PDDeployment, role: Role) -> dict[str, Any] | None:
+    """The user's affinity plus, when asked, co-location of all of the deployment's pods."""
+    overlay = role_spec(pdd, role).pod.affinity
+    affinity = copy.deepcopy(overlay) if overlay else {}
+    placement = pdd.spec.placement
+    if placement.colocation_topology_key:
+        term = {
+            "labelSelector": {"matchLabels": {LABEL_DEPLOYMENT: pdd.metadata.name}},
+            "topologyKey": placement.colocation_topology_key,
+        }
+        pod_affinity = affinity.setdefault("podAffinity", {})
+        if placement.required:
+            pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
+                term
+            )
+        else:
+            pod_affinity.setdefault(
+                "preferredDuringSchedulingIgnoredDuringExecution", []
+            ).append({"weight": 100, "podAffinityTerm": term})
+    return affinity or None
+
+
+def _volumes(pdd: PDDeployment, role: Role) -> tuple[list[Any], list[Any]]:
+    rs = role_spec(pdd, role)
+    volumes: list[Any] = [
+        {"name": "dshm",
+         "emptyDir": {"medium": "Memory", "sizeLimit": f"{rs.shared_memory_gib}Gi"}},
+        {"name": "transfer-config",
+         "configMap": {"name": transfer_config_name(pdd.metadata.name)}},
+    ]
+    mounts: list[Any] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "transfer-config", "mountPath": TRANSFER_CONFIG_MOUNT, "readOnly": True},
+    ]
+    volumes += copy.deepcopy(rs.pod.volumes)
+    mounts += copy.deepcopy(rs.pod.volume_mounts)
+    return volumes, mounts
+
+
+def build_pod_template(pdd: PDDeployment, role: Role) -> dict[str, Any]:
+    """The pod template, labelled with the hash of everything that needs a pod restart.
+
+    The staging pool sizes are not part of it: they reach running pods through their
+    TransferAgents, so changing them never restarts an engine.
+    """
+    spec = pdd.spec
+    rs = role_spec(pdd, role)
+    name = pdd.metadata.name
+    labels = base_labels(name, role.value) | role_selector(name, role) | dict(rs.pod.labels)
+    annotations = dict(rs.pod.annotations)
+    annotations[ANNOTATION_TRANSFER_CONFIG_HASH] = transfer_config_hash(pdd)
+    rdma = spec.network.rdma
+    if rdma.enabled and rdma.networks:
+        annotations[MULTUS_ANNOTATION] = ",".join(rdma.networks)
+    gang = spec.placement.gang
+    if gang.enabled:
+        annotations[GANG_ANNOTATION] = role_workload(name, role)
+        labels[GANG_LABEL] = role_workload(name, role)
+
+    volumes, mounts = _volumes(pdd, role)
+    container: dict[str, Any] = {
+        "name": ENGINE_CONTAINER,
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy.value,
+        "command": engine_command(pdd, role),
+        "env": engine_env(pdd, role),
+        "ports": engine_ports(pdd),
+        "resources": engine_resources(pdd, role),
+        "volumeMounts": mounts,
+        # IPC_LOCK lets the NIC driver pin (register) KV memory; nothing more is needed.
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"add": ["IPC_LOCK"]},
+        },
+        **engine_probes(pdd),
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": agent_service_account(name),
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "readinessGates": [{"conditionType": TRANSFER_READY_CONDITION}],
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if rs.pod.node_selector:
+        pod_spec["nodeSelector"] = dict(rs.pod.node_selector)
+    if rs.pod.tolerations:
+        pod_spec["tolerations"] = [
+            t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in rs.pod.tolerations
+        ]
+    affinity = _affinity(pdd, role)
+    if affinity:
+        pod_spec["affinity"] = affinity
+    if rs.pod.priority_class_name:
+        pod_spec["priorityClassName"] = rs.pod.priority_class_name
+    if rs.pod.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in rs.pod.image_pull_secrets]
+    if gang.enabled:
+        pod_spec["schedulerName"] = gang.scheduler_name
+
+    template: dict[str, Any] = {
+        "metadata": {"labels": labels, "annotations": annotations},
+        "spec": pod_spec,
+    }
+    template["metadata"]["labels"][LABEL_TEMPLATE_HASH] = content_hash(template, length=10)
+    return template
+
+
+def template_hash(template: dict[str, Any]) -> str:
+    return str(template["metadata"]["labels"][LABEL_TEMPLATE_HASH])
+
+
+def role_of(labels: dict[str, str]) -> Role | None:
+    value = labels.get(LABEL_ROLE)
+    return Role(value) if value in {r.value for r in Role} else None

@@ -1,0 +1,129 @@
+"""The PD router: one Deployment and Service in front of the prefill and decode pods.
+
+For SGLang the router is sglang_router in PD mode, given every engine pod's stable DNS name
+(StatefulSet identities), so it needs no API access; a change of replica counts rewrites its
+arguments and rolls it. Other routers get the same facts as environment variables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pd_operator.api.resources import PDDeployment
+from pd_operator.api.spec import Framework, RouterPolicy
+from pd_operator.api.transferagent import Role
+from pd_operator.build.config import bootstrap_port
+from pd_operator.build.engine import role_spec
+from pd_operator.build.meta import Manifest, object_meta
+from pd_operator.build.names import role_workload, router_name, router_selector, selector_string
+
+_SGLANG_POLICY = {
+    RouterPolicy.ROUND_ROBIN: "round_robin",
+    RouterPolicy.LEAST_LOAD: "power_of_two",
+    RouterPolicy.CACHE_AWARE: "cache_aware",
+}
+
+
+def engine_urls(pdd: PDDeployment, role: Role) -> list[str]:
+    """Stable URLs of a role's engine pods, in ordinal order."""
+    name, ns, port = pdd.metadata.name, pdd.metadata.namespace, pdd.spec.engine.port
+    workload = role_workload(name, role)
+    return [
+        f"http://{workload}-{i}.{workload}.{ns}.svc:{port}"
+        for i in range(role_spec(pdd, role).replicas)
+    ]
+
+
+def _router_command(pdd: PDDeployment) -> list[str] | None:
+    if pdd.spec.engine.framework is not Framework.SGLANG:
+        return None
+    router = pdd.spec.router
+    cmd = ["python3", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for url in engine_urls(pdd, Role.PREFILL):
+        cmd += ["--prefill", url, str(bootstrap_port(pdd))]
+    for url in engine_urls(pdd, Role.DECODE):
+        cmd += ["--decode", url]
+    cmd += ["--policy", _SGLANG_POLICY[router.policy], "--host", "0.0.0.0",
+            "--port", str(router.port)]
+    return cmd
+
+
+def _router_env(pdd: PDDeployment) -> list[dict[str, Any]]:
+    name = pdd.metadata.name
+    return [
+        {"name": "PD_ROUTER_POLICY", "value": pdd.spec.router.policy.value},
+        {"name": "PD_ROUTER_PORT", "value": str(pdd.spec.router.port)},
+        {"name": "PD_PREFILL_URLS", "value": ",".join(engine_urls(pdd, Role.PREFILL))},
+        {"name": "PD_DECODE_URLS", "value": ",".join(engine_urls(pdd, Role.DECODE))},
+        {"name": "PD_PREFILL_BOOTSTRAP_PORT", "value": str(bootstrap_port(pdd))},
+        {"name": "PD_PREFILL_SERVICE", "value": role_workload(name, Role.PREFILL)},
+        {"name": "PD_DECODE_SERVICE", "value": role_workload(name, Role.DECODE)},
+    ]
+
+
+def build_router_deployment(pdd: PDDeployment) -> Manifest:
+    router = pdd.spec.router
+    if router.image is None:
+        raise ValueError("router.image is required when the router is enabled")
+    name = pdd.metadata.name
+    labels = router_selector(name)
+    container: dict[str, Any] = {
+        "name": "router",
+        "image": router.image,
+        "imagePullPolicy": pdd.spec.engine.image_pull_policy.value,
+        "env": _router_env(pdd),
+        "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 15,
+                          "failureThreshold": 4},
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    command = _router_command(pdd)
+    if command is not None:
+        container["command"] = command
+    if router.args:
+        container["args"] = list(router.args)
+    resources = router.resources
+    if resources.requests or resources.limits:
+        container["resources"] = {
+            key: dict(value)
+            for key, value in (("requests", resources.requests), ("limits", resources.limits))
+            if value
+        }
+    meta = object_meta(pdd, router_name(name), "router")
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta,
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": dict(meta["labels"])},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "containers": [container],
+                },
+            },
+        },
+    }
+
+
+def build_router_service(pdd: PDDeployment) -> Manifest:
+    name = pdd.metadata.name
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(pdd, router_name(name), "router"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": router_selector(name),
+            "ports": [{"name": "http", "port": pdd.spec.router.port, "targetPort": "http",
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def router_selector_string(pdd: PDDeployment) -> str:
+    return selector_string(router_selector(pdd.metadata.name))

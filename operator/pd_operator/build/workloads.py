@@ -1,0 +1,44 @@
+"""StatefulSets (stable pod identities for bootstrap) and PodDisruptionBudgets per role."""
+
+from __future__ import annotations
+
+from pd_operator.api.resources import PDDeployment
+from pd_operator.api.transferagent import Role
+from pd_operator.build.engine import role_spec
+from pd_operator.build.meta import Manifest, object_meta
+from pd_operator.build.names import LABEL_ROLE, role_selector, role_workload
+from pd_operator.build.pod import build_pod_template
+
+
+def build_statefulset(pdd: PDDeployment, role: Role) -> Manifest:
+    name = pdd.metadata.name
+    workload = role_workload(name, role)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": object_meta(pdd, workload, role.value, {LABEL_ROLE: role.value}),
+        "spec": {
+            "replicas": role_spec(pdd, role).replicas,
+            "serviceName": workload,
+            "selector": {"matchLabels": role_selector(name, role)},
+            # Engines do not depend on each other's start order: start them all at once.
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "template": build_pod_template(pdd, role),
+        },
+    }
+
+
+def build_pod_disruption_budget(pdd: PDDeployment, role: Role) -> Manifest:
+    """At most one engine pod of a role is voluntarily evicted at a time."""
+    name = pdd.metadata.name
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": object_meta(pdd, role_workload(name, role), role.value,
+                                {LABEL_ROLE: role.value}),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": role_selector(name, role)},
+        },
+    }

@@ -1,0 +1,55 @@
+"""Small factories for test inputs: real objects built from a minimal valid base."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pd_operator.api import PDDeployment, PDDeploymentSpec
+
+Body = dict[str, Any]
+
+
+def deep_merge(base: Body, overrides: Body) -> Body:
+    """A copy of `base` with `overrides` merged in; nested dicts merge, everything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+BASE_SPEC: Body = {
+    "model": {
+        "name": "llama-3.1-70b",
+        "source": "meta-llama/Llama-3.1-70B-Instruct",
+        "numLayers": 80,
+        "numKVHeads": 8,
+        "headDim": 128,
+    },
+    "engine": {"image": "lmsysorg/sglang:latest"},
+}
+
+
+def make_spec_dict(**overrides: Any) -> Body:
+    """A spec body (wire form); keyword arguments are top-level spec sections to merge."""
+    return deep_merge(BASE_SPEC, overrides)
+
+
+def make_spec(**overrides: Any) -> PDDeploymentSpec:
+    return PDDeploymentSpec.model_validate(make_spec_dict(**overrides))
+
+
+def make_pdd_body(name: str = "llama", namespace: str = "default", **overrides: Any) -> Body:
+    return {
+        "apiVersion": "pd.serving.dev/v1alpha1",
+        "kind": "PDDeployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": make_spec_dict(**overrides),
+    }
+
+
+def make_pdd(name: str = "llama", namespace: str = "default", **overrides: Any) -> PDDeployment:
+    return PDDeployment.model_validate(make_pdd_body(name, namespace, **overrides))

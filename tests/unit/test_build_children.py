@@ -1,0 +1,352 @@
+"""Builders: whole child manifests for small PDDeployments, compared as data."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pd_operator.api import PDDeployment
+from pd_operator.build import Capabilities, build_children, child_key
+from pd_operator.build.config import build_transfer_config
+from pd_operator.build.meta import desired_hash
+from pd_operator.build.names import LABEL_TEMPLATE_HASH
+from tests.factories import make_pdd
+from tests.unit.test_api_crd import EXAMPLES
+
+OWNER = {
+    "apiVersion": "pd.serving.dev/v1alpha1",
+    "kind": "PDDeployment",
+    "name": "tiny",
+    "uid": "uid-1",
+    "controller": True,
+    "blockOwnerDeletion": True,
+}
+
+
+def labels(component: str, **extra: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "pd-deployment",
+        "app.kubernetes.io/instance": "tiny",
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "pd-operator",
+        "app.kubernetes.io/managed-by": "pd-operator",
+        "pd.serving.dev/deployment": "tiny",
+        **extra,
+    }
+
+
+def tiny(**overrides: Any) -> PDDeployment:
+    pdd = make_pdd(
+        "tiny",
+        "serving",
+        **{
+            "model": {"name": "tiny", "source": "/models/tiny", "numLayers": 4,
+                      "numKVHeads": 2, "headDim": 8},
+            "engine": {"framework": "reference", "image": "pd-operator/reference-engine:0.1.0"},
+            "prefill": {"replicas": 1, "parallelism": {"tensor": 1}},
+            "decode": {"replicas": 2, "parallelism": {"tensor": 2}},
+            "network": {"rdma": {"enabled": False, "required": False}},
+            **overrides,
+        },
+    )
+    pdd.metadata.uid = "uid-1"
+    return pdd
+
+
+def by_key(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
+def strip_hash(manifest: dict[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(manifest))
+    out["metadata"].pop("annotations", None)
+    return out
+
+
+def test_decode_statefulset_whole_object() -> None:
+    sts = by_key(build_children(tiny(), Capabilities()))[("StatefulSet", "tiny-decode")]
+    template_hash = sts["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH]
+    config_hash = sts["spec"]["template"]["metadata"]["annotations"][
+        "pd.serving.dev/transfer-config-hash"
+    ]
+    expected = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {
+            "name": "tiny-decode",
+            "namespace": "serving",
+            "labels": labels("decode", **{"pd.serving.dev/role": "decode"}),
+            "ownerReferences": [OWNER],
+        },
+        "spec": {
+            "replicas": 2,
+            "serviceName": "tiny-decode",
+            "selector": {"matchLabels": {"pd.serving.dev/deployment": "tiny",
+                                         "pd.serving.dev/role": "decode"}},
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "template": {
+                "metadata": {
+                    "labels": labels("decode", **{"pd.serving.dev/role": "decode",
+                                                  LABEL_TEMPLATE_HASH: template_hash}),
+                    "annotations": {"pd.serving.dev/transfer-config-hash": config_hash},
+                },
+                "spec": {
+                    "serviceAccountName": "tiny-transfer-agent",
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": 60,
+                    "readinessGates": [{"conditionType": "pd.serving.dev/transfer-ready"}],
+                    "containers": [{
+                        "name": "engine",
+                        "image": "pd-operator/reference-engine:0.1.0",
+                        "imagePullPolicy": "IfNotPresent",
+                        "command": ["pd-transfer", "engine", "--role", "decode", "--config",
+                                    "/etc/pd-transfer/transfer.json", "--port", "30000"],
+                        "env": [
+                            {"name": "POD_NAME",
+                             "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                            {"name": "POD_NAMESPACE",
+                             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                            {"name": "POD_UID",
+                             "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                            {"name": "POD_IP",
+                             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                            {"name": "NODE_NAME",
+                             "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                            {"name": "PD_DEPLOYMENT", "value": "tiny"},
+                            {"name": "PD_ROLE", "value": "decode"},
+                            {"name": "PD_TENSOR_PARALLEL", "value": "2"},
+                            {"name": "PD_PIPELINE_PARALLEL", "value": "1"},
+                            {"name": "PD_DATA_PARALLEL", "value": "1"},
+                            {"name": "PD_PEER_SERVICE", "value": "tiny-prefill"},
+                            {"name": "PD_TRANSFER_CONFIG",
+                             "value": "/etc/pd-transfer/transfer.json"},
+                            {"name": "PD_TRANSFER_METRICS_PORT", "value": "9400"},
+                        ],
+                        "ports": [
+                            {"name": "http", "containerPort": 30000, "protocol": "TCP"},
+                            {"name": "kv-bootstrap", "containerPort": 8998, "protocol": "TCP"},
+                            {"name": "transfer-metrics", "containerPort": 9400,
+                             "protocol": "TCP"},
+                        ],
+                        # RDMA disabled: only the GPUs (tensor × pipeline = 2).
+                        "resources": {"requests": {"nvidia.com/gpu": "2"},
+                                      "limits": {"nvidia.com/gpu": "2"}},
+                        "volumeMounts": [
+                            {"name": "dshm", "mountPath": "/dev/shm"},
+                            {"name": "transfer-config", "mountPath": "/etc/pd-transfer",
+                             "readOnly": True},
+                        ],
+                        "securityContext": {"allowPrivilegeEscalation": False,
+                                            "capabilities": {"add": ["IPC_LOCK"]}},
+                        "startupProbe": {"httpGet": {"path": "/health", "port": "http"},
+                                         "periodSeconds": 10, "failureThreshold": 180},
+                        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                                           "periodSeconds": 5, "failureThreshold": 3},
+                        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                                          "periodSeconds": 15, "failureThreshold": 4,
+                                          "timeoutSeconds": 5},
+                    }],
+                    "volumes": [
+                        {"name": "dshm",
+                         "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+                        {"name": "transfer-config", "configMap": {"name": "tiny-transfer"}},
+                    ],
+                },
+            },
+        },
+    }
+    assert strip_hash(sts) == expected
+    assert sts["metadata"]["annotations"] == {"pd.serving.dev/desired-hash": desired_hash(sts)}
+
+
+def test_children_and_apply_order() -> None:
+    keys = [child_key(c) for c in build_children(tiny(), Capabilities())]
+    assert keys == [
+        ("v1", "ServiceAccount", "serving", "tiny-transfer-agent"),
+        ("rbac.authorization.k8s.io/v1", "Role", "serving", "tiny-transfer-agent"),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding", "serving", "tiny-transfer-agent"),
+        ("v1", "ConfigMap", "serving", "tiny-transfer"),
+        ("v1", "Service", "serving", "tiny-prefill"),
+        ("v1", "Service", "serving", "tiny-decode"),
+        ("apps/v1", "StatefulSet", "serving", "tiny-prefill"),
+        ("apps/v1", "StatefulSet", "serving", "tiny-decode"),
+        ("policy/v1", "PodDisruptionBudget", "serving", "tiny-prefill"),
+        ("policy/v1", "PodDisruptionBudget", "serving", "tiny-decode"),
+    ]
+    without_pdb = [child_key(c)[1] for c in build_children(tiny(), Capabilities(False))]
+    assert "PodDisruptionBudget" not in without_pdb
+
+
+def test_every_child_is_owned_and_labelled() -> None:
+    for child in build_children(tiny(router={"enabled": True, "image": "r:1"}), Capabilities()):
+        assert child["metadata"]["ownerReferences"] == [OWNER]
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pd-operator"
+        assert child["metadata"]["labels"]["pd.serving.dev/deployment"] == "tiny"
+
+
+def test_agent_role_is_least_privilege() -> None:
+    role = by_key(build_children(tiny(), Capabilities()))[("Role", "tiny-transfer-agent")]
+    assert role["rules"] == [
+        {"apiGroups": ["pd.serving.dev"], "resources": ["transferagents"],
+         "verbs": ["get", "list", "watch", "create", "update", "patch"]},
+        {"apiGroups": ["pd.serving.dev"], "resources": ["transferagents/status"],
+         "verbs": ["get", "update", "patch"]},
+    ]
+
+
+def test_headless_services_publish_not_ready_pods() -> None:
+    svc = by_key(build_children(tiny(), Capabilities()))[("Service", "tiny-prefill")]
+    assert svc["spec"] == {
+        "clusterIP": "None",
+        "publishNotReadyAddresses": True,
+        "selector": {"pd.serving.dev/deployment": "tiny", "pd.serving.dev/role": "prefill"},
+        "ports": [
+            {"name": "http", "port": 30000, "targetPort": "http", "protocol": "TCP"},
+            {"name": "kv-bootstrap", "port": 8998, "targetPort": "kv-bootstrap",
+             "protocol": "TCP"},
+        ],
+    }
+
+
+def test_transfer_config_in_configmap() -> None:
+    cm = by_key(build_children(tiny(), Capabilities()))[("ConfigMap", "tiny-transfer")]
+    config = json.loads(cm["data"]["transfer.json"])
+    assert config["version"] == 1
+    assert config["model"] == {"num_layers": 4, "num_kv_heads": 2, "head_dim": 8,
+                               "kv_dtype": "bfloat16", "attention": "MHA"}
+    assert config["prefill"] == {"tensor": 1, "pipeline": 1, "data": 1, "page_size": 16,
+                                 "service": "tiny-prefill",
+                                 "chunk_tokens": 8192}
+    assert config["staging"] == {"mode": "Auto", "prefill_buffer_mib": 2048,
+                                 "decode_pool_mib": 4096}
+    assert config["network"] == {"rdma_required": False, "ib_devices": [],
+                                 "bootstrap_port": 8998, "metrics_port": 9400}
+
+
+def template_hashes(pdd: PDDeployment) -> dict[str, str]:
+    return {
+        c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH]
+        for c in build_children(pdd, Capabilities()) if c["kind"] == "StatefulSet"
+    }
+
+
+def test_staging_size_change_does_not_roll_pods() -> None:
+    """Guards against restarting engines (minutes of model loading) for a pool resize."""
+    before = tiny()
+    after = tiny(transfer={"staging": {"decodePoolMiB": 8192, "prefillBufferMiB": 4096}})
+    assert template_hashes(before) == template_hashes(after)
+    assert build_transfer_config(after).staging.decode_pool_mib == 8192
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"engine": {"framework": "reference", "image": "pd-operator/reference-engine:0.2.0"}},
+        {"transfer": {"layerPipeline": {"minTokens": 2048}}},
+        {"transfer": {"timeouts": {"transferSeconds": 30}}},
+    ],
+    ids=["image", "layer-pipeline", "timeouts"],
+)
+def test_relevant_change_rolls_pods(change: dict[str, Any]) -> None:
+    before, after = template_hashes(tiny()), template_hashes(tiny(**change))
+    assert before.keys() == after.keys()
+    assert all(before[name] != after[name] for name in before)
+
+
+def test_replica_change_does_not_roll_pods() -> None:
+    """Guards against restarting every engine when a role is scaled (e.g. by an autoscaler)."""
+    before = template_hashes(tiny())
+    after = template_hashes(tiny(decode={"replicas": 5, "parallelism": {"tensor": 2}},
+                                 prefill={"replicas": 3}))
+    assert before == after
+
+
+def test_rdma_resources_multus_and_ucx_env() -> None:
+    pdd = tiny(network={"rdma": {"enabled": True, "resourceName": "rdma/rdma_shared_device_a",
+                                 "resourceCount": 2, "ibDevices": ["mlx5_0:1", "mlx5_3:1"],
+                                 "networks": ["net-a", "infra/net-b"]}},
+               transfer={"transport": {"ucxTransports": ["rc", "cuda_copy"]}})
+    sts = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-prefill")]
+    pod = sts["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1",
+                                                "rdma/rdma_shared_device_a": "2"}
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+    assert pod["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "net-a,infra/net-b"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["UCX_NET_DEVICES"] == "mlx5_0:1,mlx5_3:1"
+    assert env["UCX_TLS"] == "rc,cuda_copy"
+    assert "privileged" not in container["securityContext"]
+
+
+def test_colocation_and_gang_scheduling() -> None:
+    pdd = tiny(placement={"colocationTopologyKey": "example.com/nvlink-domain",
+                          "required": True, "gang": {"enabled": True}})
+    pod = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")][
+        "spec"]["template"]
+    assert pod["spec"]["affinity"] == {"podAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": {"matchLabels": {"pd.serving.dev/deployment": "tiny"}},
+            "topologyKey": "example.com/nvlink-domain",
+        }]}}
+    assert pod["spec"]["schedulerName"] == "volcano"
+    assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "tiny-decode"
+    assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "tiny-decode"
+
+
+def test_sglang_command_and_router() -> None:
+    pdd = tiny(engine={"framework": "sglang", "image": "lmsysorg/sglang:latest"},
+               model={"name": "tiny", "source": "/models/tiny", "numLayers": 4,
+                      "numKVHeads": 2, "headDim": 8, "kvDtype": "fp8_e4m3"},
+               router={"enabled": True, "image": "lmsysorg/sglang:latest",
+                       "policy": "round-robin"})
+    children = by_key(build_children(pdd, Capabilities()))
+    prefill = children[("StatefulSet", "tiny-prefill")]["spec"]["template"]["spec"]
+    assert prefill["containers"][0]["command"] == [
+        "python3", "-m", "sglang.launch_server", "--model-path", "/models/tiny",
+        "--served-model-name", "tiny", "--host", "0.0.0.0", "--port", "30000",
+        "--tp-size", "1", "--pp-size", "1", "--page-size", "16",
+        "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nixl",
+        "--disaggregation-bootstrap-port", "8998", "--chunked-prefill-size", "8192",
+        "--kv-cache-dtype", "fp8_e4m3",
+    ]
+    router = children[("Deployment", "tiny-router")]["spec"]["template"]["spec"]
+    assert router["containers"][0]["command"] == [
+        "python3", "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", "http://tiny-prefill-0.tiny-prefill.serving.svc:30000", "8998",
+        "--decode", "http://tiny-decode-0.tiny-decode.serving.svc:30000",
+        "--decode", "http://tiny-decode-1.tiny-decode.serving.svc:30000",
+        "--policy", "round_robin", "--host", "0.0.0.0", "--port", "8000",
+    ]
+    assert children[("Service", "tiny-router")]["spec"]["ports"] == [
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}
+    ]
+
+
+def test_vllm_command() -> None:
+    pdd = tiny(engine={"framework": "vllm", "image": "vllm/vllm-openai:latest", "port": 8000})
+    sts = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")]
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == [
+        "vllm", "serve", "/models/tiny", "--served-model-name", "tiny", "--host", "0.0.0.0",
+        "--port", "8000", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
+        "--block-size", "16", "--kv-transfer-config",
+        '{"kv_connector":"NixlConnector","kv_role":"kv_both"}',
+    ]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
+
+
+@pytest.mark.parametrize("version", ["1.29", "1.32"])
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_children_pass_strict_kubernetes_schema(example: Any, version: str) -> None:
+    pdd = PDDeployment.model_validate(yaml.safe_load(example.read_text()))
+    pdd.metadata.namespace = "default"
+    pdd.metadata.uid = "uid-1"
+    for child in build_children(pdd, Capabilities()):
+        kubernetes_validate.validate(child, version, strict=True)

@@ -1,0 +1,47 @@
+# Developer entry points. `make demo` and `make test` are the two commands in the README.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck crds-check unit integration down clean-venv
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[transfer,dev]'
+	touch $(STAMP)
+
+# Builds (once, cached outside the repository) and starts a local control plane, runs the
+# operator against it and applies the example PDDeployments.
+demo: $(STAMP)
+	$(BIN)/pd-operator demo
+
+down: $(STAMP)
+	$(BIN)/pd-operator dev-cluster down
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+crds-check: $(STAMP)
+	$(BIN)/pd-operator crds --check crds
+	$(BIN)/pd-operator crds --check charts/pd-operator/crds
+
+# Everything CI runs: static checks, generated files in sync, the whole pytest suite against
+# a real kube-apiserver + etcd + controller-manager and real NIXL agents.
+# pytest's exit code 5 (no tests collected) counts as a failure.
+test: $(STAMP) lint typecheck crds-check
+	$(BIN)/pd-operator dev-cluster build
+	$(BIN)/pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "error: no tests collected" >&2; exit 1; fi; exit $$rc
+
+unit: $(STAMP)
+	$(BIN)/pytest tests/unit
+
+integration: $(STAMP)
+	$(BIN)/pytest tests/integration tests/e2e
+
+clean-venv:
+	rm -rf $(VENV)

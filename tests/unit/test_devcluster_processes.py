@@ -1,0 +1,59 @@
+"""Daemon start/stop by identity (real `sleep` processes; no cluster binaries needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from pd_operator.devcluster.processes import is_running, spawn_daemon, stop_process
+
+SLEEP = shutil.which("sleep") or "/bin/sleep"
+
+
+def test_spawned_daemon_runs_in_its_own_session_and_stops(tmp_path: Path) -> None:
+    """Guards against daemons dying with the CLI's terminal session (no setsid)."""
+    record = spawn_daemon("sleeper", [SLEEP, "60"], tmp_path / "sleeper.log")
+    try:
+        assert is_running(record)
+        assert os.getsid(record.pid) == record.pid != os.getsid(0)
+    finally:
+        outcome = stop_process(record, grace_s=5)
+    assert outcome == f"stopped sleeper (pid {record.pid})"
+    assert not is_running(record)
+
+
+def test_stop_leaves_a_recycled_pid_alone(tmp_path: Path) -> None:
+    """Guards against killing an unrelated process that got a recorded PID after a crash."""
+    mine = spawn_daemon("sleeper", [SLEEP, "61"], tmp_path / "sleeper.log")
+    stop_process(mine, grace_s=5)
+    time.sleep(0.05)  # start times have clock-tick (10 ms) resolution
+    unrelated = subprocess.Popen([SLEEP, "60"])
+    try:
+        # same PID as the unrelated process, but another start time or command line
+        for forged in (dataclasses.replace(mine, pid=unrelated.pid),
+                       dataclasses.replace(mine, pid=unrelated.pid, argv=(SLEEP, "60"))):
+            assert not is_running(forged)
+            assert "was not running" in stop_process(forged, grace_s=1)
+        assert unrelated.poll() is None
+    finally:
+        unrelated.send_signal(signal.SIGKILL)
+        unrelated.wait()
+
+
+def test_sigkill_after_grace_for_a_daemon_ignoring_sigterm(tmp_path: Path) -> None:
+    shell = shutil.which("sh") or "/bin/sh"
+    log = tmp_path / "stubborn.log"
+    record = spawn_daemon("stubborn",
+                          [shell, "-c", "trap '' TERM; echo armed; while :; do sleep 0.1; done"],
+                          log)
+    deadline = time.monotonic() + 5
+    while "armed" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    outcome = stop_process(record, grace_s=0.5)
+    assert outcome.startswith("killed stubborn")
+    assert not is_running(record)

@@ -1,0 +1,238 @@
+"""Staging gather/scatter: exact buffer layout, bit-exact round trips, no hidden copies.
+
+Unit tests: no NIXL. The CUDA tests (marked ``gpu``) compare the fused Triton kernel and the
+torch path against the CPU result byte for byte and skip without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pd_transfer import staging
+from pd_transfer.layout import KVLayout, KVPool
+from pd_transfer.staging import gather, scatter, staged_chunk_bytes
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
+
+
+def make_arange_pool(layout: KVLayout, v_offset: float = 1000.0) -> KVPool:
+    """K[l, t, h, d] = ((l*num_tokens + t)*kv_heads + h)*head_dim + d; V = K + v_offset."""
+    count = layout.num_layers * layout.num_tokens * layout.kv_heads * layout.head_dim
+    k = torch.arange(count, dtype=torch.float32).reshape(layout.tensor_shape).to(layout.dtype)
+    v = (k.float() + v_offset).to(layout.dtype) if layout.has_v else None
+    return KVPool(layout, k, v)
+
+
+def make_random_pool(layout: KVLayout, seed: int) -> KVPool:
+    """Random raw bytes viewed as the dtype (fp8 NaN patterns included: we compare bytes)."""
+    gen = torch.Generator().manual_seed(seed)
+    nbytes = layout.part_bytes
+
+    def part() -> torch.Tensor:
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        return raw.view(layout.dtype).reshape(layout.tensor_shape)
+
+    return KVPool(layout, part(), part() if layout.has_v else None)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8)
+
+
+def test_staged_chunk_bytes_counts_every_dimension() -> None:
+    layout = KVLayout(num_layers=8, num_pages=10, page_size=16, kv_heads=4, head_dim=128,
+                      dtype=torch.bfloat16)
+    # 2 parts x 3 layers x 5 pages x 16 tokens x 2 heads x (128 x 2 bytes)
+    #   = 6 x 5 x 16 x 2 x 256 = 30 x 8192 = 245760
+    assert staged_chunk_bytes(layout, num_layers=3, num_pages=5, num_heads=2) == 245_760
+    mla = KVLayout(num_layers=8, num_pages=10, page_size=16, kv_heads=1, head_dim=576,
+                   dtype=torch.bfloat16, has_v=False)
+    # 1 part x 2 layers x 1 page x 16 tokens x 1 head x 1152 bytes = 36864
+    assert staged_chunk_bytes(mla, num_layers=2, num_pages=1, num_heads=1) == 36_864
+
+
+def test_gather_writes_the_documented_layout_element_by_element() -> None:
+    """Guards the wire layout [part][layer][page-in-chunk][token][head-in-slice][dim]:
+    decode unpacks by this layout, so any reordering would deliver the wrong KV."""
+    layout = KVLayout(num_layers=2, num_pages=3, page_size=2, kv_heads=4, head_dim=2,
+                      dtype=torch.float32)
+    pool = make_arange_pool(layout)  # num_tokens = 6
+    out = torch.full((staged_chunk_bytes(layout, 2, 2, 2),), 0xAB, dtype=torch.uint8)
+    written = gather(pool, [0, 1], [2, 0], head_start=1, num_heads=2, out=out)
+    assert written == 2 * 2 * 2 * 2 * 2 * 2 * 4  # parts*layers*pages*tokens*heads*dim*4B
+    # K value = ((layer*6 + token)*4 + head)*2 + dim; heads 1 and 2 of each token.
+    # layer 0, page 2 = tokens 4,5: (4*4+1)*2=34.. and (5*4+1)*2=42..
+    # layer 0, page 0 = tokens 0,1: (0*4+1)*2=2..  and (1*4+1)*2=10..
+    # layer 1, page 2 = tokens 10,11: (10*4+1)*2=82.. and (11*4+1)*2=90..
+    # layer 1, page 0 = tokens 6,7: (6*4+1)*2=50.. and (7*4+1)*2=58..
+    expected_k = [
+        34, 35, 36, 37, 42, 43, 44, 45,
+        2, 3, 4, 5, 10, 11, 12, 13,
+        82, 83, 84, 85, 90, 91, 92, 93,
+        50, 51, 52, 53, 58, 59, 60, 61,
+    ]
+    expected_v = [value + 1000 for value in expected_k]
+    assert out.view(torch.float32).tolist() == [float(x) for x in expected_k + expected_v]
+
+
+def test_gather_leaves_bytes_past_the_chunk_untouched() -> None:
+    layout = KVLayout(num_layers=2, num_pages=3, page_size=2, kv_heads=4, head_dim=2,
+                      dtype=torch.float16)
+    pool = make_arange_pool(layout)
+    needed = staged_chunk_bytes(layout, 1, 1, 1)  # 2 parts x 2 tokens x 2 dims x 2 B = 16
+    out = torch.full((needed + 64,), 0xCD, dtype=torch.uint8)
+    assert gather(pool, [1], [1], head_start=3, num_heads=1, out=out) == 16
+    assert out[16:].eq(0xCD).all()
+    # K[1, token 6+2=8, head 3] = ((8)*4+3)*2 = 70, 71 ; token 9: (9*4+3)*2 = 78, 79
+    assert out[:8].view(torch.float16).tolist() == [70.0, 71.0, 78.0, 79.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_is_bit_exact_and_touches_only_the_slice(dtype: torch.dtype) -> None:
+    """Prefill heads [1, 3) of a 4-head pool land at decode heads [0, 2) of a 2-head pool,
+    pages in unsorted order, for every dtype; bytes compared, so fp8 needs no arithmetic."""
+    src_layout = KVLayout(num_layers=3, num_pages=7, page_size=4, kv_heads=4, head_dim=8,
+                          dtype=dtype)
+    dst_layout = KVLayout(num_layers=3, num_pages=9, page_size=4, kv_heads=2, head_dim=8,
+                          dtype=dtype)
+    src = make_random_pool(src_layout, seed=1)
+    dst = make_random_pool(dst_layout, seed=2)
+    dst_before = [as_bytes(t).clone() for t in dst.tensors()]
+    src_pages, dst_pages, layers = [5, 0, 3], [8, 2, 4], [0, 2]
+    buffer = torch.empty(staged_chunk_bytes(src_layout, 2, 3, 2), dtype=torch.uint8)
+    gather(src, layers, src_pages, head_start=1, num_heads=2, out=buffer)
+    scatter(buffer, dst, layers, dst_pages, head_start=0, num_heads=2)
+
+    for part_index, (s, d) in enumerate(zip(src.tensors(), dst.tensors(), strict=True)):
+        expected = as_bytes(dst_before[part_index].view(dtype)).clone()
+        for layer in layers:
+            for sp, dp in zip(src_pages, dst_pages, strict=True):
+                s_tok = slice(sp * 4, sp * 4 + 4)
+                d_tok = slice(dp * 4, dp * 4 + 4)
+                expected[layer, d_tok, 0:2] = as_bytes(s)[layer, s_tok, 1:3]
+        assert torch.equal(as_bytes(d), expected)
+
+
+def test_scatter_at_head_offset_keeps_other_heads_of_the_page() -> None:
+    """Two writers (heads [0,1) and [1,2) of a decode rank) fill the same pages in turn:
+    the second must not clobber the first."""
+    layout = KVLayout(num_layers=1, num_pages=2, page_size=2, kv_heads=2, head_dim=2,
+                      dtype=torch.float32)
+    dst = KVPool.allocate(layout)
+    one_head = KVLayout(num_layers=1, num_pages=2, page_size=2, kv_heads=1, head_dim=2,
+                        dtype=torch.float32)
+    first = make_arange_pool(one_head)  # K values 0..7 over tokens 0..3
+    second = make_arange_pool(one_head, v_offset=0.0)
+    buffer = torch.empty(staged_chunk_bytes(one_head, 1, 1, 1), dtype=torch.uint8)
+    gather(first, [0], [1], head_start=0, num_heads=1, out=buffer)
+    scatter(buffer, dst, [0], [0], head_start=0, num_heads=1)
+    gather(second, [0], [0], head_start=0, num_heads=1, out=buffer)
+    scatter(buffer, dst, [0], [0], head_start=1, num_heads=1)
+    # token 0 of dst: head 0 <- first's token 2 = [4, 5]; head 1 <- second's token 0 = [0, 1]
+    # token 1 of dst: head 0 <- first's token 3 = [6, 7]; head 1 <- second's token 1 = [2, 3]
+    assert dst.k[0, 0:2].tolist() == [[[4.0, 5.0], [0.0, 1.0]], [[6.0, 7.0], [2.0, 3.0]]]
+    assert dst.k[0, 2:4].eq(0).all()  # page 1 untouched
+
+
+def test_mla_layout_moves_the_latent_only() -> None:
+    layout = KVLayout(num_layers=2, num_pages=2, page_size=2, kv_heads=1, head_dim=3,
+                      dtype=torch.float32, has_v=False)
+    src = make_arange_pool(layout)
+    assert src.v is None
+    buffer = torch.empty(staged_chunk_bytes(layout, 2, 1, 1), dtype=torch.uint8)
+    gather(src, [0, 1], [1], head_start=0, num_heads=1, out=buffer)
+    # layer 0 tokens 2,3: values 6..11 ; layer 1 tokens 4+2, 4+3: values 18..23
+    assert buffer.view(torch.float32).tolist() == [float(x) for x in [*range(6, 12),
+                                                                     *range(18, 24)]]
+
+
+# torch 2.11 warns that the profiler "clears events at the end of each cycle": harmless here.
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
+def test_gather_allocates_nothing_the_size_of_the_data() -> None:
+    """The gather must write straight into the staging buffer: an intermediate copy would
+    double the memory traffic and allocate per chunk on the hot path. The profiler sees every
+    CPU allocation; only the small row-index tensor may be allocated."""
+    layout = KVLayout(num_layers=4, num_pages=64, page_size=16, kv_heads=8, head_dim=64,
+                      dtype=torch.bfloat16)
+    pool = make_random_pool(layout, seed=3)
+    pages = list(range(0, 64, 3))
+    nbytes = staged_chunk_bytes(layout, 4, len(pages), 2)
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        gather(pool, range(4), pages, head_start=2, num_heads=2, out=out)
+        scatter(out, pool, range(4), pages, head_start=2, num_heads=2)
+    allocated = sum(max(0, event.cpu_memory_usage) for event in prof.events())
+    index_bytes = 4 * len(pages) * 8  # the int64 row index, built once per call
+    assert allocated <= 2 * index_bytes + 1024, (allocated, nbytes)
+    assert nbytes > 100 * index_bytes  # so the bound above would catch any data copy
+
+
+def test_bad_arguments_are_rejected_with_the_reason() -> None:
+    layout = KVLayout(num_layers=2, num_pages=3, page_size=2, kv_heads=4, head_dim=2,
+                      dtype=torch.float32)
+    pool = make_arange_pool(layout)
+    small = torch.empty(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="chunk needs 64"):
+        gather(pool, [0], [0], head_start=0, num_heads=2, out=small)
+    big = torch.empty(4096, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not inside the pool's 4 local heads"):
+        gather(pool, [0], [0], head_start=3, num_heads=2, out=big)
+    with pytest.raises(IndexError, match="page 3 outside"):
+        gather(pool, [0], [3], head_start=0, num_heads=1, out=big)
+    with pytest.raises(IndexError, match="layer 2 outside"):
+        gather(pool, [2], [0], head_start=0, num_heads=1, out=big)
+    with pytest.raises(ValueError, match="distinct page ids"):
+        scatter(big, pool, [0], [1, 1], head_start=0, num_heads=1)
+    with pytest.raises(ValueError, match="1-D uint8"):
+        gather(pool, [0], [0], head_start=0, num_heads=1, out=big.view(torch.float32))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("has_v", [True, False], ids=["mha", "mla"])
+def test_cuda_paths_match_cpu_bit_exactly(dtype: torch.dtype, has_v: bool) -> None:
+    """The fused Triton kernel and the torch CUDA path produce the CPU path's bytes, for
+    gather and scatter, with unsorted pages and an odd head size (word-width fallback)."""
+    rng = random.Random(7)
+    for head_dim, page_size, heads in [(128, 16, 8), (3, 1, 4), (64, 32, 2)]:
+        src_layout = KVLayout(num_layers=5, num_pages=40, page_size=page_size,
+                              kv_heads=heads, head_dim=head_dim, dtype=dtype, has_v=has_v)
+        cpu = make_random_pool(src_layout, seed=head_dim)
+        gpu = KVPool(src_layout, cpu.k.cuda(), cpu.v.cuda() if cpu.v is not None else None)
+        pages = rng.sample(range(40), 11)
+        layers = [4, 1, 2]
+        h0, n = (1, heads - 1)
+        nbytes = staged_chunk_bytes(src_layout, 3, 11, n)
+        ref = torch.empty(nbytes, dtype=torch.uint8)
+        gather(cpu, layers, pages, head_start=h0, num_heads=n, out=ref)
+        for force_torch in (False, True):
+            out = torch.zeros(nbytes + 256, dtype=torch.uint8, device="cuda")
+            gather(gpu, layers, pages, head_start=h0, num_heads=n, out=out,
+                   force_torch=force_torch)
+            assert torch.equal(out[:nbytes].cpu(), ref)
+
+            dst_cpu = make_random_pool(src_layout, seed=99)
+            dst_gpu = KVPool(src_layout, dst_cpu.k.cuda(),
+                             dst_cpu.v.cuda() if dst_cpu.v is not None else None)
+            dst_pages = rng.sample(range(40), 11)
+            scatter(ref, dst_cpu, layers, dst_pages, head_start=h0, num_heads=n)
+            scatter(out, dst_gpu, layers, dst_pages, head_start=h0, num_heads=n,
+                    force_torch=force_torch)
+            for c, g in zip(dst_cpu.tensors(), dst_gpu.tensors(), strict=True):
+                assert torch.equal(as_bytes(g).cpu(), as_bytes(c))
+
+
+@pytest.mark.gpu
+@cuda
+def test_triton_is_used_on_cuda_when_available() -> None:
+    """Guards against silently benchmarking the torch fallback on the GPU machine."""
+    pytest.importorskip("triton")
+    assert staging.TRITON_AVAILABLE

@@ -1,0 +1,207 @@
+"""Gather a chunk's head slice out of the paged KV pool into one contiguous buffer, and back.
+
+A head slice of a page is not contiguous in the pool (heads are the second-innermost
+dimension), so a prefill rank sending a subset of its heads first packs them, for every
+layer of the chunk, into one staging buffer that travels as a single bulk WRITE; the decode
+rank unpacks it into its own pages at its own head offset.
+
+Staging buffer layout for one chunk of one (prefill rank → decode rank) pair: raw bytes, a
+C-contiguous array of shape::
+
+    [num_parts][num_layers][num_pages][page_size][num_heads][head_dim * element_size]
+
+- part 0 is K, part 1 is V (MLA layouts have K only, ``num_parts == 1``);
+- layer ``i`` is ``layers[i]`` (an index into the pool's local layers), in the given order;
+- page ``j`` is ``page_ids[j]``, in the given order (ids need not be sorted or contiguous);
+- heads are the pool's local heads ``[head_start, head_start + num_heads)``;
+- the innermost dimension is the raw bytes of one head's vector, so any dtype (bf16, fp16,
+  fp32, fp8) moves bit-exactly and fp8 needs no arithmetic.
+
+Its size is ``staged_chunk_bytes``. On CPU, and on CUDA when Triton is missing or
+``force_torch`` is set, each part is one ``index_select(out=...)`` (gather) or
+``index_copy_`` (scatter) over a ``[layers * pages, page_size, heads, bytes]`` byte view of
+the pool: one op per part across every layer, reading and writing in place with no
+intermediate copy of the data (only the small index tensor is allocated). On CUDA with
+Triton, one fused kernel launch moves K and V for every layer and page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pd_transfer.layout import KVLayout, KVPool
+
+__all__ = [
+    "TRITON_AVAILABLE",
+    "gather",
+    "scatter",
+    "staged_chunk_bytes",
+]
+
+try:  # Triton is optional: CPU builds and images without it take the torch path.
+    from pd_transfer import _staging_kernel
+
+    TRITON_AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the installation
+    TRITON_AVAILABLE = False
+
+
+def staged_chunk_bytes(layout: KVLayout, num_layers: int, num_pages: int, num_heads: int) -> int:
+    """Bytes of one staged chunk: parts x layers x pages x page_size x heads x head bytes."""
+    return (
+        len(layout.parts)
+        * num_layers
+        * num_pages
+        * layout.page_size
+        * num_heads
+        * layout.bytes_per_token_per_head
+    )
+
+
+def gather(
+    pool: KVPool,
+    layers: Sequence[int],
+    page_ids: Sequence[int],
+    *,
+    head_start: int,
+    num_heads: int,
+    out: torch.Tensor,
+    force_torch: bool = False,
+) -> int:
+    """Pack heads ``[head_start, head_start+num_heads)`` of ``page_ids`` x ``layers`` into
+    ``out`` (a 1-D uint8 tensor on the pool's device, at least ``staged_chunk_bytes`` long)
+    in the module's staging layout. Returns the number of bytes written (from ``out[0]``).
+
+    Asynchronous on CUDA (enqueued on the current stream), like any torch op.
+    """
+    return _move(pool, layers, page_ids, head_start, num_heads, out, force_torch, False)
+
+
+def scatter(
+    buffer: torch.Tensor,
+    pool: KVPool,
+    layers: Sequence[int],
+    page_ids: Sequence[int],
+    *,
+    head_start: int,
+    num_heads: int,
+    force_torch: bool = False,
+) -> int:
+    """The inverse of ``gather``: unpack ``buffer`` (staging layout) into ``page_ids`` x
+    ``layers`` of ``pool`` at local heads ``[head_start, head_start+num_heads)``. Other heads
+    of those pages, and every other page, are left untouched. Page ids must be distinct.
+    Returns the number of bytes read.
+    """
+    return _move(pool, layers, page_ids, head_start, num_heads, buffer, force_torch, True)
+
+
+def _move(  # noqa: PLR0917 - private; gather/scatter name every argument
+    pool: KVPool,
+    layers: Sequence[int],
+    page_ids: Sequence[int],
+    head_start: int,
+    num_heads: int,
+    staged: torch.Tensor,
+    force_torch: bool,
+    scatter: bool,
+) -> int:
+    layout = pool.layout
+    layer_list = [int(layer) for layer in layers]
+    page_list = [int(page) for page in page_ids]
+    _validate(layout, layer_list, page_list, head_start, num_heads, staged, pool, scatter)
+    nbytes = staged_chunk_bytes(layout, len(layer_list), len(page_list), num_heads)
+    if nbytes == 0:
+        return 0
+    if not force_torch and TRITON_AVAILABLE and staged.is_cuda:
+        _staging_kernel.launch(
+            pool.tensors(), layout, layer_list, page_list,
+            head_start=head_start, num_heads=num_heads, staged=staged[:nbytes], scatter=scatter,
+        )
+    else:
+        _move_torch(pool, layer_list, page_list, head_start, num_heads, staged[:nbytes], scatter)
+    return nbytes
+
+
+def _validate(  # noqa: PLR0917 - private, called once with _move's arguments
+    layout: KVLayout,
+    layers: list[int],
+    pages: list[int],
+    head_start: int,
+    num_heads: int,
+    staged: torch.Tensor,
+    pool: KVPool,
+    scatter: bool,
+) -> None:
+    if staged.dtype != torch.uint8 or staged.dim() != 1 or not staged.is_contiguous():
+        raise ValueError(
+            f"staging buffer must be a contiguous 1-D uint8 tensor, got dtype {staged.dtype}, "
+            f"shape {tuple(staged.shape)}"
+        )
+    if staged.device != pool.device:
+        raise ValueError(f"staging buffer is on {staged.device}, the pool on {pool.device}")
+    if num_heads <= 0 or head_start < 0 or head_start + num_heads > layout.kv_heads:
+        raise ValueError(
+            f"head slice [{head_start}, {head_start + num_heads}) is not inside the pool's "
+            f"{layout.kv_heads} local heads"
+        )
+    for layer in layers:
+        if not 0 <= layer < layout.num_layers:
+            raise IndexError(f"layer {layer} outside the pool's [0, {layout.num_layers})")
+    for page in pages:
+        if not 0 <= page < layout.num_pages:
+            raise IndexError(f"page {page} outside the pool's [0, {layout.num_pages})")
+    if scatter and (len(set(pages)) != len(pages) or len(set(layers)) != len(layers)):
+        raise ValueError("scatter needs distinct page ids and layers (a page written twice "
+                         "would take an arbitrary one of the values)")
+    needed = staged_chunk_bytes(layout, len(layers), len(pages), num_heads)
+    if staged.numel() < needed:
+        raise ValueError(
+            f"staging buffer holds {staged.numel()} bytes, the chunk needs {needed} "
+            f"({len(layers)} layers x {len(pages)} pages x {num_heads} heads)"
+        )
+
+
+def _pool_rows(
+    tensor: torch.Tensor, layout: KVLayout, head_start: int, num_heads: int
+) -> torch.Tensor:
+    """Byte view ``[num_layers * num_pages, page_size, heads_in_slice, head_bytes]`` of one
+    part; row ``layer * num_pages + page`` is that page of that layer. No copy."""
+    as_bytes = tensor.view(torch.uint8).view(
+        layout.num_layers * layout.num_pages,
+        layout.page_size,
+        layout.kv_heads,
+        layout.bytes_per_token_per_head,
+    )
+    return as_bytes[:, :, head_start : head_start + num_heads, :]
+
+
+def _move_torch(  # noqa: PLR0917 - private, called once with _move's arguments
+    pool: KVPool,
+    layers: list[int],
+    pages: list[int],
+    head_start: int,
+    num_heads: int,
+    staged: torch.Tensor,
+    scatter: bool,
+) -> None:
+    layout = pool.layout
+    rows = torch.tensor(
+        [layer * layout.num_pages + page for layer in layers for page in pages],
+        dtype=torch.int64,
+        device=pool.device,
+    )
+    staged_parts = staged.view(
+        len(layout.parts),
+        len(layers) * len(pages),
+        layout.page_size,
+        num_heads,
+        layout.bytes_per_token_per_head,
+    )
+    for index, tensor in enumerate(pool.tensors()):
+        source = _pool_rows(tensor, layout, head_start, num_heads)
+        if scatter:
+            source.index_copy_(0, rows, staged_parts[index])
+        else:
+            torch.index_select(source, 0, rows, out=staged_parts[index])

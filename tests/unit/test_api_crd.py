@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pd_operator.api import PDDeployment, PDDeploymentSpec, TransferAgent
+from pd_operator.api import PDDeployment, PDDeploymentSpec, PDDeploymentStatus, TransferAgent
 from pd_operator.api.crd import all_crds, diff, pddeployment_schema, transferagent_schema
 from tests.unit.test_api_rules import apply_schema_defaults
 
@@ -131,3 +131,10 @@ def test_transferagent_round_trip() -> None:
     wire = agent.model_dump(mode="json", by_alias=True, exclude_defaults=True)
     assert wire["spec"] == body["spec"]
     assert wire["status"] == body["status"]
+
+
+def test_wire_form_omits_empty_strings() -> None:
+    """Guards against API servers that decode "" in a custom resource as null and refuse it."""
+    wire = PDDeploymentStatus().to_wire()
+    assert wire["stagingRollout"] == {"phase": "Idle", "updatedPods": [], "totalPods": 0}
+    assert "summary" not in wire["prefill"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
@@ -26,6 +28,22 @@ class APIModel(BaseModel):
         use_enum_values=False,
     )
 
-    def to_wire(self) -> dict[str, object]:
-        """The JSON-compatible wire form: camelCase keys, unset optional fields omitted."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON-compatible wire form: camelCase keys, unset fields and "" omitted.
+
+        Empty strings carry no information in these objects (every string field defaults to
+        ""), and some API server builds decode an empty string in a custom resource as null
+        and refuse the whole object, so they are left out.
+        """
+        wire = drop_empty_strings(self.model_dump(mode="json", by_alias=True, exclude_none=True))
+        assert isinstance(wire, dict)
+        return wire
+
+
+def drop_empty_strings(value: Any) -> Any:
+    """`value` without "" values in dicts and lists, recursively."""
+    if isinstance(value, dict):
+        return {k: drop_empty_strings(v) for k, v in value.items() if v != ""}
+    if isinstance(value, list):
+        return [drop_empty_strings(v) for v in value if v != ""]
+    return value

@@ -124,7 +124,7 @@ def load_handle(state_dir: Path) -> ControlPlaneHandle | None:
         ) from exc
 
 
-def _save(handle: ControlPlaneHandle) -> None:
+def save_handle(handle: ControlPlaneHandle) -> None:
     path = handle.state_dir / _STATE_FILE
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(handle.to_json(), indent=2) + "\n")
@@ -190,7 +190,7 @@ def _start(handle: ControlPlaneHandle, toolchain: Toolchain, pki: Pki, *, crds_d
         log.write_text("")
         record = spawn_daemon(name, argv, log)
         updated = replace(current, processes=(*current.processes, record))
-        _save(updated)
+        save_handle(updated)
         return updated
 
     started = time.monotonic()

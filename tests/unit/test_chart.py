@@ -184,7 +184,7 @@ def test_deployment_is_one_standalone_operator_watching_all_namespaces_by_defaul
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    assert container["image"] == "ghcr.io/pd-serving/pd-operator:0.1.0"  # tag = appVersion
+    assert container["image"] == "ghcr.io/pd-operator/pd-operator:0.1.0"  # tag = appVersion
     assert container["command"] == ["pd-operator", "run"]
     assert container["args"] == [
         "--all-namespaces",

@@ -130,7 +130,7 @@ def test_decode_statefulset_whole_object() -> None:
                         "ports": [
                             {"name": "http", "containerPort": 30000, "protocol": "TCP"},
                             {"name": "kv-bootstrap", "containerPort": 8998, "protocol": "TCP"},
-                            {"name": "transfer-metrics", "containerPort": 9400,
+                            {"name": "kv-metrics", "containerPort": 9400,
                              "protocol": "TCP"},
                         ],
                         # RDMA disabled: only the GPUs (tensor × pipeline = 2).

@@ -8,15 +8,25 @@ Hierarchy (add new families as direct children of ``TransferError``, next to
     ├── RingError                   the staging ring's bookkeeping is inconsistent
     │   └── OversizedAllocation     a chunk larger than the whole ring: fail only that
     │                               request (FAILURES #6)
-    └── TransportError              the data/control path below the protocol failed
-        ├── PeerUnreachable         peer unknown, removed, dead or disconnected:
-        │                           fail its requests, prune it, wait for new metadata
-        ├── RegistrationError       memory could not be registered / deregistered
-        └── DescriptorError         a descriptor list is malformed: a local bug,
-            │                       nothing was posted
-            └── DescriptorOutOfBounds
-                                    a descriptor leaves registered memory (ours, or
-                                    what the peer granted us): rejected before posting
+    ├── TransportError              the data/control path below the protocol failed
+    │   ├── PeerUnreachable         peer unknown, removed, dead or disconnected:
+    │   │                           fail its requests, prune it, wait for new metadata
+    │   ├── RegistrationError       memory could not be registered / deregistered
+    │   └── DescriptorError         a descriptor list is malformed: a local bug,
+    │       │                       nothing was posted
+    │       └── DescriptorOutOfBounds
+    │                               a descriptor leaves registered memory (ours, or
+    │                               what the peer granted us): rejected before posting
+    ├── ProtocolError               the transfer protocol was broken
+    │   ├── LocalProtocolError      we asked a request for an illegal transition (a
+    │   │                           local bug): refused, the request's state unchanged
+    │   └── RemoteProtocolError     a peer's message is malformed, hostile or out of
+    │                               place: rejected and counted by ``reason``, never
+    │                               acted on
+    └── BootstrapError              a peer's bootstrap document could not be fetched or
+        │                           is unusable: retry later or fix the deployment
+        └── GeometryMismatch        the peer's KV geometry differs from ours: fix the
+                                    config (both values are in the message)
 
 Every class carries a stable ``code`` (for metric labels and status reasons); the
 message names the offending values and, where there is one, the fix.
@@ -107,3 +117,38 @@ class DescriptorOutOfBounds(DescriptorError):
     """
 
     code: ClassVar[str] = "descriptor_out_of_bounds"
+
+
+class ProtocolError(TransferError):
+    """The transfer protocol was broken, by us or by a peer."""
+
+    code: ClassVar[str] = "protocol_error"
+
+
+class LocalProtocolError(ProtocolError):
+    """An illegal state transition was asked of a request; nothing changed (a local bug)."""
+
+    code: ClassVar[str] = "local_protocol_error"
+
+
+class RemoteProtocolError(ProtocolError):
+    """A peer's message was rejected; ``reason`` is a stable snake_case metric label."""
+
+    code: ClassVar[str] = "remote_protocol_error"
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"message rejected ({reason}): {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class BootstrapError(TransferError):
+    """A peer's bootstrap document could not be fetched, parsed or used."""
+
+    code: ClassVar[str] = "bootstrap_failed"
+
+
+class GeometryMismatch(BootstrapError):
+    """The peer's KV geometry (layers, heads, head dim, dtype, page size) differs from ours."""
+
+    code: ClassVar[str] = "geometry_mismatch"

@@ -164,7 +164,7 @@ def engine_ports(pdd: PDDeployment) -> list[dict[str, Any]]:
     return [
         {"name": "http", "containerPort": pdd.spec.engine.port, "protocol": "TCP"},
         {"name": "kv-bootstrap", "containerPort": bootstrap_port(pdd), "protocol": "TCP"},
-        {"name": "transfer-metrics", "containerPort": TRANSFER_METRICS_PORT, "protocol": "TCP"},
+        {"name": "kv-metrics", "containerPort": TRANSFER_METRICS_PORT, "protocol": "TCP"},
     ]
 
 

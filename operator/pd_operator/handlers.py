@@ -1,0 +1,85 @@
+"""kopf registrations: every event becomes a key in the reconcile work queue.
+
+Load with `kopf run -m pd_operator.handlers` (or `pd-operator run`). Only `@kopf.on.event`
+handlers are registered, never on.create/update/delete: they are level triggers that need
+no kopf state on the objects (no progress annotations, no finalizers), so the operator
+writes nothing to an object it has nothing to change on. Child and pod events reach their
+PDDeployment through the `pd.serving.dev/deployment` label; a periodic resync comes from
+the work queue itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from pd_operator import settings
+from pd_operator.api import GROUP, VERSION, PDDeployment
+from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER
+from pd_operator.kube import bearer_token, load_configuration
+from pd_operator.reconcile import ReconcileLoop
+
+__all__ = ["login", "on_child_event", "on_pddeployment_event", "start", "stop"]
+
+_MANAGED = {LABEL_MANAGED_BY: MANAGER}
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf's watches use the same credentials as our client (--kubeconfig, $KUBECONFIG read
+    at start, ~/.kube/config, or in-cluster): kopf's built-in login reads $KUBECONFIG only
+    when the kubernetes package is first imported."""
+    configuration = load_configuration(settings.current().kubeconfig)
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        scheme="Bearer",
+        token=bearer_token(configuration),
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+    )
+
+
+@kopf.on.startup()
+async def start(memo: kopf.Memo, **_: Any) -> None:
+    config = settings.current()
+    loop = ReconcileLoop.connect(config.kubeconfig, config.tuning)
+    loop.start()
+    memo["reconcile_loop"] = loop
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    loop = memo.get("reconcile_loop")
+    if isinstance(loop, ReconcileLoop):
+        await loop.stop()
+
+
+@kopf.on.event(GROUP, VERSION, PDDeployment.plural)
+async def on_pddeployment_event(
+    memo: kopf.Memo, namespace: str | None, name: str | None, **_: Any
+) -> None:
+    _enqueue(memo, namespace, name)
+
+
+async def on_child_event(
+    memo: kopf.Memo, namespace: str | None, labels: kopf.Labels, **_: Any
+) -> None:
+    _enqueue(memo, namespace, labels.get(LABEL_DEPLOYMENT))
+
+
+for _group, _version, _plural in settings.CHILD_RESOURCES:
+    kopf.on.event(
+        _group, _version, _plural, labels={**_MANAGED, LABEL_DEPLOYMENT: kopf.PRESENT},
+        id=f"child-{_plural}",
+    )(on_child_event)
+
+
+# Handlers are async on purpose: kopf runs sync handlers in threads, and the work queue
+# belongs to the event loop.
+def _enqueue(memo: kopf.Memo, namespace: str | None, name: str | None) -> None:
+    loop = memo.get("reconcile_loop")
+    if isinstance(loop, ReconcileLoop) and namespace and name:
+        loop.enqueue(namespace, name)

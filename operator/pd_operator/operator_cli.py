@@ -1,0 +1,63 @@
+"""`pd-operator run`: run the operator (kopf, standalone) against a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from pd_operator.workqueue import QueueTuning
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="run the operator",
+        description="Reconcile PDDeployments into prefill/decode workloads. Serves the "
+        "namespaces given with --namespace, or all of them with --all-namespaces.",
+    )
+    scope = parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
+                       help="namespace to serve (repeatable; globs as in kopf)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true",
+                       help="serve every namespace (needs cluster-wide RBAC)")
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, "
+                        "~/.kube/config, or the in-cluster ServiceAccount)")
+    parser.add_argument("--metrics-port", type=int, default=8080,
+                        help="port of the Prometheus /metrics endpoint; 0 turns it off")
+    parser.add_argument("--liveness", dest="liveness_endpoint", metavar="URL",
+                        help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
+    parser.add_argument("--resync-seconds", type=float, default=300.0,
+                        help="level check of every PDDeployment at least this often")
+    parser.add_argument("--workers", type=int, default=4,
+                        help="PDDeployments reconciled in parallel")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: importing `handlers` registers them in kopf's default registry, which
+    # must not happen when the CLI is only loaded for `crds` or `dev-cluster`.
+    import kopf  # noqa: PLC0415
+
+    from pd_operator import handlers, metrics, settings  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.kubeconfig:
+        # kopf's own login reads $KUBECONFIG; our client reads the same, so both agree.
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    settings.configure(
+        kubeconfig=args.kubeconfig,
+        tuning=QueueTuning(workers=args.workers, resync_s=args.resync_seconds),
+    )
+    metrics.serve(args.metrics_port)
+    del handlers  # imported for its registrations
+    kopf.run(
+        standalone=True,
+        namespaces=args.namespace,
+        clusterwide=args.all_namespaces,
+        liveness_endpoint=args.liveness_endpoint,
+    )
+    return 0

@@ -1,0 +1,81 @@
+"""Every kopf setting the operator changes, in one startup handler, each with its reason.
+
+Values that come from the command line (`pd-operator run`) or a test are kept in
+`OperatorConfig`, set by `configure()` before kopf starts; the startup handler in
+`handlers.py` reads them when it assembles the reconciler.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import kopf
+
+from pd_operator.build.names import LABEL_MANAGED_BY, MANAGER
+from pd_operator.workqueue import QueueTuning
+
+__all__ = ["CHILD_RESOURCES", "OperatorConfig", "configure", "configure_kopf", "current"]
+
+# (group, version, plural) of every kind the operator watches besides PDDeployments: each
+# event of one of our children or pods maps to its PDDeployment through its labels.
+CHILD_RESOURCES: tuple[tuple[str, str, str], ...] = (
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("", "v1", "configmaps"),
+    ("", "v1", "services"),
+    ("apps", "v1", "statefulsets"),
+    ("apps", "v1", "deployments"),
+    ("", "v1", "pods"),
+)
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Runtime choices made outside kopf: API credentials and the work queue's timing."""
+
+    kubeconfig: str | None = None
+    tuning: QueueTuning = field(default_factory=QueueTuning)
+
+
+_config = OperatorConfig()
+
+
+def configure(**changes: Any) -> OperatorConfig:
+    """Replace fields of the process-wide OperatorConfig (before the operator starts)."""
+    global _config  # noqa: PLW0603 - one config per process, set once by the CLI or a test
+    _config = replace(_config, **changes)
+    return _config
+
+
+def current() -> OperatorConfig:
+    return _config
+
+
+@kopf.on.startup()
+def configure_kopf(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Tune kopf for a level-based operator that writes nothing in steady state."""
+    # Standalone: one replica runs at a time (the chart's Deployment uses Recreate), so the
+    # peering objects, their RBAC and their periodic heartbeat writes are not needed.
+    settings.peering.standalone = True
+    # kopf posts a k8s Event for every handler log line at INFO and above; our handlers only
+    # enqueue keys, and the reconcile records its own Events after the status write. Keep
+    # kopf's for warnings and errors (its own failures), so a steady state writes nothing.
+    settings.posting.level = logging.WARNING
+    # Watch streams can hang silently without a server-side timeout (kopf issues #204, #698):
+    # ask the server to end each watch within 5 minutes, give the client a bit longer.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 10
+    # Watch only our own children and pods on the server side: a cluster's other pods never
+    # reach the operator (less memory, CPU and API server load than client-side filters).
+    for resource in CHILD_RESOURCES:
+        settings.watching.label_selectors[resource] = f"{LABEL_MANAGED_BY}={MANAGER}"
+    # No dynamic scanning of CRDs and namespaces: the operator serves the namespaces it is
+    # told to, and needs no list/watch permission on namespaces or CRDs.
+    settings.scanning.disabled = True
+    # Batching of events per object is done by our work queue (coalescing per PDDeployment);
+    # kopf's per-object workers only enqueue, so let them idle out quickly.
+    settings.queueing.idle_timeout = 1.0

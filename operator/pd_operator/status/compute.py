@@ -1,0 +1,312 @@
+"""`compute_status`: the status of a PDDeployment as a pure function of what was observed.
+
+No I/O and no clock: the reconcile passes in the live pods and children it read and `now`,
+so tests feed small real objects with a fixed time and compare whole statuses.
+
+Truth rules (FAILURES.md 20-22):
+- per role, `replicas` counts pods that exist; `updatedReplicas` those whose template-hash
+  label equals the desired revision; `readyReplicas` those of them that are Ready. A pod of an
+  old revision never counts as updated or ready, whatever its own condition says.
+- every condition is set on the first visit, Unknown where nothing is known yet; the three
+  transfer conditions stay Unknown (`NoReports`) until TransferAgent reports are aggregated
+  (`_transfer_conditions` is the place they plug in).
+- `phase` is derived from the conditions, for the printer column only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Final
+
+from pd_operator.api.conditions import Condition, ConditionStatus
+from pd_operator.api.resources import PDDeployment
+from pd_operator.api.sizing import staging_in_use
+from pd_operator.api.spec import PDDeploymentSpec
+from pd_operator.api.status import (
+    PDDeploymentStatus,
+    Phase,
+    RoleStatus,
+    StagingRolloutStatus,
+    TransferStatus,
+)
+from pd_operator.build.names import LABEL_TEMPLATE_HASH
+from pd_operator.status.conditions import (
+    CONDITION_TYPES,
+    DEGRADED,
+    PROGRESSING,
+    READY,
+    SPEC_VALID,
+    STAGING_POOL_READY,
+    TRANSFER_HEALTHY,
+    TRANSPORT_VERIFIED,
+    Reason,
+    find_condition,
+    make_condition,
+    set_condition,
+)
+
+__all__ = [
+    "NOT_READY_DEADLINE",
+    "Observed",
+    "PDDSnapshot",
+    "RoleObservation",
+    "compute_status",
+    "derive_phase",
+    "pod_is_ready",
+]
+
+# How long Ready may stay False (with a valid spec) before Degraded turns True. Long enough
+# for image pulls and model loading of large engines; short enough to page someone the same
+# hour.
+NOT_READY_DEADLINE: Final = timedelta(minutes=15)
+
+Pod = Mapping[str, Any]
+T, F, U = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
+
+
+@dataclass(frozen=True)
+class PDDSnapshot:
+    """What compute_status needs of the PDDeployment itself; `spec` is None when invalid."""
+
+    generation: int
+    previous: PDDeploymentStatus
+    spec: PDDeploymentSpec | None
+
+    @classmethod
+    def of(cls, pdd: PDDeployment) -> PDDSnapshot:
+        return cls(
+            generation=pdd.metadata.generation,
+            previous=pdd.status or PDDeploymentStatus(),
+            spec=pdd.spec,
+        )
+
+
+@dataclass(frozen=True)
+class RoleObservation:
+    """One role as observed: the desired replica count and revision, and its live pods."""
+
+    desired_replicas: int
+    revision: str
+    selector: str
+    pods: Sequence[Pod] = ()
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything one reconcile saw and did that the status reports.
+
+    `created`: children (Kind/name) that were missing and created by this reconcile.
+    `router`: the live router Deployment, or None when it is disabled or missing.
+    `failure`: a message when the reconcile failed in a way that should show as Degraded
+    (a permanent API refusal, or retryable errors that keep coming).
+    """
+
+    prefill: RoleObservation
+    decode: RoleObservation
+    created: Sequence[str] = ()
+    router_enabled: bool = False
+    router_replicas: int = 0
+    router: Mapping[str, Any] | None = None
+    failure: str | None = None
+
+
+def pod_is_ready(pod: Pod) -> bool:
+    """The pod's Ready condition is True and it is not being deleted."""
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _role_status(role: RoleObservation) -> RoleStatus:
+    updated = [
+        p for p in role.pods
+        if p.get("metadata", {}).get("labels", {}).get(LABEL_TEMPLATE_HASH) == role.revision
+    ]
+    ready = sum(1 for p in updated if pod_is_ready(p))
+    return RoleStatus(
+        replicas=len(role.pods),
+        ready_replicas=ready,
+        updated_replicas=len(updated),
+        revision=role.revision,
+        selector=role.selector,
+        summary=f"{ready}/{role.desired_replicas}",
+    )
+
+
+def _router_available(observed: Observed) -> bool:
+    if observed.router is None:
+        return False
+    available = int(observed.router.get("status", {}).get("availableReplicas") or 0)
+    return available >= observed.router_replicas
+
+
+@dataclass(frozen=True)
+class _At:
+    """When, and for which generation, conditions are being computed."""
+
+    now: datetime
+    generation: int
+
+
+def _cond(type_: str, status: ConditionStatus, reason: str, message: str, at: _At) -> Condition:
+    return make_condition(type_, status, reason, message, now=at.now, generation=at.generation)
+
+
+def _ready_condition(observed: Observed, roles: Mapping[str, RoleStatus], at: _At) -> Condition:
+    lagging = [
+        f"{name} {rs.ready_replicas}/{obs.desired_replicas} ready"
+        for name, rs, obs in (
+            ("prefill", roles["prefill"], observed.prefill),
+            ("decode", roles["decode"], observed.decode),
+        )
+        if rs.ready_replicas < obs.desired_replicas
+    ]
+    if lagging:
+        return _cond(READY, F, Reason.REPLICAS_NOT_READY,
+                     f"Pods of the current revision not all Ready: {', '.join(lagging)}.", at)
+    if observed.router_enabled and not _router_available(observed):
+        return _cond(READY, F, Reason.ROUTER_UNAVAILABLE,
+                     f"The router Deployment has fewer than {observed.router_replicas} "
+                     "available replicas.", at)
+    return _cond(
+        READY, T, Reason.ALL_REPLICAS_READY,
+        f"prefill {roles['prefill'].ready_replicas}/{observed.prefill.desired_replicas} and "
+        f"decode {roles['decode'].ready_replicas}/{observed.decode.desired_replicas} pods of "
+        "the current revision are Ready.", at,
+    )
+
+
+def _progressing_condition(
+    observed: Observed, roles: Mapping[str, RoleStatus], at: _At
+) -> Condition:
+    if observed.created:
+        return _cond(PROGRESSING, T, Reason.CREATING, f"Created {', '.join(observed.created)}.",
+                     at)
+    for name, obs in (("prefill", observed.prefill), ("decode", observed.decode)):
+        rs = roles[name]
+        if rs.updated_replicas < obs.desired_replicas:
+            old = rs.replicas - rs.updated_replicas
+            reason = Reason.ROLLING_UPDATE if old > 0 else Reason.CREATING
+            return _cond(PROGRESSING, T, reason,
+                         f"{name}: {rs.updated_replicas} of {obs.desired_replicas} pods run "
+                         f"revision {obs.revision} ({old} of an older revision).", at)
+    for name, obs in (("prefill", observed.prefill), ("decode", observed.decode)):
+        rs = roles[name]
+        if rs.replicas > obs.desired_replicas:
+            return _cond(PROGRESSING, T, Reason.SCALING_DOWN,
+                         f"{name}: {rs.replicas} pods exist, {obs.desired_replicas} desired.", at)
+    return _cond(PROGRESSING, F, Reason.RECONCILE_COMPLETE,
+                 "Every child is applied and every pod runs the current revision.", at)
+
+
+def _degraded_condition(observed: Observed, ready: Condition, at: _At) -> Condition:
+    if observed.failure is not None:
+        return _cond(DEGRADED, T, Reason.RECONCILE_FAILED, observed.failure, at)
+    not_ready_for = at.now - ready.last_transition_time
+    if ready.status is not T and not_ready_for > NOT_READY_DEADLINE:
+        minutes = int(not_ready_for.total_seconds() // 60)
+        return _cond(DEGRADED, T, Reason.NOT_READY_TOO_LONG,
+                     f"Not Ready for {minutes} minutes: {ready.message} Check the pods' events.",
+                     at)
+    return _cond(DEGRADED, F, Reason.AS_EXPECTED, "No failure observed.", at)
+
+
+def _transfer_conditions(spec: PDDeploymentSpec, at: _At) -> list[Condition]:
+    """TransferHealthy, TransportVerified, StagingPoolReady: Unknown until pods report.
+
+    The aggregation of TransferAgent reports replaces this body; `spec` carries the health
+    thresholds it will compare against.
+    """
+    message = "No TransferAgent reports are aggregated yet, so transfer health is unknown."
+    return [
+        _cond(type_, U, Reason.NO_REPORTS, message, at)
+        for type_ in (TRANSFER_HEALTHY, TRANSPORT_VERIFIED, STAGING_POOL_READY)
+    ]
+
+
+def derive_phase(conditions: Sequence[Condition]) -> Phase:
+    """Invalid > Degraded > Ready > Progressing > Pending, from the conditions alone."""
+
+    def status_of(type_: str) -> ConditionStatus:
+        c = find_condition(conditions, type_)
+        return c.status if c is not None else U
+
+    if status_of(SPEC_VALID) is F:
+        return Phase.INVALID
+    if status_of(DEGRADED) is T:
+        return Phase.DEGRADED
+    if status_of(READY) is T:
+        return Phase.READY
+    if status_of(PROGRESSING) is T:
+        return Phase.PROGRESSING
+    return Phase.PENDING
+
+
+def _ordered(conditions: Sequence[Condition]) -> list[Condition]:
+    rank = {t: i for i, t in enumerate(CONDITION_TYPES)}
+    return sorted(conditions, key=lambda c: rank.get(c.type, len(rank)))
+
+
+def _staging_summary(spec: PDDeploymentSpec) -> str:
+    if not staging_in_use(spec):
+        return "Unused"
+    return f"{spec.transfer.staging.decode_pool_mib}MiB"
+
+
+def compute_status(
+    pdd: PDDeployment | PDDSnapshot,
+    observed: Observed | None,
+    now: datetime,
+    spec_error: str | None = None,
+) -> PDDeploymentStatus:
+    """The status to write. `observed` may be None only when `spec_error` is set.
+
+    With `spec_error`, only SpecValid and phase change: counts and the other conditions
+    keep their previous values (children of an earlier valid generation are left running
+    untouched), and conditions never set before are added as Unknown.
+    """
+    snap = pdd if isinstance(pdd, PDDSnapshot) else PDDSnapshot.of(pdd)
+    at = _At(now=now, generation=snap.generation)
+    conditions: list[Condition] = list(snap.previous.conditions)
+
+    if spec_error is not None or snap.spec is None or observed is None:
+        message = spec_error or "The spec could not be parsed."
+        conditions = set_condition(
+            conditions, _cond(SPEC_VALID, F, Reason.INVALID_SPEC, message, at), now
+        )
+        for type_ in CONDITION_TYPES[1:]:
+            if find_condition(conditions, type_) is None:
+                unknown = _cond(type_, U, Reason.SPEC_INVALID,
+                                "Not evaluated while the spec is invalid; see SpecValid.", at)
+                conditions = set_condition(conditions, unknown, now)
+        return snap.previous.model_copy(update={
+            "observed_generation": snap.generation,
+            "conditions": _ordered(conditions),
+            "phase": derive_phase(conditions),
+        })
+
+    spec = snap.spec
+    roles = {"prefill": _role_status(observed.prefill), "decode": _role_status(observed.decode)}
+    accepted = _cond(SPEC_VALID, T, Reason.SPEC_ACCEPTED,
+                     "The spec passed every validation rule.", at)
+    conditions = set_condition(conditions, accepted, now)
+    conditions = set_condition(conditions, _ready_condition(observed, roles, at), now)
+    ready = find_condition(conditions, READY)
+    assert ready is not None  # set just above
+    conditions = set_condition(conditions, _progressing_condition(observed, roles, at), now)
+    conditions = set_condition(conditions, _degraded_condition(observed, ready, at), now)
+    for condition in _transfer_conditions(spec, at):
+        conditions = set_condition(conditions, condition, now)
+
+    return PDDeploymentStatus(
+        observed_generation=snap.generation,
+        phase=derive_phase(conditions),
+        conditions=_ordered(conditions),
+        prefill=roles["prefill"],
+        decode=roles["decode"],
+        transfer=TransferStatus(summary="Unknown"),
+        staging_rollout=StagingRolloutStatus(summary=_staging_summary(spec)),
+    )

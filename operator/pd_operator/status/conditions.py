@@ -1,0 +1,123 @@
+"""Condition types, reasons, and the one function that updates a condition list.
+
+Every reason the operator writes is a constant here (one CamelCase word, for `kubectl get`),
+so a reason can be grepped, documented and tested in one place. `set_condition` follows
+apimachinery's `meta.SetStatusCondition`: lastTransitionTime changes only when `status`
+flips; reason, message and observedGeneration are updated in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Final
+
+from pd_operator.api.conditions import Condition, ConditionStatus
+
+__all__ = [
+    "CONDITION_TYPES",
+    "DEGRADED",
+    "PROGRESSING",
+    "READY",
+    "SPEC_VALID",
+    "STAGING_POOL_READY",
+    "TRANSFER_HEALTHY",
+    "TRANSPORT_VERIFIED",
+    "Reason",
+    "find_condition",
+    "make_condition",
+    "set_condition",
+]
+
+# Condition types (PascalCase adjectives / past participles, per the API conventions).
+SPEC_VALID: Final = "SpecValid"
+READY: Final = "Ready"
+PROGRESSING: Final = "Progressing"
+DEGRADED: Final = "Degraded"
+TRANSFER_HEALTHY: Final = "TransferHealthy"
+TRANSPORT_VERIFIED: Final = "TransportVerified"
+STAGING_POOL_READY: Final = "StagingPoolReady"
+
+# Order in which conditions appear in status (stable, so an unchanged status compares equal).
+CONDITION_TYPES: Final = (
+    SPEC_VALID,
+    READY,
+    PROGRESSING,
+    DEGRADED,
+    TRANSFER_HEALTHY,
+    TRANSPORT_VERIFIED,
+    STAGING_POOL_READY,
+)
+
+
+class Reason:
+    """Every condition reason the operator writes."""
+
+    # SpecValid
+    SPEC_ACCEPTED: Final = "SpecAccepted"
+    INVALID_SPEC: Final = "InvalidSpec"
+    # Ready
+    ALL_REPLICAS_READY: Final = "AllReplicasReady"
+    REPLICAS_NOT_READY: Final = "ReplicasNotReady"
+    ROUTER_UNAVAILABLE: Final = "RouterUnavailable"
+    # Progressing
+    CREATING: Final = "Creating"
+    ROLLING_UPDATE: Final = "RollingUpdate"
+    SCALING_DOWN: Final = "ScalingDown"
+    RECONCILE_COMPLETE: Final = "ReconcileComplete"
+    # Degraded
+    AS_EXPECTED: Final = "AsExpected"
+    RECONCILE_FAILED: Final = "ReconcileFailed"
+    NOT_READY_TOO_LONG: Final = "NotReadyTooLong"
+    # Transfer conditions, until the pods' TransferAgents report
+    NO_REPORTS: Final = "NoReports"
+    # Any condition that cannot be evaluated because the spec is invalid
+    SPEC_INVALID: Final = "SpecInvalid"
+
+
+def make_condition(
+    type_: str,
+    status: ConditionStatus,
+    reason: str,
+    message: str,
+    *,
+    now: datetime,
+    generation: int,
+) -> Condition:
+    """A condition as it would be written now (lastTransitionTime = now)."""
+    return Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=now,
+        observed_generation=generation,
+    )
+
+
+def find_condition(conditions: Sequence[Condition], type_: str) -> Condition | None:
+    """The condition of `type_`, or None (which the conventions read as Unknown)."""
+    return next((c for c in conditions if c.type == type_), None)
+
+
+def set_condition(
+    conditions: Sequence[Condition], new: Condition, now: datetime
+) -> list[Condition]:
+    """A new list with `new` set: added, or updated in place keeping its position.
+
+    lastTransitionTime is kept from the existing condition unless `status` changes, in which
+    case it becomes `now`; reason, message and observedGeneration always take the new values.
+    A condition that is added gets `now` as well. The input list is not modified.
+    """
+    out: list[Condition] = []
+    found = False
+    for old in conditions:
+        if old.type != new.type:
+            out.append(old)
+            continue
+        found = True
+        transition = old.last_transition_time if old.status == new.status else now
+        out.append(new.model_copy(update={"last_transition_time": transition}))
+    if not found:
+        out.append(new.model_copy(update={"last_transition_time": now}))
+    return out

@@ -1,0 +1,120 @@
+"""Wire messages: every malformed or hostile payload is refused with its reason (FAILURES #15).
+
+Needs neither NIXL nor a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pd_transfer.errors import RemoteProtocolError
+from pd_transfer.protocol.messages import (
+    MAX_MESSAGE_BYTES,
+    Abort,
+    AllocRequest,
+    Finish,
+    Grant,
+    GrantRefused,
+    Message,
+    PartDone,
+    Release,
+    RequestKV,
+    StagedPart,
+    Watermark,
+    compute_runs,
+    decode_message,
+    encode_message,
+    expand_runs,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+EVERY_TYPE: list[Message] = [
+    RequestKV(room="r", decode_pp_rank=0, decode_tp_rank=3, dst_page_runs=((4, 2), (9, 1)),
+              num_tokens=37, path="staged", ring_version=1),
+    AllocRequest(room="r", part=0, sender_id=1, size_bytes=4096),
+    Grant(room="r", part=0, sender_id=1, ring_offset=256, size_bytes=4096, ring_version=1),
+    GrantRefused(room="r", part=0, sender_id=1, needed_bytes=1 << 30, capacity_bytes=1 << 20),
+    StagedPart(room="r", part=2, sender_id=1, ring_offset=0, size_bytes=64, layer_start=0,
+               layer_stop=4, page_start=3, page_count=2, final_parts=3),
+    PartDone(room="r", part=0, sender_id=0),
+    Finish(room="r", sender_id=0, final_parts=2),
+    Release(room="r"),
+    Abort(room="r", reason="Aborted", detail="engine"),
+    Watermark(used_bytes=1, capacity_bytes=2, largest_free_bytes=1, pending_allocations=0),
+]
+
+
+@pytest.mark.parametrize("message", EVERY_TYPE, ids=lambda m: m.type)
+def test_every_message_round_trips_as_compact_versioned_json(message: Message) -> None:
+    wire = encode_message(message)
+    envelope = json.loads(wire)
+    assert envelope["v"] == 1 and envelope["type"] == message.type
+    assert b" " not in wire.replace(b'"engine"', b"")  # compact
+    assert decode_message(wire) == message
+
+
+def _raw(**fields: object) -> bytes:
+    return json.dumps({"v": 1, **fields}).encode()
+
+
+GRANT = {"type": "grant", "room": "r", "part": 0, "sender_id": 0, "ring_offset": 0,
+         "size_bytes": 64, "ring_version": 1}
+
+REJECTED: list[tuple[str, bytes, str]] = [
+    ("oversized payload", b'{"v":1,"pad":"' + b"x" * MAX_MESSAGE_BYTES + b'"}', "too_large"),
+    ("binary garbage", b"\xff\xfe\x00", "not_json"),
+    ("truncated json", encode_message(EVERY_TYPE[0])[:-3], "not_json"),
+    ("json array", b"[1, 2]", "not_object"),
+    ("no version", json.dumps({"type": "release", "room": "r"}).encode(), "unsupported_version"),
+    ("future version", json.dumps({"v": 2, "type": "release", "room": "r"}).encode(),
+     "unsupported_version"),
+    ("boolean version", json.dumps({"v": True, "type": "release", "room": "r"}).encode(),
+     "unsupported_version"),
+    ("unknown type", _raw(type="reset_everything", room="r"), "invalid_body"),
+    ("missing type", _raw(room="r"), "invalid_body"),
+    ("unknown field (positional drift)", _raw(**GRANT, extra=1), "invalid_body"),
+    ("negative ring offset", _raw(**{**GRANT, "ring_offset": -256}), "invalid_body"),
+    ("zero size", _raw(**{**GRANT, "size_bytes": 0}), "invalid_body"),
+    ("size as a string", _raw(**{**GRANT, "size_bytes": "64"}), "invalid_body"),
+    ("size as a float", _raw(**{**GRANT, "size_bytes": 64.0}), "invalid_body"),
+    ("part past the limit", _raw(**{**GRANT, "part": 1 << 16}), "invalid_body"),
+    ("empty room", _raw(**{**GRANT, "room": ""}), "invalid_body"),
+    ("page run of zero pages", _raw(type="request_kv", room="r", decode_pp_rank=0,
+                                    decode_tp_rank=0, dst_page_runs=[[0, 0]], num_tokens=1,
+                                    path="staged", ring_version=1), "invalid_body"),
+    ("unknown path", _raw(type="request_kv", room="r", decode_pp_rank=0, decode_tp_rank=0,
+                          dst_page_runs=[[0, 1]], num_tokens=1, path="carrier-pigeon",
+                          ring_version=1), "invalid_body"),
+    ("final_parts zero", _raw(type="part_done", room="r", part=0, sender_id=0,
+                              final_parts=0), "invalid_body"),
+]
+
+
+@pytest.mark.parametrize(("payload", "reason"), [(p, r) for _, p, r in REJECTED],
+                         ids=[name for name, _, _ in REJECTED])
+def test_malformed_or_hostile_payload_is_rejected_with_its_reason(
+    payload: bytes, reason: str
+) -> None:
+    with pytest.raises(RemoteProtocolError) as caught:
+        decode_message(payload)
+    assert caught.value.reason == reason
+
+
+def test_page_runs_round_trip_and_expansion_is_bounded() -> None:
+    """Runs by hand: [3,4,5,9,2] → (3,3),(9,1),(2,1); a peer cannot make us expand more
+    pages than the pool holds."""
+    runs = compute_runs([3, 4, 5, 9, 2])
+    assert runs == ((3, 3), (9, 1), (2, 1))
+    assert expand_runs(runs, limit=10) == [3, 4, 5, 9, 2]
+    with pytest.raises(RemoteProtocolError) as caught:
+        expand_runs(((0, 1 << 40),), limit=1024)
+    assert caught.value.reason == "too_many_pages"
+
+
+def test_messages_are_frozen() -> None:
+    grant = EVERY_TYPE[2]
+    with pytest.raises(ValueError, match="frozen"):
+        grant.room = "other"  # type: ignore[misc]

@@ -1,0 +1,437 @@
+"""The transfer protocol end to end over the loopback transport, with injected faults.
+
+Deterministic (one manual clock, endpoints stepped by hand, no threads) and bounded: every
+run has a round limit, so a hang fails the test instead of stalling it. Needs neither NIXL
+nor a GPU. Each test names the FAILURES.md item it guards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd_transfer._endpoint import Endpoint
+from pd_transfer.protocol.lifecycle import FailureReason, State
+from pd_transfer.protocol.messages import (
+    AllocRequest,
+    Grant,
+    Message,
+    Release,
+    RequestKV,
+    StagedPart,
+    encode_message,
+)
+from pd_transfer.transport import Envelope, FaultAction, FaultRule
+from tests.transfer_harness import Cluster, message_type, of_type
+
+pytestmark = pytest.mark.timeout(60)
+
+SUCCEEDED = {State.SUCCEEDED}
+
+
+@pytest.mark.parametrize(
+    ("topology", "mode"),
+    [
+        ({}, "staged"), ({}, "sliced"), ({}, "contiguous"),
+        ({"prefill_tp": 2, "decode_tp": 4, "kv_heads": 4}, "staged"),
+        ({"prefill_tp": 4, "decode_tp": 2, "kv_heads": 4}, "sliced"),
+        ({"prefill_tp": 4, "decode_tp": 8, "kv_heads": 2}, "auto"),
+        ({"prefill_tp": 2, "prefill_pp": 2, "decode_tp": 4, "kv_heads": 4, "layers": 4},
+         "staged"),
+    ],
+)
+def test_decode_pages_equal_the_prefill_source_bit_exactly(
+    topology: dict[str, int], mode: str
+) -> None:
+    """FAILURES #13, #14: right heads, right layers, every topology and path."""
+    cluster = Cluster(mode=mode, **topology)  # type: ignore[arg-type]
+    request = cluster.new_request(num_tokens=13)  # not a multiple of the page size (4)
+    cluster.start(request)
+    cluster.run(lambda: cluster.finished(request.room))
+    assert cluster.states(request.room) == SUCCEEDED
+    assert cluster.verified(request)
+
+
+def test_staging_sends_one_alloc_request_per_part_and_writer() -> None:
+    """FAILURES #1: a flag read the wrong way once skipped every staging request.
+    2 → 4 with 4 heads: 4 (prefill rank, decode rank) pairs; 3 parts each → 12."""
+    cluster = Cluster(prefill_tp=2, decode_tp=4, kv_heads=4, mode="staged")
+    request = cluster.new_request(num_tokens=24)  # 6 pages
+    cluster.start(request, send=False)
+    for sender in cluster.senders:
+        sender.send_part(request.room, pages=range(0, 2))
+        sender.send_part(request.room, pages=range(2, 4))
+        sender.send_part(request.room, pages=range(4, 6), last=True)
+    cluster.run(lambda: cluster.finished(request.room))
+    assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+    assert sum(s.alloc_requests_sent for s in cluster.senders) == 3 * 4
+    assert sum(s.metrics.writes_posted.labels("staged")._value.get()
+               for s in cluster.senders) == 3 * 4
+
+
+def test_out_of_order_notifications_complete_by_resources_not_a_last_flag() -> None:
+    """FAILURES #8: the last part's notification arrives first; decode must still finish."""
+    cluster = Cluster(mode="staged")
+    request = cluster.new_request(num_tokens=16)
+    first = cluster.fabric.inject(FaultRule(
+        FaultAction.DELAY, lambda e: message_type(e) == "staged_part"
+        and b'"part":0' in e.payload, delay_s=0.2))
+    cluster.start(request, send=False)
+    cluster.senders[0].send_part(request.room, pages=range(0, 2))
+    cluster.senders[0].send_part(request.room, pages=range(2, 4), last=True)
+    cluster.run(lambda: cluster.finished(request.room))
+    assert first.applied == 1
+    assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+
+
+# Fault injection on every message type: drop, duplicate, reorder --------------------------
+
+STAGED_FLOW = ["request_kv", "alloc_request", "grant", "staged_part", "release"]
+DIRECT_FLOW = ["request_kv", "part_done", "release"]
+
+
+def _flow(message: str) -> str:
+    return "contiguous" if message == "part_done" else "staged"
+
+
+DROP_OUTCOMES: dict[str, tuple[set[State], set[FailureReason | None]]] = {
+    # (states seen over both sides, reasons seen): re-sent messages recover; a lost
+    # notification or Release fails within its deadline with the reason that says so.
+    "request_kv": (SUCCEEDED, {None}),
+    "alloc_request": (SUCCEEDED, {None}),
+    "grant": (SUCCEEDED, {None}),
+    "staged_part": ({State.FAILED}, {FailureReason.STALLED_WRITER,
+                                     FailureReason.ABORTED_BY_PEER}),
+    "part_done": ({State.FAILED}, {FailureReason.TRANSFER_TIMEOUT,
+                                   FailureReason.ABORTED_BY_PEER}),
+    "release": ({State.SUCCEEDED, State.FAILED}, {None, FailureReason.TRANSFER_TIMEOUT}),
+}
+
+
+@pytest.mark.parametrize("message", [*STAGED_FLOW, "part_done"])
+def test_a_dropped_message_recovers_or_fails_with_its_reason_within_the_deadline(
+    message: str,
+) -> None:
+    """FAILURES #3: a lost message never leaves a worker waiting forever."""
+    cluster = Cluster(mode=_flow(message))  # type: ignore[arg-type]
+    rule = cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type(message)))
+    request = cluster.new_request(num_tokens=10)
+    cluster.start(request)
+    rounds = cluster.run(lambda: cluster.finished(request.room))
+    assert rule.applied == 1
+    states, reasons = DROP_OUTCOMES[message]
+    assert cluster.states(request.room) == states
+    assert cluster.reasons(request.room) == reasons
+    assert rounds * cluster.tick_s <= cluster.timeouts.transfer_s + 1
+    _assert_clean_after_grace(cluster)
+    after = cluster.new_request(num_tokens=10)
+    cluster.start(after)
+    cluster.run(lambda: cluster.finished(after.room))
+    assert cluster.states(after.room) == SUCCEEDED and cluster.verified(after)
+
+
+@pytest.mark.parametrize("message", [*STAGED_FLOW, "part_done"])
+def test_a_duplicated_message_is_harmless(message: str) -> None:
+    """Requests are idempotent: each message type delivered twice still succeeds."""
+    cluster = Cluster(mode=_flow(message))  # type: ignore[arg-type]
+    seen: list[Envelope] = []
+
+    def capture(envelope: Envelope) -> bool:
+        if message_type(envelope) == message and not seen:
+            seen.append(envelope)
+        return False  # observe only
+
+    cluster.fabric.inject(FaultRule(FaultAction.DROP, capture, remaining=None))
+    request = cluster.new_request(num_tokens=10)
+    cluster.start(request)
+    cluster.run(lambda: bool(seen))
+    agents = {e.transport.agent_name: e.transport for e in cluster.endpoints}
+    agents[seen[0].src].send_message(seen[0].dst, seen[0].payload)  # the duplicate
+    cluster.run(lambda: cluster.finished(request.room))
+    assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+
+
+@pytest.mark.parametrize("message", [*STAGED_FLOW, "part_done"])
+def test_a_delayed_message_overtaken_by_later_ones_still_succeeds(message: str) -> None:
+    cluster = Cluster(mode=_flow(message))  # type: ignore[arg-type]
+    rule = cluster.fabric.inject(FaultRule(FaultAction.DELAY, of_type(message), delay_s=0.15))
+    request = cluster.new_request(num_tokens=10)
+    cluster.start(request)
+    cluster.run(lambda: cluster.finished(request.room))
+    assert rule.applied == 1
+    assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+
+
+def test_dropped_watermark_and_queued_grant_still_complete() -> None:
+    """A full ring queues the AllocRequest and answers with a Watermark; losing it costs
+    only a re-send, and the queued grant arrives when the ring frees."""
+    cluster = Cluster(mode="staged", ring_bytes=1024, kv_heads=2, head_dim=16)
+    rule = cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type("watermark")))
+    first, second = cluster.new_request(num_tokens=4), cluster.new_request(num_tokens=4)
+    cluster.start(first)
+    cluster.start(second)  # 2 layers x 2 parts x 4 tokens x 2 heads x 32 B = 1024 B each
+    cluster.run(lambda: cluster.finished(first.room) and cluster.finished(second.room))
+    assert rule.applied >= 1
+    for request in (first, second):
+        assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+
+
+def test_grant_timeout_when_decode_never_answers() -> None:
+    cluster = Cluster(mode="staged")
+    cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type("alloc_request"), remaining=None))
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request)
+    cluster.run(lambda: cluster.finished(request.room))
+    assert cluster.senders[0].poll(request.room).reason is FailureReason.GRANT_TIMEOUT  # type: ignore[union-attr]
+
+
+def _assert_clean_after_grace(cluster: Cluster) -> None:
+    """Quarantined regions are released after the grace; then every map is empty."""
+    cluster.clock.advance(cluster.timeouts.quarantine_grace_s + 0.1)
+    cluster.step()
+    for receiver in cluster.receivers:
+        assert receiver.ring.used_bytes == 0
+    for counts in cluster.counts():
+        assert {k: v for k, v in counts.items() if k != "live_status"} == dict.fromkeys(
+            [k for k in counts if k != "live_status"], 0), counts
+
+
+# Ring and watchdog ------------------------------------------------------------------------
+
+
+def test_a_chunk_larger_than_the_ring_fails_only_its_request() -> None:
+    """FAILURES #6: OversizedChunk naming the pool size needed; the worker lives on, the
+    next small request succeeds, nothing leaks."""
+    cluster = Cluster(mode="staged", ring_bytes=4096)
+    big = cluster.new_request(num_tokens=128)  # 2 layers x 2 x 128 tokens x 2 heads x 8 B
+    cluster.start(big)
+    cluster.run(lambda: cluster.finished(big.room))
+    assert cluster.reasons(big.room) == {FailureReason.OVERSIZED_CHUNK}
+    decode_detail = cluster.receivers[0].poll(big.room).detail  # type: ignore[union-attr]
+    prefill_detail = cluster.senders[0].poll(big.room).detail  # type: ignore[union-attr]
+    assert "8192" in decode_detail and "decodePoolMiB" in decode_detail
+    assert "8192" in prefill_detail and "decodePoolMiB" in prefill_detail
+    small = cluster.new_request(num_tokens=8)
+    cluster.start(small)
+    cluster.run(lambda: cluster.finished(small.room))
+    assert cluster.states(small.room) == SUCCEEDED and cluster.verified(small)
+    _assert_clean_after_grace(cluster)
+
+
+def test_abort_mid_transfer_then_100_requests_through_the_same_ring() -> None:
+    """FAILURES #4: an aborted request must not pin the ring."""
+    cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2,
+                      ring_bytes=8192)
+    hold = cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type("staged_part"),
+                                           remaining=None))
+    victim = cluster.new_request(num_tokens=16)
+    cluster.start(victim)
+    cluster.run(lambda: all(r.ring.used_bytes for r in cluster.receivers))  # granted
+    cluster.receivers[0].abort(victim.room)
+    cluster.run(lambda: cluster.finished(victim.room))
+    assert FailureReason.ABORTED in cluster.reasons(victim.room)
+    hold.remaining = 0
+    for _ in range(10):
+        batch = [cluster.new_request(num_tokens=12) for _ in range(10)]
+        for request in batch:
+            cluster.start(request)
+        cluster.run(lambda b=batch: all(cluster.finished(r.room) for r in b))  # type: ignore[misc]
+        for request in batch:
+            assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+            cluster.retire(request)
+    _assert_clean_after_grace(cluster)
+
+
+def test_a_stalled_writer_is_failed_by_the_watchdog_and_the_ring_is_not_pinned() -> None:
+    """FAILURES #16: a writer granted a region that never writes it."""
+    cluster = Cluster(mode="staged", ring_bytes=4096)
+    cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type("grant", "alloc_request"),
+                                    remaining=0))
+    stuck = cluster.new_request(num_tokens=8)
+    # The WRITE is delayed past the stall deadline: the region is quarantined, not reused.
+    cluster.fabric.inject(FaultRule(FaultAction.DELAY, of_type("staged_part"), delay_s=30.0))
+    cluster.start(stuck)
+    rounds = cluster.run(lambda: cluster.finished(stuck.room))
+    assert cluster.receivers[0].poll(stuck.room).reason is FailureReason.STALLED_WRITER  # type: ignore[union-attr]
+    assert rounds * cluster.tick_s <= cluster.timeouts.stall_s + 0.5
+    assert cluster.receivers[0].ring.quarantined_regions == 1
+    after = cluster.new_request(num_tokens=8)
+    cluster.start(after)
+    cluster.run(lambda: cluster.finished(after.room))
+    assert cluster.states(after.room) == SUCCEEDED and cluster.verified(after)
+    _assert_clean_after_grace(cluster)
+
+
+def test_an_exception_inside_one_request_fails_only_that_request() -> None:
+    """FAILURES #12: the worker keeps serving; the other requests succeed."""
+
+    class ExplodingEvent:
+        def query(self) -> bool:
+            raise RuntimeError("injected: device fault while polling the ready event")
+
+    cluster = Cluster(mode="staged")
+    requests = [cluster.new_request(num_tokens=8) for _ in range(3)]
+    for index, request in enumerate(requests):
+        cluster.start(request, send=False)
+        cluster.senders[0].send_part(request.room, last=True,
+                                     ready_event=ExplodingEvent() if index == 1 else None)
+    cluster.run(lambda: all(cluster.finished(r.room) for r in requests))
+    assert cluster.senders[0].poll(requests[1].room).reason is FailureReason.INTERNAL_ERROR  # type: ignore[union-attr]
+    assert "injected" in cluster.senders[0].poll(requests[1].room).detail  # type: ignore[union-attr]
+    assert cluster.receivers[0].poll(requests[1].room).reason is FailureReason.ABORTED_BY_PEER  # type: ignore[union-attr]
+    for request in (requests[0], requests[2]):
+        assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+
+
+def test_request_kv_before_prefill_registered_is_buffered() -> None:
+    """FAILURES #2: decode asks first; prefill registers a few rounds later."""
+    cluster = Cluster(mode="staged")
+    request = cluster.new_request(num_tokens=8)
+    cluster.receivers[0].expect(request.room, request.dst_pages, request.num_tokens)
+    for _ in range(5):
+        cluster.step()
+    assert cluster.senders[0].debug_counts()["early_requests"] == 1
+    cluster.senders[0].register_request(request.room, request.src_pages, request.num_tokens)
+    cluster.senders[0].send_part(request.room, last=True)
+    cluster.run(lambda: cluster.finished(request.room))
+    assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+
+
+def test_prefill_kv_hold_has_a_lease() -> None:
+    """FAILURES #18: no decode ever asks → LeaseExpired, the KV released."""
+    cluster = Cluster(mode="staged")
+    request = cluster.new_request(num_tokens=8)
+    cluster.senders[0].register_request(request.room, request.src_pages, request.num_tokens)
+    cluster.senders[0].send_part(request.room, last=True)
+    rounds = cluster.run(lambda: cluster.senders[0].poll(request.room).finished)  # type: ignore[union-attr]
+    assert cluster.senders[0].poll(request.room).reason is FailureReason.LEASE_EXPIRED  # type: ignore[union-attr]
+    assert rounds * cluster.tick_s == pytest.approx(cluster.timeouts.kv_lease_s, abs=0.05)
+
+
+def test_a_dead_decode_peer_fails_prefill_requests_with_peer_unreachable() -> None:
+    """FAILURES #10, #19: the peer is pruned; its requests fail fast, no hang."""
+    cluster = Cluster(mode="staged")
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request, send=False)
+    cluster.run(lambda: cluster.senders[0].poll(request.room).state  # type: ignore[union-attr]
+                is State.TRANSFERRING)
+    cluster.fabric.kill(cluster.receivers[0].transport.agent_name)
+    cluster.receivers.clear()  # its process is gone: nothing steps it any more
+    cluster.senders[0].send_part(request.room, last=True)
+    rounds = cluster.run(lambda: cluster.senders[0].poll(request.room).finished)  # type: ignore[union-attr]
+    assert cluster.senders[0].poll(request.room).reason is FailureReason.PEER_UNREACHABLE  # type: ignore[union-attr]
+    assert rounds < 10
+    assert cluster.senders[0].peers == {}
+
+
+# Hostile peers ------------------------------------------------------------------------------
+
+
+def test_hostile_messages_are_rejected_counted_and_change_nothing() -> None:
+    """FAILURES #15: a stranger, a wrong writer, a grant never asked for, a notification
+    for an unknown room: each rejected by reason; the live request is unaffected."""
+    cluster = Cluster(mode="staged")
+    receiver, sender = cluster.receivers[0], cluster.senders[0]
+    mallory = cluster.fabric.create("mallory")
+    mallory.add_peer(receiver.transport.local_metadata())
+    mallory.add_peer(sender.transport.local_metadata())
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request, send=False)
+    cluster.run(lambda: sender.poll(request.room).state is State.TRANSFERRING)  # type: ignore[union-attr]
+    ring_before = receiver.ring_buffer.clone()
+    hostile: list[tuple[Endpoint, Message]] = [
+        (receiver, AllocRequest(room=request.room, part=0, sender_id=0, size_bytes=64)),
+        (receiver, StagedPart(room=request.room, part=0, sender_id=0, ring_offset=0,
+                              size_bytes=64, layer_start=0, layer_stop=1, page_start=0,
+                              page_count=1)),
+        (receiver, Release(room=request.room)),
+        (sender, Grant(room=request.room, part=5, sender_id=0, ring_offset=0, size_bytes=64,
+                       ring_version=1)),
+        (sender, StagedPart(room="nope", part=0, sender_id=0, ring_offset=0, size_bytes=64,
+                            layer_start=0, layer_stop=1, page_start=0, page_count=1)),
+    ]
+    for target, message in hostile:
+        mallory.send_message(target.transport.agent_name, encode_message(message))
+    mallory.send_message(receiver.transport.agent_name, b'{"v":9,"type":"grant"}')
+    for _ in range(3):
+        cluster.step()
+    assert receiver.metrics.snapshot().rejected_by_reason == {
+        "sender_mismatch": 2, "wrong_direction": 1, "unsupported_version": 1}
+    assert sender.metrics.snapshot().rejected_by_reason == {
+        "unknown_room": 1, "wrong_direction": 1}
+    assert cluster.states(request.room) == {State.TRANSFERRING}
+    assert torch.equal(receiver.ring_buffer, ring_before)
+    sender.send_part(request.room, last=True)
+    cluster.run(lambda: cluster.finished(request.room))
+    assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+
+
+def test_a_grant_outside_the_ring_is_refused_before_anything_is_posted() -> None:
+    """A peer can never make us write outside the region it registered (FAILURES #15)."""
+    cluster = Cluster(mode="staged", ring_bytes=4096)
+    sender, receiver = cluster.senders[0], cluster.receivers[0]
+    cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type("grant")))
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request)
+    cluster.run(lambda: sender.alloc_requests_sent == 1)
+    forged = Grant(room=request.room, part=0, sender_id=0, ring_offset=4096 - 256,
+                   size_bytes=512, ring_version=1)
+    receiver.transport.send_message(sender.transport.agent_name, encode_message(forged))
+    cluster.run(lambda: cluster.finished(request.room))
+    assert sender.poll(request.room).reason is FailureReason.PROTOCOL_VIOLATION  # type: ignore[union-attr]
+    assert sender.transport.stats.transfers_posted == 0
+    assert sender.metrics.snapshot().rejected_by_reason["region_mismatch"] == 1
+
+
+def test_request_kv_naming_pages_outside_the_decode_pool_is_a_violation() -> None:
+    cluster = Cluster(mode="contiguous")
+    sender, receiver = cluster.senders[0], cluster.receivers[0]
+    request = cluster.new_request(num_tokens=8)
+    sender.register_request(request.room, request.src_pages, request.num_tokens)
+    sender.send_part(request.room, last=True)
+    forged = encode_message(RequestKV(room=request.room, decode_pp_rank=0, decode_tp_rank=0,
+                                      dst_page_runs=((cluster.num_pages - 1, 2),),
+                                      num_tokens=8, path="contiguous", ring_version=1))
+    receiver.transport.send_message(sender.transport.agent_name, forged)
+    cluster.run(lambda: sender.poll(request.room).finished)  # type: ignore[union-attr]
+    assert sender.poll(request.room).reason is FailureReason.PROTOCOL_VIOLATION  # type: ignore[union-attr]
+    assert sender.transport.stats.transfers_posted == 0
+
+
+# Bounded state --------------------------------------------------------------------------------
+
+
+def test_10k_requests_with_failures_and_aborts_leave_every_map_at_baseline() -> None:
+    """FAILURES #11: per-request state is released on every path, not only on success."""
+    cluster = Cluster(mode="staged", kv_heads=1, layers=1, head_dim=2, page_size=1,
+                      num_pages=256, ring_bytes=2048, tick_s=0.1)
+    baseline = cluster.counts()
+    cluster.fabric.inject(FaultRule(FaultAction.FAIL, lambda e: e.kind == "transfer"
+                                    and hash(e.payload) % 17 == 0, remaining=None))
+    cluster.fabric.inject(FaultRule(FaultAction.DROP, lambda e: message_type(e) == "grant"
+                                    and hash(e.payload) % 23 == 0, remaining=None))
+    outcomes: dict[str, int] = {}
+    for wave in range(100):
+        batch = [cluster.new_request(num_tokens=2) for _ in range(100)]
+        for index, request in enumerate(batch):
+            cluster.start(request)
+            if index % 10 == 3:
+                cluster.senders[0].abort(request.room)
+            elif index % 10 == 7:
+                cluster.receivers[0].abort(request.room)
+        cluster.run(lambda b=batch: all(cluster.finished(r.room) for r in b))  # type: ignore[misc]
+        for request in batch:
+            for status in cluster.statuses(request.room):
+                assert status is not None
+                key = status.reason.value if status.reason else "ok"
+                outcomes[key] = outcomes.get(key, 0) + 1
+            for endpoint in cluster.endpoints:
+                endpoint.forget(request.room)
+            cluster.retire(request)
+        assert wave < 100
+    cluster.clock.advance(cluster.timeouts.quarantine_grace_s + 1)
+    cluster.step()
+    assert cluster.counts() == baseline
+    assert cluster.receivers[0].ring.used_bytes == 0
+    assert outcomes["ok"] > 10000 and outcomes["Aborted"] >= 2000
+    assert sum(outcomes.values()) == 2 * 10000

@@ -1,0 +1,152 @@
+"""`compute_status` as data: small real pods, a fixed clock, whole statuses compared.
+No cluster and no GPU needed."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from pd_operator.api import ConditionStatus, PDDeploymentStatus, Phase
+from pd_operator.api.status import RoleStatus, StagingRolloutStatus, TransferStatus
+from pd_operator.status import (
+    NOT_READY_DEADLINE,
+    Observed,
+    PDDSnapshot,
+    RoleObservation,
+    compute_status,
+    find_condition,
+)
+from tests.factories import make_pdd
+from tests.kube_factories import make_pod, make_pods, make_router_deployment
+
+NOW = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
+SEL_P = "pd.serving.dev/deployment=llama,pd.serving.dev/role=prefill"
+SEL_D = "pd.serving.dev/deployment=llama,pd.serving.dev/role=decode"
+
+
+def observed(prefill_pods=(), decode_pods=(), *, desired=2, revision="rev1", **kw) -> Observed:
+    return Observed(
+        prefill=RoleObservation(desired, revision, SEL_P, list(prefill_pods)),
+        decode=RoleObservation(desired, revision, SEL_D, list(decode_pods)),
+        **kw,
+    )
+
+
+def status_of(pdd_status: PDDeploymentStatus, type_: str) -> tuple[str, str]:
+    c = find_condition(pdd_status.conditions, type_)
+    assert c is not None, f"{type_} missing"
+    return c.status.value, c.reason
+
+
+def test_all_ready_pods_of_current_revision_make_ready() -> None:
+    pdd = make_pdd()  # generation 0 from the factory
+    got = compute_status(pdd, observed(make_pods("prefill", 2, ready=2),
+                                       make_pods("decode", 2, ready=2)), NOW)
+    # staging: prefill TP1 == decode TP1 in the base spec, so Auto does not stage.
+    expected_role = RoleStatus(replicas=2, ready_replicas=2, updated_replicas=2,
+                               revision="rev1", selector=SEL_P, summary="2/2")
+    assert got.prefill == expected_role
+    assert got.decode == expected_role.model_copy(update={"selector": SEL_D})
+    assert got.transfer == TransferStatus(summary="Unknown")
+    assert got.staging_rollout == StagingRolloutStatus(summary="Unused")
+    assert got.phase is Phase.READY
+    assert [c.type for c in got.conditions] == [
+        "SpecValid", "Ready", "Progressing", "Degraded", "TransferHealthy",
+        "TransportVerified", "StagingPoolReady"]
+    assert status_of(got, "Ready") == ("True", "AllReplicasReady")
+    assert status_of(got, "Progressing") == ("False", "ReconcileComplete")
+    assert status_of(got, "Degraded") == ("False", "AsExpected")
+    for t in ("TransferHealthy", "TransportVerified", "StagingPoolReady"):
+        assert status_of(got, t) == ("Unknown", "NoReports")
+    assert all(c.last_transition_time == NOW for c in got.conditions)
+
+
+def test_old_revision_pods_never_count_as_ready_or_updated() -> None:
+    """Guards against FAILURES 20: Ready pods of the previous revision reported as ready.
+    prefill: 2 old Ready pods + 1 new not-ready pod -> replicas 3, updated 1, ready 0."""
+    prefill = [*make_pods("prefill", 2, template_hash="old", ready=2),
+               make_pod("llama-prefill-2", template_hash="new")]
+    decode = make_pods("decode", 2, template_hash="new", ready=2)
+    got = compute_status(make_pdd(), observed(prefill, decode, revision="new"), NOW)
+    assert (got.prefill.replicas, got.prefill.updated_replicas, got.prefill.ready_replicas) == \
+        (3, 1, 0)
+    assert got.prefill.summary == "0/2"
+    assert status_of(got, "Ready") == ("False", "ReplicasNotReady")
+    assert status_of(got, "Progressing") == ("True", "RollingUpdate")
+    assert got.phase is Phase.PROGRESSING
+
+
+def test_terminating_pod_is_not_ready() -> None:
+    pods = [make_pod("llama-prefill-0", ready=True, deleting=True),
+            make_pod("llama-prefill-1", ready=True)]
+    got = compute_status(make_pdd(), observed(pods, make_pods("decode", 2, ready=2)), NOW)
+    assert got.prefill.ready_replicas == 1
+
+
+def test_created_children_show_as_progressing_creating() -> None:
+    got = compute_status(make_pdd(), observed(created=("StatefulSet/llama-prefill",)), NOW)
+    assert status_of(got, "Progressing") == ("True", "Creating")
+    assert "StatefulSet/llama-prefill" in find_condition(got.conditions, "Progressing").message
+    assert got.phase is Phase.PROGRESSING
+
+
+def test_router_must_be_available_when_enabled() -> None:
+    pods = make_pods("prefill", 2, ready=2), make_pods("decode", 2, ready=2)
+    down = compute_status(make_pdd(), observed(*pods, router_enabled=True, router_replicas=2,
+                                               router=make_router_deployment(1)), NOW)
+    assert status_of(down, "Ready") == ("False", "RouterUnavailable")
+    up = compute_status(make_pdd(), observed(*pods, router_enabled=True, router_replicas=2,
+                                             router=make_router_deployment(2)), NOW)
+    assert status_of(up, "Ready") == ("True", "AllReplicasReady")
+
+
+def test_failure_and_not_ready_deadline_make_degraded() -> None:
+    failed = compute_status(make_pdd(), observed(failure="PATCH ... refused: bad port"), NOW)
+    assert status_of(failed, "Degraded") == ("True", "ReconcileFailed")
+    assert find_condition(failed.conditions, "Degraded").message == "PATCH ... refused: bad port"
+    assert failed.phase is Phase.DEGRADED
+
+    # Not ready since NOW; just before the deadline nothing is degraded, just after it is.
+    pdd = make_pdd()
+    first = compute_status(pdd, observed(), NOW)
+    later = pdd.model_copy(update={"status": first})
+    before = compute_status(later, observed(), NOW + NOT_READY_DEADLINE)
+    assert status_of(before, "Degraded") == ("False", "AsExpected")
+    after = compute_status(later, observed(), NOW + NOT_READY_DEADLINE + timedelta(seconds=1))
+    assert status_of(after, "Degraded") == ("True", "NotReadyTooLong")
+    ready = find_condition(after.conditions, "Ready")
+    assert ready.last_transition_time == NOW  # the Ready condition did not flip
+
+
+def test_invalid_spec_keeps_previous_counts_and_conditions() -> None:
+    """An invalid new generation flips SpecValid only; what was observed before stays, with
+    its own observedGeneration, and the phase reads Invalid."""
+    pdd = make_pdd()
+    valid = compute_status(pdd, observed(make_pods("prefill", 2, ready=2),
+                                         make_pods("decode", 2, ready=2)), NOW)
+    later = NOW + timedelta(minutes=1)
+    got = compute_status(PDDSnapshot(generation=2, previous=valid, spec=None), None, later,
+                         "spec.prefill.parallelism: bad")
+    assert got.observed_generation == 2
+    assert got.phase is Phase.INVALID
+    spec_valid = find_condition(got.conditions, "SpecValid")
+    assert (spec_valid.status, spec_valid.reason, spec_valid.message) == \
+        (ConditionStatus.FALSE, "InvalidSpec", "spec.prefill.parallelism: bad")
+    assert spec_valid.last_transition_time == later
+    assert got.prefill == valid.prefill
+    assert find_condition(got.conditions, "Ready") == find_condition(valid.conditions, "Ready")
+
+
+def test_invalid_spec_on_first_visit_sets_every_condition() -> None:
+    got = compute_status(PDDSnapshot(1, PDDeploymentStatus(), None), None, NOW, "spec.x: bad")
+    assert len(got.conditions) == 7
+    assert status_of(got, "Ready") == ("Unknown", "SpecInvalid")
+
+
+def test_recomputing_an_unchanged_world_gives_an_equal_status() -> None:
+    """The steady state must compare equal, or the operator writes status forever."""
+    pdd = make_pdd()
+    obs = observed(make_pods("prefill", 2, ready=1), make_pods("decode", 2))
+    first = compute_status(pdd, obs, NOW)
+    again = compute_status(pdd.model_copy(update={"status": first}), obs,
+                           NOW + timedelta(seconds=30))
+    assert again.to_wire() == first.to_wire()

@@ -1,0 +1,295 @@
+"""What prefill and decode endpoints share: peers, commands, message intake, statuses.
+
+An endpoint is driven by exactly one thread (its ``Worker``, or a unit test calling
+``step``): that thread alone touches the transport and the per-request state. Engine
+threads talk to it only through ``submit`` (a command queue, answered by a Future) and
+read published ``RequestStatus`` snapshots under a lock.
+
+Per-request isolation (FAILURES #12): everything done on behalf of one request runs under
+``_guard``; an exception fails that request with InternalError and the loop goes on.
+Peers are keyed by agent name, which carries an incarnation id; a peer that is unreachable
+is pruned at once and every request bound to it fails with PeerUnreachable (FAILURES #10).
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pd_transfer.bootstrap import (
+    GeometryDoc,
+    RankDocument,
+    RegionDoc,
+    check_compatible,
+    fetch_document,
+)
+from pd_transfer.config import TimeoutsConfig
+from pd_transfer.errors import PeerUnreachable, RemoteProtocolError, TransportError
+from pd_transfer.layout import KVPool
+from pd_transfer.metrics import TransferMetrics
+from pd_transfer.plan import Parallelism, RankCoord
+from pd_transfer.protocol.lifecycle import RequestStatus, Role
+from pd_transfer.protocol.messages import Message, decode_message, encode_message
+from pd_transfer.transport.base import RegisteredRegion, Transport
+
+__all__ = ["Endpoint", "RankIdentity", "Timeouts"]
+
+_log = logging.getLogger("pd_transfer")
+T = TypeVar("T")
+FINISHED_STATUSES = 16384  # bound on terminal statuses kept for polling (FAILURES #11)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait of the protocol has one of these deadlines (FAILURES #3)."""
+
+    bootstrap_s: float = 30.0  # decode: until every writer rank is known and asked
+    grant_s: float = 1.0  # re-send an unanswered AllocRequest / RequestKV after this
+    grant_retries: int = 5  # unanswered re-sends before GrantTimeout
+    transfer_s: float = 60.0  # a request, from Transferring to a terminal state
+    kv_lease_s: float = 120.0  # prefill: hold KV at most this long without a RequestKV
+    stall_s: float = 10.0  # decode: a granted region unwritten this long → StalledWriter
+    quarantine_grace_s: float = 30.0  # keep a stalled writer's region this long
+
+    @classmethod
+    def from_config(cls, config: TimeoutsConfig) -> Timeouts:
+        return cls(
+            bootstrap_s=config.bootstrap_seconds,
+            grant_s=config.grant_seconds,
+            transfer_s=config.transfer_seconds,
+            kv_lease_s=config.kv_lease_seconds,
+            stall_s=max(4 * config.grant_seconds, config.transfer_seconds / 4),
+            quarantine_grace_s=config.transfer_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """Who this endpoint is in its deployment."""
+
+    instance: str
+    coord: RankCoord
+    parallelism: Parallelism
+    geometry: GeometryDoc
+
+
+class Endpoint(abc.ABC):
+    """Base of PrefillSender and DecodeReceiver (see module docstring)."""
+
+    role: Role
+
+    def __init__(
+        self,
+        transport: Transport,
+        pool: KVPool,
+        identity: RankIdentity,
+        *,
+        timeouts: Timeouts | None = None,
+        metrics: TransferMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.transport = transport
+        self.pool = pool
+        self.identity = identity
+        self.timeouts = timeouts or Timeouts()
+        self.metrics = metrics or TransferMetrics(self.role)
+        self.clock = clock
+        self.peers: dict[str, RankDocument] = {}
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._status_lock = threading.Lock()
+        self._live_status: dict[str, RequestStatus] = {}
+        self._finished_status: OrderedDict[str, RequestStatus] = OrderedDict()
+        self._closed = False
+        self.kv_regions = tuple(
+            transport.register(tensor, name=f"{transport.agent_name}/{part.value}")
+            for part, tensor in zip(pool.layout.parts, pool.tensors(), strict=True)
+        )
+
+    # Engine-facing (any thread) -------------------------------------------------------------
+
+    def submit(self, command: Callable[[], T]) -> Future[T]:
+        """Run ``command`` on the endpoint's thread at its next step; thread-safe."""
+        future: Future[T] = Future()
+        self._commands.put((command, future))
+        return future
+
+    def add_peer(self, address: str, timeout_s: float | None = None) -> Future[str]:
+        """Fetch and check a peer's bootstrap document here, then connect on the worker.
+
+        Raises BootstrapError / GeometryMismatch at once; the Future yields the peer's
+        agent name once the transport knows it.
+        """
+        document = fetch_document(address, timeout_s or self.timeouts.bootstrap_s)
+        check_compatible(self.identity.geometry, document, address)
+        return self.add_peer_document(document)
+
+    def add_peer_document(self, document: RankDocument) -> Future[str]:
+        """Connect to a peer whose (already checked) document is at hand."""
+        return self.submit(lambda: self._connect(document))
+
+    def poll(self, room: str) -> RequestStatus | None:
+        """The latest status of ``room`` (live or recently finished), None if unknown."""
+        with self._status_lock:
+            status = self._live_status.get(room)
+            return status if status is not None else self._finished_status.get(room)
+
+    def forget(self, room: str) -> None:
+        """Drop a finished request's status (the engine has read it)."""
+        with self._status_lock:
+            self._finished_status.pop(room, None)
+
+    def document(self) -> RankDocument:
+        """This rank's bootstrap document (for ``BootstrapServer``)."""
+        ident = self.identity
+        ring = self._ring_region()
+        return RankDocument(
+            role=self.role.value,
+            instance=ident.instance,
+            agent_name=self.transport.agent_name,
+            pp_rank=ident.coord.pp_rank,
+            tp_rank=ident.coord.tp_rank,
+            pp=ident.parallelism.pp,
+            tp=ident.parallelism.tp,
+            geometry=ident.geometry,
+            num_pages=self.pool.layout.num_pages,
+            kv_regions=tuple(RegionDoc.of(r) for r in self.kv_regions),
+            ring=RegionDoc.of(ring) if ring is not None else None,
+            ring_version=self._ring_version(),
+            transport_metadata_b64=base64.b64encode(self.transport.local_metadata()).decode(),
+        )
+
+    # Worker-facing -------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One round: commands, messages, transfer progress, deadlines. True if it did work."""
+        busy = False
+        while True:
+            try:
+                command, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            busy = True
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(command())
+                except Exception as exc:  # the command's caller gets it through the Future
+                    future.set_exception(exc)
+        for peer, payload in self.transport.poll_messages():
+            busy = True
+            try:
+                message = decode_message(payload)
+                self._on_message(peer, message)
+            except RemoteProtocolError as exc:
+                self.reject(exc.reason, f"from {peer}: {exc.detail}")
+        busy = self._progress() or busy
+        self._check_deadlines(self.clock())
+        return busy
+
+    def close(self) -> None:
+        """Fail every live request (Aborted), then close the transport. Call on the worker
+        thread, or after the worker stopped."""
+        if self._closed:
+            return
+        self._closed = True
+        self._abort_all("endpoint closed")
+        self.transport.close()
+
+    # Shared helpers --------------------------------------------------------------------------
+
+    def reject(self, reason: str, detail: str) -> None:
+        """Count a refused peer message (FAILURES #15); it is never acted on."""
+        _log.debug("rejected message (%s): %s", reason, detail)
+        self.metrics.message_rejected(reason)
+
+    def send(self, peer: str, message: Message) -> bool:
+        """Send a control message; on PeerUnreachable prune the peer. Never blocks long."""
+        try:
+            self.transport.send_message(peer, encode_message(message))
+        except PeerUnreachable as exc:
+            self.prune_peer(peer, str(exc))
+            return False
+        except TransportError as exc:
+            _log.warning("send to %s failed: %s", peer, exc)
+            return False
+        return True
+
+    def prune_peer(self, peer: str, detail: str) -> None:
+        """Forget ``peer`` and fail every request bound to it (FAILURES #10, #19)."""
+        if self.peers.pop(peer, None) is None:
+            return
+        _log.warning("pruning peer %s: %s", peer, detail)
+        self.transport.remove_peer(peer)
+        self._on_peer_lost(peer, detail)
+
+    @contextmanager
+    def guard(self, fail: Callable[[str], None]) -> Iterator[None]:
+        """Run a request's processing; an exception calls ``fail(detail)`` and is swallowed."""
+        try:
+            yield
+        except Exception as exc:
+            _log.exception("internal error in request processing")
+            fail(f"{type(exc).__name__}: {exc}")
+
+    def publish(self, status: RequestStatus) -> None:
+        with self._status_lock:
+            if status.finished:
+                self._live_status.pop(status.room, None)
+                self._finished_status[status.room] = status
+                self._finished_status.move_to_end(status.room)
+                while len(self._finished_status) > FINISHED_STATUSES:
+                    self._finished_status.popitem(last=False)
+            else:
+                self._live_status[status.room] = status
+
+    def status_counts(self) -> dict[str, int]:
+        with self._status_lock:
+            return {"live_status": len(self._live_status)}
+
+    def _connect(self, document: RankDocument) -> str:
+        name = self.transport.add_peer(document.transport_metadata)
+        if name != document.agent_name:
+            self.transport.remove_peer(name)
+            raise TransportError(
+                f"metadata names agent {name!r} but the document says {document.agent_name!r}"
+            )
+        self.peers[name] = document
+        self._on_peer_added(document)
+        return name
+
+    # Role hooks ------------------------------------------------------------------------------
+
+    def _ring_region(self) -> RegisteredRegion | None:
+        return None
+
+    def _ring_version(self) -> int:
+        return 0
+
+    def _on_peer_added(self, document: RankDocument) -> None:
+        return None
+
+    @abc.abstractmethod
+    def _on_message(self, peer: str, message: Message) -> None: ...
+
+    @abc.abstractmethod
+    def _progress(self) -> bool: ...
+
+    @abc.abstractmethod
+    def _check_deadlines(self, now: float) -> None: ...
+
+    @abc.abstractmethod
+    def _on_peer_lost(self, peer: str, detail: str) -> None: ...
+
+    @abc.abstractmethod
+    def _abort_all(self, detail: str) -> None: ...

@@ -1,0 +1,209 @@
+"""How ranks find each other: a per-process HTTP endpoint serving the rank's document.
+
+A rank registers its memory with the transport FIRST, then publishes (FAILURES #2): its
+role, instance, rank coordinates and parallelism, its KV geometry and local layout, the
+registered regions peers may write into (K and V pools, the staging ring with its
+registration version) and its transport metadata (base64). A peer fetches the document
+with a deadline (``fetch_document``), validates it with pydantic (unknown fields and
+versions are refused) and checks geometry compatibility (``check_compatible``), which
+names both values of the first mismatch.
+
+The server is stdlib ``http.server`` in a daemon thread: one GET route, ``/v1/rank``.
+The document is rendered on each request, so a re-registered ring shows up at once.
+
+Version history of ``DOCUMENT_VERSION``:
+  1: first version.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Final, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pd_transfer.errors import BootstrapError, GeometryMismatch
+from pd_transfer.plan import Attention, KVGeometry, Parallelism, RankCoord
+from pd_transfer.transport.base import MemoryKind, RegisteredRegion
+
+__all__ = [
+    "DOCUMENT_VERSION",
+    "DTYPES",
+    "BootstrapServer",
+    "GeometryDoc",
+    "RankDocument",
+    "RegionDoc",
+    "check_compatible",
+    "fetch_document",
+]
+
+DOCUMENT_VERSION: Final = 1
+MAX_DOCUMENT_BYTES: Final = 1 << 20
+ROUTE: Final = "/v1/rank"
+
+DTYPES: Final[dict[str, torch.dtype]] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+DtypeName = Literal["bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"]
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RegionDoc(_Doc):
+    name: str
+    base_address: int = Field(gt=0)
+    size_bytes: int = Field(gt=0)
+    kind: Literal["DRAM", "VRAM"]
+    device_id: int = Field(ge=0)
+
+    @classmethod
+    def of(cls, region: RegisteredRegion) -> RegionDoc:
+        return cls(
+            name=region.name,
+            base_address=region.base_address,
+            size_bytes=region.size_bytes,
+            kind=region.kind.value,
+            device_id=region.device_id,
+        )
+
+    def to_region(self) -> RegisteredRegion:
+        return RegisteredRegion(
+            self.name, self.base_address, self.size_bytes, MemoryKind(self.kind), self.device_id
+        )
+
+
+class GeometryDoc(_Doc):
+    """The model-wide KV geometry both roles must agree on, plus the paging."""
+
+    num_layers: int = Field(ge=1)
+    total_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    dtype: DtypeName
+    page_size: int = Field(ge=1)
+    attention: Literal["MHA", "MLA"] = "MHA"
+
+    def kv_geometry(self) -> KVGeometry:
+        element = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return KVGeometry(
+            self.num_layers, self.total_kv_heads, self.head_dim, element, Attention(self.attention)
+        )
+
+
+class RankDocument(_Doc):
+    """Everything a peer needs to address this rank."""
+
+    v: Literal[1] = DOCUMENT_VERSION
+    role: Literal["prefill", "decode"]
+    instance: str = Field(min_length=1, max_length=253)
+    agent_name: str = Field(min_length=1)
+    pp_rank: int = Field(ge=0)
+    tp_rank: int = Field(ge=0)
+    pp: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    geometry: GeometryDoc
+    num_pages: int = Field(ge=1)
+    kv_regions: tuple[RegionDoc, ...] = Field(min_length=1, max_length=2)
+    ring: RegionDoc | None = None
+    ring_version: int = Field(default=0, ge=0)
+    transport_metadata_b64: str
+
+    @property
+    def coord(self) -> RankCoord:
+        return RankCoord(self.pp_rank, self.tp_rank)
+
+    @property
+    def parallelism(self) -> Parallelism:
+        return Parallelism(self.tp, self.pp)
+
+    @property
+    def transport_metadata(self) -> bytes:
+        return base64.b64decode(self.transport_metadata_b64)
+
+
+def check_compatible(local: GeometryDoc, remote: RankDocument, address: str) -> None:
+    """Raise GeometryMismatch naming both values of the first field that differs."""
+    for field in GeometryDoc.model_fields:
+        mine, theirs = getattr(local, field), getattr(remote.geometry, field)
+        if mine != theirs:
+            raise GeometryMismatch(
+                f"peer {remote.agent_name!r} at {address} has {field}={theirs!r} but this "
+                f"rank has {field}={mine!r}. Prefill and decode must serve the same model "
+                f"with the same KV dtype and page size; fix the deployment's model/paging."
+            )
+
+
+def fetch_document(address: str, timeout_s: float) -> RankDocument:
+    """GET ``http://{address}/v1/rank`` within ``timeout_s``; raises BootstrapError."""
+    url = f"http://{address}{ROUTE}"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            raw = response.read(MAX_DOCUMENT_BYTES + 1)
+    except (urllib.error.URLError, OSError) as exc:
+        raise BootstrapError(f"cannot fetch {url} within {timeout_s} s: {exc}") from exc
+    if len(raw) > MAX_DOCUMENT_BYTES:
+        raise BootstrapError(f"{url}: document larger than {MAX_DOCUMENT_BYTES} bytes")
+    try:
+        version = json.loads(raw).get("v")
+    except (ValueError, AttributeError) as exc:
+        raise BootstrapError(f"{url}: not a JSON object: {exc}") from exc
+    if version != DOCUMENT_VERSION:
+        raise BootstrapError(
+            f"{url}: document version {version!r}, this side reads {DOCUMENT_VERSION}; "
+            f"run the same pd-transfer version on prefill and decode"
+        )
+    try:
+        return RankDocument.model_validate_json(raw)
+    except ValidationError as exc:
+        raise BootstrapError(f"{url}: invalid rank document: {exc}") from exc
+
+
+class BootstrapServer:
+    """Serves ``render()`` as JSON on ``host:port`` (port 0: any free port) until closed."""
+
+    def __init__(
+        self, render: Callable[[], RankDocument], host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path != ROUTE:
+                    self.send_error(404, f"only {ROUTE} is served")
+                    return
+                body = render().model_dump_json().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                return  # one line per fetch on stderr is noise; failures surface at clients
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="pd-transfer-bootstrap", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"{host!s}:{port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5.0)

@@ -1,0 +1,184 @@
+"""Transfer metrics: prometheus-client collectors in a per-process registry, and a snapshot.
+
+Names follow Prometheus conventions (``_total`` counters, ``_bytes``/``_seconds`` units).
+Labels are bounded sets: ``path`` (staged|sliced|contiguous), ``role`` (prefill|decode),
+``result`` (succeeded|failed), ``reason`` (a ``FailureReason`` value, or a message
+rejection reason). ``TransferSnapshot`` is the plain data the agent (next issue) mirrors
+into its TransferAgent status: totals, ring watermark with high-water, failures by reason
+and a bounded list of recent failures.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter as _Tally
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pd_transfer.protocol.lifecycle import FailureReason, Role
+from pd_transfer.ring import StagingRing
+
+__all__ = ["RecentFailure", "RingWatermark", "TransferMetrics", "TransferSnapshot"]
+
+RECENT_FAILURES = 32
+
+
+@dataclass(frozen=True)
+class RecentFailure:
+    room: str
+    reason: str
+    detail: str
+    at_unix_s: float
+
+
+@dataclass(frozen=True)
+class RingWatermark:
+    capacity_bytes: int
+    used_bytes: int
+    free_bytes: int
+    largest_free_extent_bytes: int
+    high_water_bytes: int
+    pending_allocations: int
+    quarantined_bytes: int
+
+
+@dataclass(frozen=True)
+class TransferSnapshot:
+    """A consistent, plain copy of this process's transfer health."""
+
+    role: str
+    succeeded: int
+    failed: int
+    live_requests: int
+    bytes_transferred: int
+    failures_by_reason: dict[str, int]
+    rejected_by_reason: dict[str, int]
+    recent_failures: tuple[RecentFailure, ...]
+    ring: RingWatermark | None
+
+
+class TransferMetrics:
+    """All collectors of one endpoint (one rank). Thread-safe (prometheus-client is)."""
+
+    def __init__(self, role: Role, registry: CollectorRegistry | None = None) -> None:
+        self.role = role
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.bytes = Counter("pd_transfer_bytes", "KV bytes moved, by path", ["path"], registry=r)
+        self.requests = Counter(
+            "pd_transfer_requests", "Finished requests", ["role", "result"], registry=r
+        )
+        self.failures = Counter(
+            "pd_transfer_failures", "Failed requests by reason", ["reason"], registry=r
+        )
+        self.writes_posted = Counter(
+            "pd_transfer_writes_posted", "WRITE requests posted", ["path"], registry=r
+        )
+        self.descriptors = Counter(
+            "pd_transfer_descriptors", "Descriptors posted in WRITEs", ["path"], registry=r
+        )
+        self.rejected = Counter(
+            "pd_transfer_rejected_messages", "Peer messages rejected", ["reason"], registry=r
+        )
+        self.live = Gauge("pd_transfer_live_requests", "Requests in flight", ["role"], registry=r)
+        self.duration = Histogram(
+            "pd_transfer_request_duration_seconds",
+            "Time from registration to a terminal state",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self._ring: StagingRing | None = None
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._succeeded = 0
+        self._failed = 0
+        self._live = 0
+        self._bytes = 0
+        self._failures_by_reason: _Tally[str] = _Tally()
+        self._rejected_by_reason: _Tally[str] = _Tally()
+        self._recent: deque[RecentFailure] = deque(maxlen=RECENT_FAILURES)
+
+    def attach_ring(self, ring: StagingRing) -> None:
+        """Export ``ring``'s occupancy as gauges read at scrape time."""
+        self._ring = ring
+        r = self.registry
+        for name, doc, read in (
+            ("used", "Staging ring bytes in use", lambda: ring.used_bytes),
+            ("capacity", "Staging ring size", lambda: ring.capacity_bytes),
+            ("free", "Staging ring free bytes", lambda: ring.free_bytes),
+            ("largest_free_extent", "Largest grantable region",
+             lambda: ring.largest_free_extent_bytes),
+        ):
+            Gauge(f"pd_transfer_ring_{name}_bytes", doc, registry=r).set_function(read)
+        Gauge(
+            "pd_transfer_ring_pending_allocations", "AllocRequests queued for ring space",
+            registry=r,
+        ).set_function(lambda: self._pending)
+
+    def set_pending_allocations(self, count: int) -> None:
+        self._pending = count
+
+    def request_started(self) -> None:
+        self.live.labels(self.role.value).inc()
+        with self._lock:
+            self._live += 1
+
+    def request_finished(
+        self, room: str, reason: FailureReason | None, detail: str, duration_s: float
+    ) -> None:
+        self.live.labels(self.role.value).dec()
+        self.duration.observe(duration_s)
+        result = "succeeded" if reason is None else "failed"
+        self.requests.labels(self.role.value, result).inc()
+        with self._lock:
+            self._live -= 1
+            if reason is None:
+                self._succeeded += 1
+                return
+            self._failed += 1
+            self._failures_by_reason[reason.value] += 1
+            self._recent.append(RecentFailure(room, reason.value, detail[:512], time.time()))
+        self.failures.labels(reason.value).inc()
+
+    def message_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+        with self._lock:
+            self._rejected_by_reason[reason] += 1
+
+    def write_posted(self, path: str, descriptors: int) -> None:
+        self.writes_posted.labels(path).inc()
+        self.descriptors.labels(path).inc(descriptors)
+
+    def bytes_moved(self, path: str, nbytes: int) -> None:
+        self.bytes.labels(path).inc(nbytes)
+        with self._lock:
+            self._bytes += nbytes
+
+    def snapshot(self) -> TransferSnapshot:
+        ring = self._ring
+        watermark = None
+        if ring is not None:
+            watermark = RingWatermark(
+                capacity_bytes=ring.capacity_bytes,
+                used_bytes=ring.used_bytes,
+                free_bytes=ring.free_bytes,
+                largest_free_extent_bytes=ring.largest_free_extent_bytes,
+                high_water_bytes=ring.high_water_bytes,
+                pending_allocations=self._pending,
+                quarantined_bytes=ring.quarantined_bytes,
+            )
+        with self._lock:
+            return TransferSnapshot(
+                role=self.role.value,
+                succeeded=self._succeeded,
+                failed=self._failed,
+                live_requests=self._live,
+                bytes_transferred=self._bytes,
+                failures_by_reason=dict(self._failures_by_reason),
+                rejected_by_reason=dict(self._rejected_by_reason),
+                recent_failures=tuple(self._recent),
+                ring=watermark,
+            )

@@ -1,0 +1,36 @@
+"""The transfer protocol as data: wire messages (``messages``) and request lifecycles
+(``lifecycle``). No I/O and no transport import here; ``sender``/``receiver`` drive it."""
+
+from pd_transfer.protocol.lifecycle import (
+    TERMINAL,
+    TRANSITIONS,
+    Event,
+    FailureReason,
+    Lifecycle,
+    RequestStatus,
+    Role,
+    State,
+)
+from pd_transfer.protocol.messages import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    Message,
+    decode_message,
+    encode_message,
+)
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "PROTOCOL_VERSION",
+    "TERMINAL",
+    "TRANSITIONS",
+    "Event",
+    "FailureReason",
+    "Lifecycle",
+    "Message",
+    "RequestStatus",
+    "Role",
+    "State",
+    "decode_message",
+    "encode_message",
+]

@@ -1,0 +1,256 @@
+"""The wire format of the transfer protocol: typed, versioned, validated control messages.
+
+Every message is a frozen pydantic model with ``extra="forbid"`` and a ``type`` tag; all of
+them form ONE discriminated union (``Message``), so a payload selects exactly one model or
+is rejected. On the wire a message is compact JSON ``{"v": <version>, "type": ..., ...}``.
+``decode_message`` checks, in order: the size limit, that it is a JSON object, the version
+(before looking at the body, so a newer peer's fields never reach the body models), then the
+body. Every refusal raises ``RemoteProtocolError`` with a stable ``reason`` (a metric label).
+
+Page lists travel as runs ``[[first, count], ...]``; a staged part names request page
+*indices* and layers, never addresses: the receiver maps them through its own bookkeeping,
+so no peer-supplied number is ever used as an address unchecked.
+
+Who sends what (R = request/room id):
+
+- decode → prefill: ``RequestKV`` (destination pages, path), ``Grant`` / ``GrantRefused``
+  (answers to ``AllocRequest``), ``Watermark`` (alive, the allocation is queued),
+  ``Release`` (decode holds every byte it expected: prefill may free the KV), ``Abort``.
+- prefill → decode: ``AllocRequest`` (idempotent; re-sent until granted), ``Finish`` (a
+  writer's final part count when its last part carried no data for that decode rank),
+  ``Abort``; and, as the NOTIFICATION bound to a WRITE (delivered only after the data),
+  ``StagedPart`` or ``PartDone``. Only those two prove that data arrived (FAILURES #9).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from pd_transfer.errors import RemoteProtocolError
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "MAX_PARTS",
+    "PROTOCOL_VERSION",
+    "Abort",
+    "AllocRequest",
+    "Finish",
+    "Grant",
+    "GrantRefused",
+    "Message",
+    "PageRuns",
+    "PartDone",
+    "Path",
+    "Release",
+    "RequestKV",
+    "StagedPart",
+    "Watermark",
+    "compute_runs",
+    "decode_message",
+    "encode_message",
+    "expand_runs",
+]
+
+PROTOCOL_VERSION: Final = 1
+# Version history of PROTOCOL_VERSION (bump on any change a peer could misread):
+#   1: first version: RequestKV, AllocRequest, Grant, GrantRefused, StagedPart, PartDone,
+#      Finish, Release, Abort, Watermark.
+MAX_MESSAGE_BYTES: Final = 64 * 1024
+MAX_PARTS: Final = 1 << 16  # parts per (request, writer); bounds every per-part structure
+
+Path = Literal["staged", "sliced", "contiguous"]
+"""How a (prefill rank, decode rank) pair moves a request's KV (see README)."""
+
+Room = Annotated[str, Field(min_length=1, max_length=256)]
+Count = Annotated[int, Field(ge=0)]
+PartIndex = Annotated[int, Field(ge=0, lt=MAX_PARTS)]
+SenderId = Annotated[int, Field(ge=0, lt=1 << 16)]
+Size = Annotated[int, Field(gt=0)]
+PageRuns = tuple[tuple[Count, Annotated[int, Field(gt=0)]], ...]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+class RequestKV(_Message):
+    """Decode asks one prefill rank for a request's KV, into these destination pages."""
+
+    type: Literal["request_kv"] = "request_kv"
+    room: Room
+    decode_pp_rank: Count
+    decode_tp_rank: Count
+    dst_page_runs: PageRuns = Field(min_length=1)
+    num_tokens: Size
+    path: Path
+    ring_version: Count
+
+
+class AllocRequest(_Message):
+    """A prefill writer asks for ``size_bytes`` of decode's ring for one staged part."""
+
+    type: Literal["alloc_request"] = "alloc_request"
+    room: Room
+    part: PartIndex
+    sender_id: SenderId
+    size_bytes: Size
+
+
+class Grant(_Message):
+    """Decode granted ring bytes ``[ring_offset, ring_offset + size_bytes)`` to one part."""
+
+    type: Literal["grant"] = "grant"
+    room: Room
+    part: PartIndex
+    sender_id: SenderId
+    ring_offset: Count
+    size_bytes: Size
+    ring_version: Count
+
+
+class GrantRefused(_Message):
+    """The part can never fit the ring (permanent): the request fails OversizedChunk."""
+
+    type: Literal["grant_refused"] = "grant_refused"
+    room: Room
+    part: PartIndex
+    sender_id: SenderId
+    needed_bytes: Size
+    capacity_bytes: Size
+
+
+class StagedPart(_Message):
+    """NOTIFICATION of the one WRITE that carried a staged part into its granted region.
+
+    ``final_parts`` is set on the writer's last part to this decode rank: how many parts
+    (indices ``0..final_parts-1``) the writer sent it in all.
+    """
+
+    type: Literal["staged_part"] = "staged_part"
+    room: Room
+    part: PartIndex
+    sender_id: SenderId
+    ring_offset: Count
+    size_bytes: Size
+    layer_start: Count
+    layer_stop: Count
+    page_start: Count
+    page_count: Size
+    final_parts: Annotated[int, Field(gt=0, le=MAX_PARTS)] | None = None
+
+
+class PartDone(_Message):
+    """NOTIFICATION of the WRITE that put a contiguous or sliced part into decode's pages."""
+
+    type: Literal["part_done"] = "part_done"
+    room: Room
+    part: PartIndex
+    sender_id: SenderId
+    final_parts: Annotated[int, Field(gt=0, le=MAX_PARTS)] | None = None
+
+
+class Finish(_Message):
+    """A writer's final part count, when its last part had no layers for this decode rank.
+
+    A count, not data: completion still needs every part's notification.
+    """
+
+    type: Literal["finish"] = "finish"
+    room: Room
+    sender_id: SenderId
+    final_parts: Annotated[int, Field(gt=0, le=MAX_PARTS)]
+
+
+class Release(_Message):
+    """Decode holds and scattered everything it expected for ``room``."""
+
+    type: Literal["release"] = "release"
+    room: Room
+
+
+class Abort(_Message):
+    """The sender gave up on ``room``; ``reason`` is a ``FailureReason`` value."""
+
+    type: Literal["abort"] = "abort"
+    room: Room
+    reason: Annotated[str, Field(max_length=64)]
+    detail: Annotated[str, Field(max_length=1024)] = ""
+
+
+class Watermark(_Message):
+    """Decode's ring occupancy; sent in reply to an AllocRequest it has queued (which
+    proves decode is alive and resets the writer's grant-retry budget)."""
+
+    type: Literal["watermark"] = "watermark"
+    used_bytes: Count
+    capacity_bytes: Size
+    largest_free_bytes: Count
+    pending_allocations: Count
+    room: Room | None = None
+    part: PartIndex | None = None
+    sender_id: SenderId | None = None
+
+
+Message = Annotated[
+    RequestKV | AllocRequest | Grant | GrantRefused | StagedPart | PartDone | Finish
+    | Release | Abort | Watermark,
+    Field(discriminator="type"),
+]
+_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+def encode_message(message: Message) -> bytes:
+    """Compact JSON bytes, ``v`` and ``type`` included."""
+    return message.model_dump_json().encode()
+
+
+def decode_message(payload: bytes) -> Message:
+    """Parse and validate one payload; raises RemoteProtocolError(reason, detail)."""
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise RemoteProtocolError(
+            "too_large", f"{len(payload)} bytes, the limit is {MAX_MESSAGE_BYTES}"
+        )
+    try:
+        envelope = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RemoteProtocolError("not_json", f"{payload[:64]!r}: {exc}") from exc
+    if not isinstance(envelope, dict):
+        raise RemoteProtocolError("not_object", f"a {type(envelope).__name__}, not an object")
+    version = envelope.get("v")
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise RemoteProtocolError(
+            "unsupported_version",
+            f"version {version!r}; this side speaks {PROTOCOL_VERSION} (upgrade the older side)",
+        )
+    try:
+        return _ADAPTER.validate_json(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise RemoteProtocolError(
+            "invalid_body", f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
+        ) from exc
+
+
+def compute_runs(values: list[int]) -> PageRuns:
+    """``[3, 4, 5, 9]`` → ``((3, 3), (9, 1))``: maximal runs of consecutive values, in order."""
+    runs: list[tuple[int, int]] = []
+    for value in values:
+        if runs and runs[-1][0] + runs[-1][1] == value:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((value, 1))
+    return tuple(runs)
+
+
+def expand_runs(runs: PageRuns, limit: int) -> list[int]:
+    """The inverse of ``compute_runs``; raises RemoteProtocolError past ``limit`` values
+    (a peer cannot make us build an unbounded list)."""
+    total = sum(count for _, count in runs)
+    if total > limit:
+        raise RemoteProtocolError("too_many_pages", f"{total} pages, at most {limit} possible")
+    return [first + i for first, count in runs for i in range(count)]

@@ -1,0 +1,722 @@
+"""The prefill side: ``PrefillSender`` pushes a request's KV into the decode ranks that ask.
+
+Engine API (any thread; each call returns a Future resolved on the worker thread):
+``register_request(room, page_ids, num_tokens)`` → ``send_part(room, pages=, layers=,
+last=, ready_event=)`` (one or more; ``last=True`` on the final one) → ``poll(room)``
+until ``finished``; ``abort(room)``. The engine may free a request's KV pages once its
+status is finished (either way): nothing reads them after that.
+
+One ``SendTransfer`` per request owns all of its state: the parts the engine gave, one
+``_Stream`` per decode rank that sent a ``RequestKV`` (its plan, path, destination pages and
+the parts in flight to it: staging region, grant, WRITE handle). A request SUCCEEDS when
+every decode rank it serves has sent RequestKV, the last part was given, every WRITE is
+DONE and every decode rank sent ``Release`` (it scattered everything). Deadlines: no
+RequestKV within ``kv_lease_s`` → LeaseExpired (the KV hold has a lease, FAILURES #18);
+``transfer_s`` from the first RequestKV → TransferTimeout; an AllocRequest is re-sent every
+``grant_s`` and after ``grant_retries`` unanswered re-sends → GrantTimeout.
+
+A RequestKV for a room not registered yet is buffered until ``bootstrap_s`` (FAILURES #2).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from pd_transfer._endpoint import Endpoint, RankIdentity, Timeouts
+from pd_transfer._paths import compute_contiguous_spans, compute_layout, compute_sliced_spans
+from pd_transfer.bootstrap import RankDocument
+from pd_transfer.errors import (
+    DescriptorError,
+    OversizedAllocation,
+    PeerUnreachable,
+    TransportError,
+)
+from pd_transfer.layout import KVLayout, KVPool
+from pd_transfer.metrics import TransferMetrics
+from pd_transfer.plan import (
+    LayerRange,
+    Parallelism,
+    TransferPlan,
+    TransferTopology,
+    compute_stage_layers,
+    compute_transfer_topology,
+)
+from pd_transfer.protocol.lifecycle import (
+    Event,
+    FailureReason,
+    Lifecycle,
+    RequestStatus,
+    Role,
+    State,
+)
+from pd_transfer.protocol.messages import (
+    Abort,
+    AllocRequest,
+    Finish,
+    Grant,
+    GrantRefused,
+    Message,
+    PartDone,
+    Release,
+    RequestKV,
+    StagedPart,
+    Watermark,
+    encode_message,
+    expand_runs,
+)
+from pd_transfer.ring import Region, StagingRing
+from pd_transfer.staging import gather, staged_chunk_bytes
+from pd_transfer.transport.base import RegisteredRegion, TransferHandle, TransferState, Transport
+
+__all__ = ["PrefillSender", "ReadyEvent"]
+
+_log = logging.getLogger("pd_transfer")
+MAX_EARLY_REQUESTS = 4096
+
+
+class ReadyEvent(Protocol):
+    """What ``send_part`` waits on before reading the KV: ``torch.cuda.Event`` fits."""
+
+    def query(self) -> bool: ...
+
+
+class _Stage(enum.Enum):
+    WAIT_READY = "wait_ready"  # the engine's ready_event has not fired
+    WAIT_STAGING = "wait_staging"  # staged: waiting for prefill staging buffer space
+    WAIT_GRANT = "wait_grant"  # staged: AllocRequest sent, no Grant yet
+    WRITING = "writing"  # the WRITE is posted
+
+
+@dataclass(frozen=True)
+class _PartSpec:
+    """A part the engine gave: request pages ``pages`` x global layers ``layers``."""
+
+    pages: range
+    layers: LayerRange
+    last: bool
+    ready: ReadyEvent | None
+
+
+@dataclass
+class _OutPart:
+    """One part on its way to one decode rank."""
+
+    index: int  # numbered per decode rank: 0, 1, ...
+    spec: _PartSpec
+    layers: LayerRange  # spec.layers within the plan's layers
+    final: int | None  # final part count, attached to the writer's last part
+    size_bytes: int = 0
+    stage: _Stage = _Stage.WAIT_READY
+    staging: Region | None = None
+    gathered: torch.cuda.Event | None = None
+    grant: Grant | None = None
+    alloc_sent_at: float = 0.0
+    retries: int = 0
+    handle: TransferHandle | None = None
+
+
+@dataclass
+class _Stream:
+    """A request's traffic to one decode rank."""
+
+    peer: str
+    document: RankDocument
+    layout: KVLayout
+    plan: TransferPlan
+    path: str
+    dst_pages: list[int]
+    next_spec: int = 0
+    parts_made: int = 0
+    final_sent: bool = False
+    released: bool = False
+    out: dict[int, _OutPart] = field(default_factory=dict)
+
+
+class SendTransfer:
+    """All state of one request on one prefill rank (see module docstring)."""
+
+    def __init__(
+        self, sender: PrefillSender, room: str, src_pages: list[int], num_tokens: int
+    ) -> None:
+        self.room = room
+        self.src_pages = src_pages
+        self.num_tokens = num_tokens
+        self.created = sender.clock()
+        self.lease_deadline = self.created + sender.timeouts.kv_lease_s
+        self.transfer_deadline = float("inf")
+        self.specs: list[_PartSpec] = []
+        self.last_given = False
+        self.instance: str | None = None
+        self.expected: frozenset[tuple[int, int]] | None = None  # decode (pp, tp) coords
+        self.streams: dict[str, _Stream] = {}
+        self.bytes = 0
+        self.lifecycle = Lifecycle(lambda: sender._release(self))
+
+    def status(self, now: float) -> RequestStatus:
+        return RequestStatus(
+            self.room, Role.PREFILL, self.lifecycle.state, self.lifecycle.reason,
+            self.lifecycle.detail, self.bytes, now - self.created,
+        )
+
+
+class PrefillSender(Endpoint):
+    """One prefill rank's sending endpoint (see module docstring)."""
+
+    role = Role.PREFILL
+
+    def __init__(
+        self,
+        transport: Transport,
+        pool: KVPool,
+        identity: RankIdentity,
+        *,
+        staging_bytes: int,
+        timeouts: Timeouts | None = None,
+        metrics: TransferMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(transport, pool, identity, timeouts=timeouts, metrics=metrics,
+                         clock=clock)
+        self.staging_buffer = torch.zeros(staging_bytes, dtype=torch.uint8, device=pool.device)
+        self.staging_region = transport.register(
+            self.staging_buffer, name=f"{transport.agent_name}/staging"
+        )
+        self.staging = StagingRing(staging_bytes)
+        self._stream: torch.cuda.Stream | None = None
+        if pool.device.type == "cuda":
+            self._stream = torch.cuda.Stream(pool.device)  # type: ignore[no-untyped-call]
+        self._stage_layers = compute_stage_layers(
+            identity.geometry.num_layers, identity.parallelism.pp, identity.coord.pp_rank
+        )
+        self._topologies: dict[Parallelism, TransferTopology] = {}
+        self._transfers: dict[str, SendTransfer] = {}
+        self._early: dict[str, list[tuple[str, RequestKV, float]]] = {}
+        self.alloc_requests_sent = 0  # first sends only (FAILURES #1 counts these)
+
+    # Engine API ----------------------------------------------------------------------------
+
+    def register_request(
+        self, room: str, page_ids: Sequence[int], num_tokens: int
+    ) -> Future[None]:
+        """Hold ``page_ids`` (the request's KV, in request order) for decode to claim."""
+        pages = [int(p) for p in page_ids]
+        return self.submit(lambda: self._register(room, pages, num_tokens))
+
+    def send_part(
+        self,
+        room: str,
+        pages: range | None = None,
+        layers: range | None = None,
+        *,
+        last: bool = False,
+        ready_event: ReadyEvent | None = None,
+    ) -> Future[None]:
+        """Send request pages ``pages`` (indices into the registered page list; all by
+        default) of global ``layers`` (this stage's by default) once ``ready_event`` fired."""
+        return self.submit(lambda: self._add_part(room, pages, layers, last, ready_event))
+
+    def abort(self, room: str, detail: str = "aborted by the engine") -> Future[None]:
+        return self.submit(lambda: self._abort(room, detail))
+
+    def debug_counts(self) -> dict[str, int]:
+        """Sizes of every per-request structure (FAILURES #11 tests compare to baseline)."""
+        return {
+            "transfers": len(self._transfers),
+            "early_requests": sum(len(v) for v in self._early.values()),
+            "staging_regions": self.staging.live_regions,
+            **self.status_counts(),
+        }
+
+    # Commands (worker thread) -------------------------------------------------------------
+
+    def _register(self, room: str, pages: list[int], num_tokens: int) -> None:
+        layout = self.pool.layout
+        if room in self._transfers:
+            raise ValueError(f"room {room!r} is already registered")
+        if not pages or num_tokens <= 0 or num_tokens > len(pages) * layout.page_size:
+            raise ValueError(f"room {room!r}: {num_tokens} tokens do not fit {len(pages)} pages")
+        if min(pages) < 0 or max(pages) >= layout.num_pages or len(set(pages)) != len(pages):
+            raise ValueError(
+                f"room {room!r}: page ids must be distinct, in [0, {layout.num_pages})")
+        transfer = SendTransfer(self, room, pages, num_tokens)
+        self._transfers[room] = transfer
+        self.metrics.request_started()
+        self.publish(transfer.status(self.clock()))
+        decode_pars = {d.parallelism for d in self.peers.values() if d.role == "decode"}
+        if len(decode_pars) == 1 and not self._topology(decode_pars.pop()).plans_from(
+            self.identity.coord
+        ):  # a replica that serves no decode rank: nothing to hold
+            self._apply(transfer, Event.START)
+            self._apply(transfer, Event.COMPLETE)
+            return
+        for peer, message, _ in self._early.pop(room, []):
+            self._on_request_kv(peer, message)
+
+    def _add_part(
+        self,
+        room: str,
+        pages: range | None,
+        layers: range | None,
+        last: bool,
+        ready: ReadyEvent | None,
+    ) -> None:
+        transfer = self._transfers.get(room)
+        if transfer is None:
+            raise KeyError(f"room {room!r} is not live (never registered, or finished)")
+        if transfer.last_given:
+            raise ValueError(f"room {room!r}: a part was already sent with last=True")
+        pages = pages if pages is not None else range(len(transfer.src_pages))
+        if pages.step != 1 or not pages or pages.start < 0 or pages.stop > len(transfer.src_pages):
+            raise ValueError(f"room {room!r}: pages {pages} not inside the request's pages")
+        stage = self._stage_layers
+        span = LayerRange(layers.start, layers.stop) if layers is not None else stage
+        if span.count <= 0 or span.start < stage.start or span.stop > stage.stop:
+            raise ValueError(f"room {room!r}: layers {layers} not inside this stage's {stage}")
+        transfer.specs.append(_PartSpec(pages, span, last, ready))
+        transfer.last_given = last
+
+    def _abort(self, room: str, detail: str) -> None:
+        transfer = self._transfers.get(room)
+        if transfer is not None:
+            self._fail(transfer, FailureReason.ABORTED, detail)
+
+    # Messages ------------------------------------------------------------------------------
+
+    def _on_message(self, peer: str, message: Message) -> None:
+        if isinstance(message, RequestKV):
+            self._on_request_kv(peer, message)
+            return
+        if isinstance(message, StagedPart | PartDone | Finish | AllocRequest):
+            self.reject("wrong_direction", f"{message.type} from {peer} to a prefill rank")
+            return
+        if isinstance(message, Watermark) and message.room is None:
+            return  # an occupancy report; nothing waits on it here
+        assert message.room is not None
+        transfer = self._transfers.get(message.room)
+        stream = transfer.streams.get(peer) if transfer is not None else None
+        if transfer is None or stream is None:
+            self.reject("unknown_room", f"{message.type} for {message.room!r} from {peer}")
+            return
+        with self.guard(self._failer(transfer)):
+            if isinstance(message, Grant | GrantRefused):
+                self._on_grant(transfer, stream, message)
+            elif isinstance(message, Watermark):
+                out = stream.out.get(message.part if message.part is not None else -1)
+                if out is not None and out.stage is _Stage.WAIT_GRANT:
+                    out.alloc_sent_at, out.retries = self.clock(), 0  # decode queued it
+            elif isinstance(message, Release):
+                stream.released = True
+                self._check_complete(transfer)
+            elif isinstance(message, Abort):
+                self._fail(transfer, FailureReason.ABORTED_BY_PEER,
+                           f"decode {peer}: {message.reason}: {message.detail}", notify=False)
+
+    def _on_request_kv(self, peer: str, message: RequestKV) -> None:
+        document = self.peers.get(peer)
+        if document is None or document.role != "decode":
+            self.reject("unknown_peer", f"RequestKV from {peer}, not a known decode rank")
+            return
+        if (document.pp_rank, document.tp_rank) != (message.decode_pp_rank,
+                                                    message.decode_tp_rank):
+            self.reject("coord_mismatch", f"{peer} is rank {document.coord}, claims otherwise")
+            return
+        transfer = self._transfers.get(message.room)
+        if transfer is None:
+            waiting = self._early.setdefault(message.room, [])
+            if sum(len(v) for v in self._early.values()) >= MAX_EARLY_REQUESTS:
+                self.reject("early_buffer_full", f"RequestKV for {message.room!r} from {peer}")
+            elif all(p != peer for p, _, _ in waiting):
+                waiting.append((peer, message, self.clock() + self.timeouts.bootstrap_s))
+            if not waiting:
+                del self._early[message.room]
+            return
+        if peer in transfer.streams:
+            return  # a re-sent RequestKV: idempotent
+        with self.guard(self._failer(transfer)):
+            self._open_stream(transfer, peer, document, message)
+
+    def _open_stream(
+        self, transfer: SendTransfer, peer: str, document: RankDocument, message: RequestKV
+    ) -> None:
+        plan = self._topology(document.parallelism).plan_between(
+            self.identity.coord, document.coord
+        )
+        if plan is None:
+            self.reject("not_a_writer", f"{peer} asked rank {self.identity.coord}, which "
+                        f"sends it nothing")
+            return
+        layout = compute_layout(document)
+        try:
+            dst_pages = expand_runs(message.dst_page_runs, document.num_pages)
+        except Exception as exc:
+            self._violation(transfer, peer, f"destination pages: {exc}")
+            return
+        problem = None
+        if len(dst_pages) != len(transfer.src_pages) or message.num_tokens != transfer.num_tokens:
+            problem = (f"decode wants {message.num_tokens} tokens in {len(dst_pages)} pages, "
+                       f"prefill holds {transfer.num_tokens} in {len(transfer.src_pages)}")
+        elif max(dst_pages) >= document.num_pages or len(set(dst_pages)) != len(dst_pages):
+            problem = f"destination pages outside [0, {document.num_pages}) or repeated"
+        elif message.path == "contiguous" and plan.heads.num_heads != layout.kv_heads:
+            problem = "contiguous path asked for a partial head slice"
+        elif message.path == "staged" and (document.ring is None
+                                           or document.ring_version != message.ring_version):
+            problem = (f"staged path but ring version {message.ring_version} is not the "
+                       f"published {document.ring_version} (re-bootstrap the peer)")
+        elif transfer.instance not in (None, document.instance):
+            problem = f"decode instance {document.instance} but {transfer.instance} asked first"
+        if problem is not None:
+            self._violation(transfer, peer, problem)
+            return
+        transfer.instance = document.instance
+        if transfer.expected is None:
+            plans = self._topology(document.parallelism).plans_from(self.identity.coord)
+            transfer.expected = frozenset((p.decode.pp_rank, p.decode.tp_rank) for p in plans)
+        transfer.streams[peer] = _Stream(peer, document, layout, plan, message.path, dst_pages)
+        if transfer.lifecycle.state is State.BOOTSTRAPPING:
+            transfer.transfer_deadline = self.clock() + self.timeouts.transfer_s
+            self._apply(transfer, Event.START)
+
+    def _on_grant(self, transfer: SendTransfer, stream: _Stream, msg: Grant | GrantRefused) -> None:
+        out = stream.out.get(msg.part)
+        if msg.sender_id != stream.plan.sender_id or out is None:
+            self.reject("unexpected_grant", f"{msg.type} for part {msg.part} of "
+                        f"{transfer.room!r}, sender {msg.sender_id}: never requested")
+            return
+        if out.stage is not _Stage.WAIT_GRANT:
+            if out.grant != msg:
+                self.reject("unexpected_grant", f"{msg.type} for part {msg.part} in {out.stage}")
+            return  # a duplicate of the grant in use
+        if isinstance(msg, GrantRefused):
+            needed_mib = -(-msg.needed_bytes // (1 << 20))
+            self._fail(transfer, FailureReason.OVERSIZED_CHUNK,
+                       f"a part needs {msg.needed_bytes} staging bytes but decode's pool holds "
+                       f"{msg.capacity_bytes}; raise decodePoolMiB to at least {needed_mib} "
+                       f"MiB or send smaller chunks")
+            return
+        ring = stream.document.ring
+        assert ring is not None  # checked when the stream opened
+        if msg.ring_version != stream.document.ring_version:
+            self.reject("stale_registration", f"grant for ring version {msg.ring_version}")
+            return
+        if msg.size_bytes != out.size_bytes or msg.ring_offset + msg.size_bytes > ring.size_bytes:
+            self.reject("region_mismatch", f"grant [{msg.ring_offset}, +{msg.size_bytes}) for "
+                        f"a {out.size_bytes}-byte part in a {ring.size_bytes}-byte ring")
+            self._violation(transfer, stream.peer, "grant outside the ring or of the wrong size")
+            return
+        out.grant = msg
+        self._try_post_staged(transfer, stream, out)
+
+    # Progress ------------------------------------------------------------------------------
+
+    def _progress(self) -> bool:
+        busy = False
+        for transfer in list(self._transfers.values()):
+            if transfer.lifecycle.state is not State.TRANSFERRING:
+                continue
+            with self.guard(self._failer(transfer)):
+                for stream in list(transfer.streams.values()):
+                    busy = self._advance(transfer, stream) or busy
+                    if transfer.lifecycle.finished:
+                        break
+                if not transfer.lifecycle.finished:
+                    self._check_complete(transfer)
+        return busy
+
+    def _advance(self, transfer: SendTransfer, stream: _Stream) -> bool:
+        busy = self._make_parts(transfer, stream)
+        for out in list(stream.out.values()):
+            if transfer.lifecycle.finished:
+                return True
+            if out.stage is _Stage.WAIT_READY:
+                if out.spec.ready is not None and not out.spec.ready.query():
+                    continue
+                busy = True
+                if stream.path == "staged":
+                    out.stage = _Stage.WAIT_STAGING
+                else:
+                    self._post_direct(transfer, stream, out)
+            if out.stage is _Stage.WAIT_STAGING:
+                busy = self._stage_part(transfer, stream, out) or busy
+            elif out.stage is _Stage.WAIT_GRANT and out.grant is not None:
+                busy = self._try_post_staged(transfer, stream, out) or busy
+            elif out.stage is _Stage.WRITING and out.handle is not None:
+                busy = self._poll_write(transfer, stream, out) or busy
+        return busy
+
+    def _make_parts(self, transfer: SendTransfer, stream: _Stream) -> bool:
+        made = False
+        while stream.next_spec < len(transfer.specs):
+            spec = transfer.specs[stream.next_spec]
+            stream.next_spec += 1
+            plan_layers = stream.plan.layers
+            start, stop = max(spec.layers.start, plan_layers.start), min(
+                spec.layers.stop, plan_layers.stop)
+            if start < stop:
+                index = stream.parts_made
+                stream.parts_made += 1
+                final = stream.parts_made if spec.last else None
+                stream.out[index] = _OutPart(index, spec, LayerRange(start, stop), final)
+                made = True
+            if spec.last and not stream.final_sent:
+                stream.final_sent = True
+                if start >= stop:
+                    if stream.parts_made == 0:
+                        raise ValueError(f"no part of {transfer.room!r} had layers for decode "
+                                         f"rank {stream.plan.decode}")
+                    self.send(stream.peer, Finish(room=transfer.room,
+                                                  sender_id=stream.plan.sender_id,
+                                                  final_parts=stream.parts_made))
+        return made
+
+    def _post_direct(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> None:
+        """Contiguous or sliced: one WRITE straight into decode's pages, PartDone attached."""
+        layers, pages = self._pairs(transfer, stream, out)
+        src_bases = [r.base_address for r in self.kv_regions]
+        dst_bases = [r.base_address for r in stream.document.kv_regions]
+        if stream.path == "contiguous":
+            local, remote = compute_contiguous_spans(
+                self.pool.layout, src_bases=src_bases, dst=stream.layout, dst_bases=dst_bases,
+                layers=layers, pages=pages)
+        else:
+            local, remote = compute_sliced_spans(
+                self.pool.layout, src_bases=src_bases, dst=stream.layout, dst_bases=dst_bases,
+                layers=layers, pages=pages, plan=stream.plan)
+        note = PartDone(room=transfer.room, part=out.index, sender_id=stream.plan.sender_id,
+                        final_parts=out.final)
+        regions = [r.to_region() for r in stream.document.kv_regions]
+        out.size_bytes = sum(length for _, length in local)
+        self._post(transfer, stream, out, local, remote, regions, encode_message(note))
+
+    def _stage_part(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
+        layers, pages = self._pairs(transfer, stream, out)
+        heads = stream.plan.heads
+        size = staged_chunk_bytes(self.pool.layout, len(layers), len(pages), heads.num_heads)
+        try:
+            region = self.staging.allocate(transfer.room, size)
+        except OversizedAllocation:
+            self._fail(transfer, FailureReason.OVERSIZED_CHUNK,
+                       f"a part needs {size} staging bytes but the prefill buffer holds "
+                       f"{self.staging.capacity_bytes}; raise prefillBufferMiB to at least "
+                       f"{-(-size // (1 << 20))} MiB or send smaller chunks")
+            return True
+        if region is None:
+            return False  # the buffer is full: a finishing WRITE frees it
+        view = self.staging_buffer[region.offset_bytes : region.offset_bytes + size]
+        if self._stream is not None:
+            # Order after the engine's stream (stream dependency, not a device sync).
+            self._stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+            with torch.cuda.stream(self._stream):
+                gather(self.pool, [s for s, _ in layers], [s for s, _ in pages],
+                       head_start=heads.src_head_offset, num_heads=heads.num_heads, out=view)
+                out.gathered = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                out.gathered.record(self._stream)
+        else:
+            gather(self.pool, [s for s, _ in layers], [s for s, _ in pages],
+                   head_start=heads.src_head_offset, num_heads=heads.num_heads, out=view)
+        out.staging, out.size_bytes, out.stage = region, size, _Stage.WAIT_GRANT
+        out.alloc_sent_at = self.clock()
+        self.alloc_requests_sent += 1
+        self.send(stream.peer, self._alloc_request(transfer, stream, out))
+        return True
+
+    def _alloc_request(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> Message:
+        return AllocRequest(room=transfer.room, part=out.index,
+                            sender_id=stream.plan.sender_id, size_bytes=out.size_bytes)
+
+    def _try_post_staged(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
+        grant, staging = out.grant, out.staging
+        if grant is None or staging is None:
+            return False
+        if out.gathered is not None and not out.gathered.query():  # type: ignore[no-untyped-call]
+            return False
+        ring = stream.document.ring
+        assert ring is not None
+        note = StagedPart(
+            room=transfer.room, part=out.index, sender_id=stream.plan.sender_id,
+            ring_offset=grant.ring_offset, size_bytes=grant.size_bytes,
+            layer_start=out.layers.start, layer_stop=out.layers.stop,
+            page_start=out.spec.pages.start, page_count=len(out.spec.pages),
+            final_parts=out.final,
+        )
+        granted = RegisteredRegion(f"{ring.name}@{grant.ring_offset}",
+                                   ring.base_address + grant.ring_offset, grant.size_bytes,
+                                   ring.to_region().kind, ring.device_id)
+        local = [(self.staging_region.base_address + staging.offset_bytes, out.size_bytes)]
+        remote = [(granted.base_address, grant.size_bytes)]
+        self._post(transfer, stream, out, local, remote, [granted], encode_message(note))
+        return True
+
+    def _post(  # noqa: PLR0917 - private, one caller per path
+        self,
+        transfer: SendTransfer,
+        stream: _Stream,
+        out: _OutPart,
+        local: list[tuple[int, int]],
+        remote: list[tuple[int, int]],
+        regions: list[RegisteredRegion],
+        note: bytes,
+    ) -> None:
+        try:
+            out.handle = self.transport.write(stream.peer, local, remote, regions, note)
+        except PeerUnreachable as exc:
+            self.prune_peer(stream.peer, str(exc))
+            return
+        except DescriptorError as exc:
+            self._violation(transfer, stream.peer, f"descriptors refused: {exc}")
+            return
+        except TransportError as exc:
+            self._fail(transfer, FailureReason.TRANSPORT_FAILED, str(exc))
+            return
+        out.stage = _Stage.WRITING
+        self.metrics.write_posted(stream.path, len(local))
+
+    def _poll_write(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
+        assert out.handle is not None
+        state = self.transport.state(out.handle)
+        if state is TransferState.PENDING:
+            return False
+        self.transport.release(out.handle)
+        out.handle = None
+        if state is TransferState.FAILED:
+            # Tell a live peer from a dead one: messaging a dead peer raises at once and
+            # prunes it (→ PeerUnreachable for all its requests).
+            if self.send(stream.peer, Abort(room=transfer.room, reason="TransportFailed")):
+                self._fail(transfer, FailureReason.TRANSPORT_FAILED,
+                           f"a WRITE to {stream.peer} failed", notify=False)
+            return True
+        if out.staging is not None:
+            self.staging.free(out.staging)
+        transfer.bytes += out.size_bytes
+        self.metrics.bytes_moved(stream.path, out.size_bytes)
+        del stream.out[out.index]
+        return True
+
+    def _pairs(
+        self, transfer: SendTransfer, stream: _Stream, out: _OutPart
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        plan = stream.plan
+        layers = [(g - self._stage_layers.start, g - plan.layers.start + plan.dst_layer_start)
+                  for g in range(out.layers.start, out.layers.stop)]
+        pages = [(transfer.src_pages[i], stream.dst_pages[i]) for i in out.spec.pages]
+        return layers, pages
+
+    # Deadlines and endings -----------------------------------------------------------------
+
+    def _check_deadlines(self, now: float) -> None:
+        for room, waiting in list(self._early.items()):
+            for entry in [e for e in waiting if e[2] <= now]:
+                waiting.remove(entry)
+                self.reject("expired_early_request", f"RequestKV for unregistered {room!r}")
+                self.send(entry[0], Abort(room=room, reason=FailureReason.LEASE_EXPIRED.value,
+                                          detail="prefill never registered this room"))
+            if not waiting:
+                del self._early[room]
+        for transfer in list(self._transfers.values()):
+            with self.guard(self._failer(transfer)):
+                self._check_transfer_deadlines(transfer, now)
+
+    def _check_transfer_deadlines(self, transfer: SendTransfer, now: float) -> None:
+        state = transfer.lifecycle.state
+        if state is State.BOOTSTRAPPING and now >= transfer.lease_deadline:
+            self._fail(transfer, FailureReason.LEASE_EXPIRED,
+                       f"no decode rank asked for this KV within {self.timeouts.kv_lease_s} s")
+            return
+        if state is not State.TRANSFERRING:
+            return
+        if now >= transfer.transfer_deadline:
+            self._fail(transfer, FailureReason.TRANSFER_TIMEOUT,
+                       f"not finished within {self.timeouts.transfer_s} s")
+            return
+        for stream in transfer.streams.values():
+            for out in stream.out.values():
+                if out.stage is not _Stage.WAIT_GRANT or out.grant is not None:
+                    continue
+                if now - out.alloc_sent_at < self.timeouts.grant_s:
+                    continue
+                out.retries += 1
+                if out.retries > self.timeouts.grant_retries:
+                    self._fail(transfer, FailureReason.GRANT_TIMEOUT,
+                               f"no grant from {stream.peer} for part {out.index} after "
+                               f"{self.timeouts.grant_retries} re-sends")
+                    return
+                out.alloc_sent_at = now
+                self.send(stream.peer, self._alloc_request(transfer, stream, out))
+
+    def _check_complete(self, transfer: SendTransfer) -> None:
+        if transfer.lifecycle.state is not State.TRANSFERRING or transfer.expected is None:
+            return
+        if not transfer.last_given or len(transfer.streams) < len(transfer.expected):
+            return
+        for stream in transfer.streams.values():
+            if stream.next_spec < len(transfer.specs) or stream.out or not stream.released:
+                return
+        self._apply(transfer, Event.COMPLETE)
+
+    def _failer(self, transfer: SendTransfer) -> Callable[[str], None]:
+        """What ``guard`` calls when processing ``transfer`` raised: fail only it."""
+        return lambda detail: self._fail(transfer, FailureReason.INTERNAL_ERROR, detail)
+
+    def _violation(self, transfer: SendTransfer, peer: str, detail: str) -> None:
+        self.reject("protocol_violation", f"{peer}: {detail}")
+        self._fail(transfer, FailureReason.PROTOCOL_VIOLATION, f"{peer}: {detail}")
+
+    def _fail(
+        self, transfer: SendTransfer, reason: FailureReason, detail: str, *, notify: bool = True
+    ) -> None:
+        if transfer.lifecycle.finished:
+            return
+        if notify:
+            for stream in transfer.streams.values():
+                if stream.peer in self.peers:
+                    self.send(stream.peer, Abort(room=transfer.room, reason=reason.value,
+                                                 detail=detail[:1024]))
+        self._apply(transfer, Event.FAIL, reason, detail)
+
+    def _apply(
+        self, transfer: SendTransfer, event: Event, reason: FailureReason | None = None,
+        detail: str = "",
+    ) -> None:
+        transfer.lifecycle.apply(event, reason, detail)
+        now = self.clock()
+        self.publish(transfer.status(now))
+        if transfer.lifecycle.finished:
+            self.metrics.request_finished(transfer.room, reason, detail, now - transfer.created)
+
+    def _release(self, transfer: SendTransfer) -> None:
+        """Terminal: abort WRITEs in flight, free staging, forget the request. Runs once."""
+        self._transfers.pop(transfer.room, None)
+        for stream in transfer.streams.values():
+            for out in stream.out.values():
+                if out.handle is not None:
+                    try:
+                        self.transport.release(out.handle)
+                    except TransportError as exc:
+                        _log.warning("room %s: releasing a WRITE: %s", transfer.room, exc)
+            stream.out.clear()
+        self.staging.free_owner(transfer.room)
+
+    def _on_peer_lost(self, peer: str, detail: str) -> None:
+        for transfer in list(self._transfers.values()):
+            if peer in transfer.streams:
+                self._fail(transfer, FailureReason.PEER_UNREACHABLE, detail, notify=False)
+
+    def _abort_all(self, detail: str) -> None:
+        for transfer in list(self._transfers.values()):
+            self._fail(transfer, FailureReason.ABORTED, detail)
+
+    def _topology(self, decode: Parallelism) -> TransferTopology:
+        topology = self._topologies.get(decode)
+        if topology is None:
+            topology = compute_transfer_topology(
+                self.identity.geometry.kv_geometry(), self.identity.parallelism, decode)
+            self._topologies[decode] = topology
+        return topology

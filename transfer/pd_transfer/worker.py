@@ -1,0 +1,72 @@
+"""The thread that drives one endpoint: ``step`` in a loop, sleeping a little when idle.
+
+One worker per rank owns the endpoint and its transport (which is not thread-safe). It
+never dies from one request's error (the endpoint isolates those, FAILURES #12); an
+unexpected error of the loop itself is logged and the loop goes on after a short pause.
+It never exits the process. Idle polling backs off from 50 µs to ``max_idle_sleep_s`` so
+several ranks can share two cores (NIXL runs without a progress thread: see TESTBED.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol
+
+__all__ = ["Steppable", "Worker"]
+
+_log = logging.getLogger("pd_transfer")
+
+
+class Steppable(Protocol):
+    def step(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class Worker:
+    """Runs ``endpoint.step()`` on a daemon thread until ``stop``."""
+
+    def __init__(
+        self, endpoint: Steppable, name: str = "pd-transfer", max_idle_sleep_s: float = 0.001
+    ) -> None:
+        self.endpoint = endpoint
+        self.max_idle_sleep_s = max_idle_sleep_s
+        self.loop_errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> Worker:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0, *, close: bool = True) -> None:
+        """Stop the loop; then (on this thread, the worker being gone) close the endpoint."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            _log.error("worker %s did not stop within %s s", self._thread.name, timeout_s)
+            return
+        if close:
+            self.endpoint.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        sleep_s = 0.0
+        while not self._stop.is_set():
+            try:
+                busy = self.endpoint.step()
+            except Exception:
+                self.loop_errors += 1
+                _log.exception("transfer worker loop error (the worker keeps serving)")
+                busy = False
+                sleep_s = self.max_idle_sleep_s
+            if busy:
+                sleep_s = 0.0
+                continue
+            sleep_s = min(max(sleep_s * 2, 50e-6), self.max_idle_sleep_s)
+            time.sleep(sleep_s)

@@ -52,6 +52,28 @@ class RingWatermark(APIModel):
     pending_grants: int = Field(default=0, ge=0, description="Allocation requests waiting.")
 
 
+class AgentEndpoints(APIModel):
+    """Where the pod's transfer module and engine can be reached (host:port)."""
+
+    bootstrap: str = Field(
+        default="", description="NIXL bootstrap server (metadata exchange), host:port."
+    )
+    engine: str = Field(default="", description="Engine HTTP endpoint, host:port.")
+    metrics: str = Field(default="", description="Prometheus metrics endpoint, host:port.")
+
+
+class WindowCounts(APIModel):
+    """Transfers finished in the last window; the operator's health decision reads these, so
+    it needs no memory of earlier reports and survives its own restarts."""
+
+    seconds: int = Field(default=0, ge=0, description="Length of the window.")
+    transfers: int = Field(default=0, ge=0, description="Requests finished in the window.")
+    failures: int = Field(default=0, ge=0, description="Requests failed in the window.")
+    failures_by_reason: dict[str, int] = Field(
+        default_factory=dict, description="Failed requests per reason in the window."
+    )
+
+
 class PeerTransport(APIModel):
     """Transport the pod's NIXL agent uses towards one peer."""
 
@@ -63,6 +85,9 @@ class TransferAgentStatus(APIModel):
     """What one pod's transfer module reports."""
 
     pod_uid: str = Field(default="", alias="podUID", description="UID of the reporting pod.")
+    endpoints: AgentEndpoints = Field(
+        default_factory=AgentEndpoints, description="Addresses peers and routers use."
+    )
     incarnation: str = Field(
         default="", description="Identity of the reporting process (pod UID and start time)."
     )
@@ -82,6 +107,9 @@ class TransferAgentStatus(APIModel):
     failures_total: int = Field(default=0, ge=0, description="Requests failed since start.")
     failures_by_reason: dict[str, int] = Field(
         default_factory=dict, description="Failed requests per reason since start."
+    )
+    window: WindowCounts = Field(
+        default_factory=WindowCounts, description="Transfers in the last health window."
     )
     recent_failures: list[TransferFailure] = Field(
         default_factory=list, description="Most recent failures (bounded)."

@@ -350,3 +350,14 @@ def test_children_pass_strict_kubernetes_schema(example: Any, version: str) -> N
     pdd.metadata.uid = "uid-1"
     for child in build_children(pdd, Capabilities()):
         kubernetes_validate.validate(child, version, strict=True)
+
+
+def test_readiness_gate_only_where_the_agent_reports() -> None:
+    """Guards against pods that can never become Ready: SGLang and vLLM move KV with their
+    own connectors and run no agent to set the gate."""
+    def gates(pdd: PDDeployment) -> list[Any]:
+        sts = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")]
+        return list(sts["spec"]["template"]["spec"].get("readinessGates", []))
+
+    assert gates(tiny()) == [{"conditionType": "pd.serving.dev/transfer-ready"}]
+    assert gates(tiny(engine={"framework": "sglang", "image": "lmsysorg/sglang:latest"})) == []

@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 from pd_operator.api.resources import PDDeployment
+from pd_operator.api.spec import Framework
 from pd_operator.api.transferagent import Role
 from pd_operator.build.config import transfer_config_hash
 from pd_operator.build.engine import (
@@ -77,6 +78,15 @@ def _volumes(pdd: PDDeployment, role: Role) -> tuple[list[Any], list[Any]]:
     return volumes, mounts
 
 
+def reports_transfer_health(pdd: PDDeployment) -> bool:
+    """Whether the pods run pd_transfer's agent, which reports into a TransferAgent.
+
+    Only then does the pod carry the transfer readiness gate: an engine that moves KV with
+    its own connector never reports, and a gate nobody sets would keep its pods unready.
+    """
+    return pdd.spec.engine.framework is Framework.REFERENCE
+
+
 def build_pod_template(pdd: PDDeployment, role: Role) -> dict[str, Any]:
     """The pod template, labelled with the hash of everything that needs a pod restart.
 
@@ -118,10 +128,11 @@ def build_pod_template(pdd: PDDeployment, role: Role) -> dict[str, Any]:
         "serviceAccountName": agent_service_account(name),
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
-        "readinessGates": [{"conditionType": TRANSFER_READY_CONDITION}],
         "containers": [container],
         "volumes": volumes,
     }
+    if reports_transfer_health(pdd):
+        pod_spec["readinessGates"] = [{"conditionType": TRANSFER_READY_CONDITION}]
     if rs.pod.node_selector:
         pod_spec["nodeSelector"] = dict(rs.pod.node_selector)
     if rs.pod.tolerations:

@@ -6,6 +6,13 @@ no kopf state on the objects (no progress annotations, no finalizers), so the op
 writes nothing to an object it has nothing to change on. Child and pod events reach their
 PDDeployment through the `pd.serving.dev/deployment` label; a periodic resync comes from
 the work queue itself.
+
+Triggers that can only refresh the status are coalesced (`ReconcileLoop.
+enqueue_status_refresh`): TransferAgent reports, which arrive from every pod every few
+seconds, and PDDeployment events whose spec the stored status already reflects (most of them
+are the operator's own status writes), and pod events, which change only the status too
+(replica counts, readiness; the operator's own transfer-gate patches among them). Spec
+changes, deletions and events of the children the operator applies stay immediate.
 """
 
 from __future__ import annotations
@@ -15,12 +22,20 @@ from typing import Any
 import kopf
 
 from pd_operator import settings
-from pd_operator.api import GROUP, VERSION, PDDeployment
+from pd_operator.api import GROUP, VERSION, PDDeployment, TransferAgent
 from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER
 from pd_operator.kube import bearer_token, load_configuration
 from pd_operator.reconcile import ReconcileLoop
 
-__all__ = ["login", "on_child_event", "on_pddeployment_event", "start", "stop"]
+__all__ = [
+    "login",
+    "on_child_event",
+    "on_pddeployment_event",
+    "on_pod_event",
+    "on_transferagent_event",
+    "start",
+    "stop",
+]
 
 _MANAGED = {LABEL_MANAGED_BY: MANAGER}
 
@@ -59,9 +74,35 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.event(GROUP, VERSION, PDDeployment.plural)
 async def on_pddeployment_event(
-    memo: kopf.Memo, namespace: str | None, name: str | None, **_: Any
+    memo: kopf.Memo, namespace: str | None, name: str | None, type: str | None,
+    body: kopf.Body, **_: Any,
 ) -> None:
-    _enqueue(memo, namespace, name)
+    loop = _loop(memo)
+    if loop is None or not namespace or not name:
+        return
+    if type == "MODIFIED" and _spec_reflected(body):
+        loop.enqueue_status_refresh(namespace, name, report=False)
+    else:
+        loop.enqueue(namespace, name)
+
+
+def _spec_reflected(body: kopf.Body) -> bool:
+    """The stored status was computed for the current generation: nothing in the spec is
+    new, so the event can only be a status write (ours) or a metadata edit."""
+    generation = body.get("metadata", {}).get("generation")
+    observed = (body.get("status") or {}).get("observedGeneration")
+    return generation is not None and generation == observed
+
+
+@kopf.on.event(GROUP, VERSION, TransferAgent.plural, labels={LABEL_DEPLOYMENT: kopf.PRESENT})
+async def on_transferagent_event(
+    memo: kopf.Memo, namespace: str | None, labels: kopf.Labels, **_: Any
+) -> None:
+    """A pod's agent reported: refresh its PDDeployment's status, coalesced."""
+    loop = _loop(memo)
+    name = labels.get(LABEL_DEPLOYMENT)
+    if loop is not None and namespace and name:
+        loop.enqueue_status_refresh(namespace, name, report=True)
 
 
 async def on_child_event(
@@ -70,16 +111,31 @@ async def on_child_event(
     _enqueue(memo, namespace, labels.get(LABEL_DEPLOYMENT))
 
 
+async def on_pod_event(
+    memo: kopf.Memo, namespace: str | None, labels: kopf.Labels, **_: Any
+) -> None:
+    """Pods feed only the status (replica counts, readiness): coalesced like reports."""
+    loop = _loop(memo)
+    name = labels.get(LABEL_DEPLOYMENT)
+    if loop is not None and namespace and name:
+        loop.enqueue_status_refresh(namespace, name, report=False)
+
+
 for _group, _version, _plural in settings.CHILD_RESOURCES:
     kopf.on.event(
         _group, _version, _plural, labels={**_MANAGED, LABEL_DEPLOYMENT: kopf.PRESENT},
         id=f"child-{_plural}",
-    )(on_child_event)
+    )(on_pod_event if _plural == "pods" else on_child_event)
 
 
 # Handlers are async on purpose: kopf runs sync handlers in threads, and the work queue
 # belongs to the event loop.
-def _enqueue(memo: kopf.Memo, namespace: str | None, name: str | None) -> None:
+def _loop(memo: kopf.Memo) -> ReconcileLoop | None:
     loop = memo.get("reconcile_loop")
-    if isinstance(loop, ReconcileLoop) and namespace and name:
+    return loop if isinstance(loop, ReconcileLoop) else None
+
+
+def _enqueue(memo: kopf.Memo, namespace: str | None, name: str | None) -> None:
+    loop = _loop(memo)
+    if loop is not None and namespace and name:
         loop.enqueue(namespace, name)

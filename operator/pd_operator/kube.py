@@ -29,7 +29,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from pd_operator.api import API_VERSION, PDDeployment
+from pd_operator.api import API_VERSION, PDDeployment, TransferAgent
 from pd_operator.build import FIELD_MANAGER, Capabilities
 from pd_operator.errors import (
     ConflictError,
@@ -46,6 +46,7 @@ __all__ = [
     "EVENT_COMPONENT",
     "PDDEPLOYMENTS",
     "PODS",
+    "TRANSFERAGENTS",
     "KindRef",
     "KubeClient",
     "bearer_token",
@@ -86,6 +87,8 @@ PODS: Final = KindRef("v1", "Pod", "pods")
 EVENTS: Final = KindRef("v1", "Event", "events")
 PDDEPLOYMENTS: Final = KindRef(API_VERSION, PDDeployment.kind_name, PDDeployment.plural)
 PDB: Final = KindRef("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+# Created by the pods' agents, not by the operator: listed by the deployment label and read.
+TRANSFERAGENTS: Final = KindRef(API_VERSION, TransferAgent.kind_name, TransferAgent.plural)
 
 # Every kind build_children may produce. Listing them all (not only the desired ones) is
 # what finds children to delete, e.g. the router after `spec.router.enabled: false`.
@@ -99,7 +102,9 @@ CHILD_KINDS: Final = (
     KindRef("apps/v1", "Deployment", "deployments"),
     PDB,
 )
-_BY_KIND: Final = {(k.api_version, k.kind): k for k in (*CHILD_KINDS, PODS, PDDEPLOYMENTS)}
+_BY_KIND: Final = {
+    (k.api_version, k.kind): k for k in (*CHILD_KINDS, PODS, PDDEPLOYMENTS, TRANSFERAGENTS)
+}
 
 
 def load_configuration(kubeconfig: str | None = None) -> k8s.Configuration:

@@ -5,6 +5,8 @@ Names follow prometheus.io naming practice: a `pd_operator_` prefix, units in th
 endpoint also serves the client library's process metrics (RSS, CPU, open fds).
 `api_writes_total` counts every write request kube.py sends: a steady-state operator keeps it
 flat, which is how tests and the benchmark prove that an idle reconcile writes nothing.
+`transfer_reports_total`, `status_writes_total` and `status_writes_coalesced_total` show the
+fan-in of the pods' TransferAgent reports: many reports, few status writes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ __all__ = [
     "MANAGED_OBJECTS",
     "RECONCILES",
     "RECONCILE_DURATION",
+    "STATUS_WRITES",
+    "STATUS_WRITES_COALESCED",
+    "TRANSFER_REPORTS",
     "WORKQUEUE_DEPTH",
     "api_writes_total",
     "serve",
@@ -48,6 +53,24 @@ WORKQUEUE_DEPTH: Final = Gauge(
     "PDDeployments waiting for a reconcile (not counting delayed retries and resyncs).",
 )
 
+TRANSFER_REPORTS: Final = Counter(
+    "pd_operator_transfer_reports_total",
+    "TransferAgent watch events received (each is one agent status write, or a create).",
+)
+STATUS_WRITES: Final = Counter(
+    "pd_operator_status_writes_total",
+    "Status writes sent: PDDeployment status (kind=PDDeployment) and the pods' transfer-ready "
+    "readiness-gate condition (kind=Pod).",
+    ["kind"],
+)
+STATUS_WRITES_COALESCED: Final = Counter(
+    "pd_operator_status_writes_coalesced_total",
+    "Status-only triggers (agent reports, the operator's own status writes) folded into a "
+    "reconcile that was already due, so that they cause no status write of their own.",
+)
+
+for _kind in ("PDDeployment", "Pod"):
+    STATUS_WRITES.labels(kind=_kind)
 for _result in ("success", "error", "conflict", "invalid"):
     RECONCILES.labels(result=_result)  # export zeros, so rates work from the first scrape
 

@@ -30,6 +30,9 @@ def add_parser(subparsers: Any) -> None:
                         help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
     parser.add_argument("--resync-seconds", type=float, default=300.0,
                         help="level check of every PDDeployment at least this often")
+    parser.add_argument("--status-interval-seconds", type=float, default=5.0,
+                        help="least time between two status refreshes of one PDDeployment "
+                        "triggered by TransferAgent reports (spec changes stay immediate)")
     parser.add_argument("--workers", type=int, default=4,
                         help="PDDeployments reconciled in parallel")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -50,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         os.environ["KUBECONFIG"] = args.kubeconfig
     settings.configure(
         kubeconfig=args.kubeconfig,
-        tuning=QueueTuning(workers=args.workers, resync_s=args.resync_seconds),
+        tuning=QueueTuning(workers=args.workers, resync_s=args.resync_seconds,
+                           status_interval_s=args.status_interval_seconds),
     )
     metrics.serve(args.metrics_port)
     del handlers  # imported for its registrations

@@ -8,10 +8,15 @@
    another desired-hash, or no longer contain the desired manifest (`is_subset`): hand edits
    are restored and a steady state sends no write at all; delete our children that are no
    longer desired (router disabled, PDBs on a server without policy/v1);
-4. list the pods of both roles;
+4. list the pods of both roles and the pods' TransferAgents;
 5. compute the status (pure, `status.compute_status`);
 6. write it through the status subresource only if it differs from the stored one;
-7. emit Events for condition transitions, only after that write succeeded.
+7. set each gated pod's `pd.serving.dev/transfer-ready` condition from its own report, only
+   where its status or reason changes;
+8. emit Events for condition transitions and per-pod transfer-health transitions, only after
+   the status write succeeded.
+A reconcile that saw fresh TransferAgent reports asks to run again when the first of them
+would turn stale (`RecheckAfter`): staleness is the absence of events, so no watch brings it.
 No finalizer: children carry a controller ownerReference, so the garbage collector removes
 them with the PDDeployment and the operator has nothing to clean up (and needs no write on
 deletion, nor blocks deletion while it is down).
@@ -47,11 +52,13 @@ from pd_operator.build.names import (
     LABEL_ROLE,
     LABEL_TEMPLATE_HASH,
     MANAGER,
+    TRANSFER_READY_CONDITION,
     role_selector,
     role_workload,
     router_name,
     selector_string,
 )
+from pd_operator.build.pod import reports_transfer_health
 from pd_operator.errors import (
     ConflictError,
     InvalidObjectError,
@@ -59,25 +66,45 @@ from pd_operator.errors import (
     PermanentError,
     RetryableError,
 )
-from pd_operator.kube import CHILD_KINDS, PDB, PDDEPLOYMENTS, PODS, KubeClient
-from pd_operator.metrics import MANAGED_OBJECTS, RECONCILE_DURATION, RECONCILES
+from pd_operator.kube import CHILD_KINDS, PDB, PDDEPLOYMENTS, PODS, TRANSFERAGENTS, KubeClient
+from pd_operator.metrics import (
+    MANAGED_OBJECTS,
+    RECONCILE_DURATION,
+    RECONCILES,
+    STATUS_WRITES,
+    STATUS_WRITES_COALESCED,
+    TRANSFER_REPORTS,
+)
 from pd_operator.status import (
     Observed,
     PDDSnapshot,
+    PodReport,
+    ReportState,
     RoleObservation,
+    compute_pod_reports,
     compute_status,
     find_condition,
+    next_stale_in,
 )
-from pd_operator.status.conditions import DEGRADED, READY, SPEC_VALID
-from pd_operator.workqueue import QueueTuning, WorkQueue
+from pd_operator.status.conditions import (
+    DEGRADED,
+    READY,
+    SPEC_VALID,
+    TRANSFER_HEALTHY,
+    TRANSPORT_VERIFIED,
+)
+from pd_operator.workqueue import QueueTuning, RecheckAfter, WorkQueue
 
 __all__ = [
     "DEGRADED_AFTER_FAILURES",
+    "STALE_RECHECK_SLACK_S",
+    "GateChange",
     "ReconcileLoop",
     "Reconciler",
     "first_difference",
     "is_subset",
     "needs_apply",
+    "transfer_gate_changes",
     "transition_events",
 ]
 
@@ -88,7 +115,9 @@ Obj = dict[str, Any]
 # Retryable API errors on this many consecutive attempts show as Degraded=True: one 503
 # during an API server restart is noise, three in a row (~3.5 s of backoff) is an outage.
 DEGRADED_AFTER_FAILURES: Final = 3
-
+# Come back this long after a report's staleness limit, so that second-precision report
+# times never make the recheck land a moment before the report is stale.
+STALE_RECHECK_SLACK_S: Final = 1.0
 
 
 def _is_empty(value: Any) -> bool:
@@ -158,8 +187,9 @@ def transition_events(
 ) -> list[tuple[str, str, str]]:
     """(type, reason, message) of an Event for each condition whose status changed.
 
-    Warning for changes to a bad state (SpecValid=False, Degraded=True, Ready lost),
-    Normal otherwise. A condition seen for the first time produces an Event only when bad.
+    Warning for changes to a bad state (SpecValid=False, Degraded=True, Ready lost,
+    TransferHealthy=False, TransportVerified=False), Normal otherwise. A condition seen for
+    the first time produces an Event only when bad.
     """
     events = []
     for new in after:
@@ -171,6 +201,8 @@ def transition_events(
             or (new.type == DEGRADED and new.status is ConditionStatus.TRUE)
             or (new.type == READY and new.status is ConditionStatus.FALSE and old is not None
                 and old.status is ConditionStatus.TRUE)
+            or (new.type in (TRANSFER_HEALTHY, TRANSPORT_VERIFIED)
+                and new.status is ConditionStatus.FALSE)
         )
         if old is None and not bad:
             continue  # a first visit reports only what is wrong, not every initial value
@@ -180,6 +212,60 @@ def transition_events(
             f"{new.type} is {new.status.value}: {new.message}",
         ))
     return events
+
+
+def _pod_condition(pod: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    conditions = pod.get("status", {}).get("conditions") or []
+    return next((c for c in conditions if c.get("type") == type_), None)
+
+
+def _has_transfer_gate(pod: Mapping[str, Any]) -> bool:
+    """The pod itself declares the gate (an older revision may not, whatever the spec says)."""
+    gates = pod.get("spec", {}).get("readinessGates") or []
+    return any(g.get("conditionType") == TRANSFER_READY_CONDITION for g in gates)
+
+
+@dataclass(frozen=True)
+class GateChange:
+    """A transfer-ready condition to write on one pod; `announce`: worth an Event."""
+
+    pod: str
+    condition: Mapping[str, Any]
+    announce: bool
+    bad_news: bool
+
+
+def transfer_gate_changes(
+    pods: Sequence[Mapping[str, Any]], reports: Sequence[PodReport], now: datetime
+) -> list[GateChange]:
+    """The transfer-ready conditions that differ (in status or reason) from the pods' own.
+
+    Pods without the gate and pods being deleted are left alone. lastTransitionTime moves
+    only when the status flips. `bad_news` marks changes worth a Warning Event: a flip to
+    False, or a first verdict that is already Failing (a new pod that merely has not
+    reported yet is not news).
+    """
+    by_name = {str(p.get("metadata", {}).get("name")): p for p in pods}
+    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    changes = []
+    for report in reports:
+        pod = by_name.get(report.pod)
+        if pod is None or not _has_transfer_gate(pod) or \
+                pod.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        status, reason, message = report.gate()
+        old = _pod_condition(pod, TRANSFER_READY_CONDITION)
+        if old is not None and old.get("status") == status.value and \
+                old.get("reason") == reason:
+            continue
+        flipped = old is not None and old.get("status") != status.value
+        transition = stamp if old is None or flipped else old.get("lastTransitionTime", stamp)
+        condition = {"type": TRANSFER_READY_CONDITION, "status": status.value,
+                     "reason": reason, "message": message, "lastTransitionTime": transition}
+        announce = flipped or (old is None and report.state is ReportState.FAILING)
+        changes.append(GateChange(report.pod, condition, announce,
+                                  bad_news=status is not ConditionStatus.TRUE))
+    return changes
 
 
 def utc_now() -> datetime:
@@ -221,10 +307,11 @@ class Reconciler:
 
     # -- entry point ---------------------------------------------------------------------
 
-    def reconcile(self, namespace: str, name: str, failures: int = 0) -> bool:
+    def reconcile(self, namespace: str, name: str, failures: int = 0) -> bool | RecheckAfter:
         """Bring one PDDeployment's children and status to the desired level.
 
-        Returns False when the PDDeployment is gone (the caller stops resyncing it).
+        Returns False when the PDDeployment is gone (the caller stops resyncing it), and
+        `RecheckAfter` when the status will change with time alone (a report turning stale).
         Raises `OperatorError` subclasses for the work queue to retry.
         """
         started = time.monotonic()
@@ -239,7 +326,9 @@ class Reconciler:
             RECONCILES.labels(result=result).inc()
             RECONCILE_DURATION.observe(time.monotonic() - started)
 
-    def _reconcile(self, namespace: str, name: str, failures: int) -> tuple[bool, str]:
+    def _reconcile(
+        self, namespace: str, name: str, failures: int
+    ) -> tuple[bool | RecheckAfter, str]:
         body = self.kube.get(PDDEPLOYMENTS, namespace, name)
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             self._set_managed((namespace, name), Counter())
@@ -269,11 +358,19 @@ class Reconciler:
             failure, pending = f"{exc} ({failures + 1} attempts in a row)", exc
         self._set_managed((namespace, name), Counter(m["kind"] for m in desired))
         pods = self.kube.list_objects(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}")
-        observed = self._observe(pdd, desired, live, pods=pods, created=created, failure=failure)
-        status = compute_status(pdd, observed, self.clock())
-        self._write_status(parsed, status)
+        agents = self.kube.list_objects(TRANSFERAGENTS, namespace, f"{LABEL_DEPLOYMENT}={name}")
+        observed = self._observe(pdd, desired, live, pods=pods, created=created, failure=failure,
+                                 agents=agents)
+        now = self.clock()
+        status = compute_status(pdd, observed, now)
+        engine_pods = [*observed.prefill.pods, *observed.decode.pods]
+        reports = compute_pod_reports(pdd.spec, engine_pods, agents, now)
+        self._write_status(parsed, status, transfer_gate_changes(engine_pods, reports, now))
         if pending is not None:
             raise pending
+        stale_in = next_stale_in(pdd.spec, reports, now)
+        if stale_in is not None:
+            return RecheckAfter(stale_in + STALE_RECHECK_SLACK_S), "success"
         return True, "success"
 
     # -- steps ---------------------------------------------------------------------------
@@ -345,6 +442,7 @@ class Reconciler:
         pods: Sequence[Obj],
         created: Sequence[str],
         failure: str | None,
+        agents: Sequence[Obj] = (),
     ) -> Observed:
         name = pdd.metadata.name
         by_name = {(m["kind"], m["metadata"]["name"]): m for m in desired}
@@ -371,16 +469,31 @@ class Reconciler:
             router_replicas=pdd.spec.router.replicas,
             router=router,
             failure=failure,
+            agents=tuple(agents),
+            transfer_gate=reports_transfer_health(pdd),
         )
 
-    def _write_status(self, parsed: _Parsed, status: PDDeploymentStatus) -> None:
+    def _write_status(
+        self, parsed: _Parsed, status: PDDeploymentStatus, gates: Sequence[GateChange] = ()
+    ) -> None:
+        """Write the status if it changed, then the pods' gates, then the Events."""
+        events: list[tuple[str, str, str]] = []
         wire = status.to_wire()
-        if wire == parsed.body.get("status"):
-            return
-        self.kube.replace_status(parsed.body, wire)
+        if wire != parsed.body.get("status"):
+            self.kube.replace_status(parsed.body, wire)
+            STATUS_WRITES.labels(kind="PDDeployment").inc()
+            events += transition_events(parsed.previous.conditions, status.conditions)
+        namespace = parsed.body["metadata"]["namespace"]
+        for change in gates:
+            self.kube.patch_pod_condition(namespace, change.pod, change.condition)
+            STATUS_WRITES.labels(kind="Pod").inc()
+            if change.announce:
+                c = change.condition
+                events.append(("Warning" if change.bad_news else "Normal", str(c["reason"]),
+                               f"Pod {change.pod}: {TRANSFER_READY_CONDITION} is "
+                               f"{c['status']}: {c['message']}"))
         now = self.clock()
-        for event_type, reason, message in transition_events(parsed.previous.conditions,
-                                                             status.conditions):
+        for event_type, reason, message in events:
             try:
                 self.kube.create_event(parsed.body, event_type, reason, message, now)
             except OperatorError as exc:
@@ -421,11 +534,21 @@ class ReconcileLoop:
         log.info("API server capabilities: %s", capabilities)
         return cls(Reconciler(kube, capabilities), tuning)
 
-    async def _work(self, key: Key, failures: int) -> bool:
+    async def _work(self, key: Key, failures: int) -> bool | RecheckAfter:
         return await asyncio.to_thread(self.reconciler.reconcile, key[0], key[1], failures)
 
     def enqueue(self, namespace: str, name: str) -> None:
+        """A trigger that may need action now: spec, child and pod events."""
         self.queue.add((namespace, name))
+
+    def enqueue_status_refresh(self, namespace: str, name: str, *, report: bool) -> None:
+        """A trigger that can only change the status: an agent report (`report`), or an
+        event of the PDDeployment whose spec the stored status already reflects. Coalesced
+        to at most one reconcile per `QueueTuning.status_interval_s` per PDDeployment."""
+        if report:
+            TRANSFER_REPORTS.inc()
+        if not self.queue.add_throttled((namespace, name)):
+            STATUS_WRITES_COALESCED.inc()
 
     def start(self) -> None:
         self.queue.start()

@@ -13,10 +13,18 @@ from typing import Any
 
 import kopf
 
-from pd_operator.build.names import LABEL_MANAGED_BY, MANAGER
+from pd_operator.api._base import GROUP, VERSION
+from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER
 from pd_operator.workqueue import QueueTuning
 
-__all__ = ["CHILD_RESOURCES", "OperatorConfig", "configure", "configure_kopf", "current"]
+__all__ = [
+    "CHILD_RESOURCES",
+    "TRANSFER_AGENT_RESOURCE",
+    "OperatorConfig",
+    "configure",
+    "configure_kopf",
+    "current",
+]
 
 # (group, version, plural) of every kind the operator watches besides PDDeployments: each
 # event of one of our children or pods maps to its PDDeployment through its labels.
@@ -30,6 +38,9 @@ CHILD_RESOURCES: tuple[tuple[str, str, str], ...] = (
     ("apps", "v1", "deployments"),
     ("", "v1", "pods"),
 )
+
+# (group, version, plural) of TransferAgents: their events refresh their PDDeployment's status.
+TRANSFER_AGENT_RESOURCE: tuple[str, str, str] = (GROUP, VERSION, "transferagents")
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,9 @@ def configure_kopf(settings: kopf.OperatorSettings, **_: Any) -> None:
     # reach the operator (less memory, CPU and API server load than client-side filters).
     for resource in CHILD_RESOURCES:
         settings.watching.label_selectors[resource] = f"{LABEL_MANAGED_BY}={MANAGER}"
+    # TransferAgents are created by the pods' agents, not by us: select those that name
+    # their PDDeployment (an existence selector), the one label every report must carry.
+    settings.watching.label_selectors[TRANSFER_AGENT_RESOURCE] = LABEL_DEPLOYMENT
     # No dynamic scanning of CRDs and namespaces: the operator serves the namespaces it is
     # told to, and needs no list/watch permission on namespaces or CRDs.
     settings.scanning.disabled = True

@@ -210,7 +210,7 @@ def test_children_pods_and_status_follow_the_pddeployment(operator: KopfRunner,
     assert cluster.condition("Ready")["reason"] == "ReplicasNotReady"
     assert cluster.condition("TransferHealthy")["reason"] == "NoReports"
     assert status["stagingRollout"]["summary"] == "4096MiB"
-    assert status["transfer"]["summary"] == "Unknown"
+    assert status["transfer"]["summary"] == "NoReports"
     sts = cluster.live()[("apps/v1", "StatefulSet", cluster.ns, f"{NAME}-prefill")]
     assert status["prefill"]["revision"] == \
         sts["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH]

@@ -46,7 +46,8 @@ def test_all_ready_pods_of_current_revision_make_ready() -> None:
                                revision="rev1", selector=SEL_P, summary="2/2")
     assert got.prefill == expected_role
     assert got.decode == expected_role.model_copy(update={"selector": SEL_D})
-    assert got.transfer == TransferStatus(summary="Unknown")
+    # No TransferAgent reports at all: nothing to aggregate yet.
+    assert got.transfer == TransferStatus(summary="NoReports")
     assert got.staging_rollout == StagingRolloutStatus(summary="Unused")
     assert got.phase is Phase.READY
     assert [c.type for c in got.conditions] == [
@@ -55,8 +56,9 @@ def test_all_ready_pods_of_current_revision_make_ready() -> None:
     assert status_of(got, "Ready") == ("True", "AllReplicasReady")
     assert status_of(got, "Progressing") == ("False", "ReconcileComplete")
     assert status_of(got, "Degraded") == ("False", "AsExpected")
-    for t in ("TransferHealthy", "TransportVerified", "StagingPoolReady"):
+    for t in ("TransferHealthy", "TransportVerified"):
         assert status_of(got, t) == ("Unknown", "NoReports")
+    assert status_of(got, "StagingPoolReady") == ("True", "NotInUse")
     assert all(c.last_transition_time == NOW for c in got.conditions)
 
 

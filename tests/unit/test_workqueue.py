@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from pd_operator.errors import ConflictError, TransientAPIError
-from pd_operator.workqueue import QueueTuning, WorkQueue
+from pd_operator.workqueue import QueueTuning, RecheckAfter, WorkQueue
 
 FAST = QueueTuning(workers=2, resync_s=60.0, conflict_delay_s=0.01, base_backoff_s=0.02,
                    max_backoff_s=0.08)
@@ -131,3 +132,61 @@ def test_a_failing_key_does_not_stop_other_keys() -> None:
 
     run(scenario())
     assert done == ["x", "y"]
+
+
+def test_throttled_adds_cost_one_run_per_interval_and_plain_adds_stay_immediate() -> None:
+    """Guards against one status write per agent report: 50 reports within the interval
+    are folded into one run at `last start + interval`; a spec change (plain add) is not
+    delayed by the throttle."""
+    starts: list[float] = []
+
+    async def work(key: str, failures: int) -> bool:
+        starts.append(asyncio.get_running_loop().time())
+        return True
+
+    async def scenario() -> list[bool]:
+        queue: WorkQueue[str] = WorkQueue(work, replace(FAST, status_interval_s=0.2))
+        queue.start()
+        first = queue.add_throttled("k")  # never run before: due now
+        await queue.wait_idle()
+        folded = []
+        for _ in range(50):
+            folded.append(queue.add_throttled("k"))
+            await asyncio.sleep(0.001)
+        delay = queue.delayed("k")
+        assert delay is not None and 0.05 < delay <= 0.2
+        while len(starts) < 2:
+            await asyncio.sleep(0.01)
+        queue.add("k")  # a spec change right after: immediate, not throttled
+        while len(starts) < 3:
+            await asyncio.sleep(0.005)
+        await queue.stop()
+        return [first, *folded]
+
+    results = run(scenario())
+    assert results[0] is True and results[1] is True and not any(results[2:])
+    assert len(starts) == 3
+    assert starts[1] - starts[0] == pytest.approx(0.2, abs=0.05)
+    assert starts[2] - starts[1] < 0.05
+
+
+def test_recheck_after_requeues_sooner_than_resync() -> None:
+    starts: list[float] = []
+
+    async def work(key: str, failures: int) -> bool | RecheckAfter:
+        starts.append(asyncio.get_running_loop().time())
+        return RecheckAfter(0.05) if len(starts) == 1 else True
+
+    async def scenario() -> None:
+        queue: WorkQueue[str] = WorkQueue(work, FAST)  # resync after 60 s
+        queue.start()
+        queue.add("k")
+        while len(starts) < 2:
+            await asyncio.sleep(0.005)
+        await queue.wait_idle()
+        delay = queue.delayed("k")
+        assert delay is not None and delay > 50  # back to the resync after the recheck
+        await queue.stop()
+
+    run(scenario())
+    assert starts[1] - starts[0] == pytest.approx(0.05, abs=0.03)

@@ -97,7 +97,9 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     print(f"bench pipeline: prefill {settings.device}, link {link}, model {preset} "
           f"{model}, dtype {settings.dtype}, page {settings.page_size}, "
           f"repeats {settings.repeats}, torch threads {torch.get_num_threads()}")
-    report = run_bench(settings)
+    json_path = args.json
+    report = run_bench(settings, checkpoint=None if json_path is None
+                       else lambda partial: write_json(partial, json_path))
     if args.json is not None:
         write_json(report, args.json)
         print(f"wrote {args.json}")

@@ -208,8 +208,10 @@ def _median_run(runs: list[_Run]) -> _Run:
     return ordered[len(ordered) // 2]
 
 
-def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every length and mode; return the JSON-ready report (see module docstring)."""
+def run_bench(settings: BenchSettings, log: Callable[[str], None] = print,
+              checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run every length and mode; return the JSON-ready report (see module docstring).
+    ``checkpoint`` gets the report so far after each length (a run cut short keeps them)."""
     decode_device = settings.device
     if settings.device.startswith("cuda") and settings.link == "nvlink":
         decode_device = "cuda:1" if torch.cuda.device_count() > 1 else settings.device
@@ -260,6 +262,8 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
                 }
             report["results"].append(row)
             log(_format_row(row))
+            if checkpoint is not None:
+                checkpoint(report)
     finally:
         bench.close()
     return report

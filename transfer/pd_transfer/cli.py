@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from pd_transfer.bench_cli import add_bench_parser
+from pd_transfer.engine.cli import add_engine_parser
+from pd_transfer.load import add_load_parser
 
 __all__ = ["add_selftest_parser", "main"]
 
@@ -88,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_selftest_parser(subparsers)
     add_bench_parser(subparsers)
+    add_engine_parser(subparsers)
+    add_load_parser(subparsers)
     return parser
 
 

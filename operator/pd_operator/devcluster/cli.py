@@ -1,4 +1,4 @@
-"""`pd-operator dev-cluster <build|tools|up|down|env|status>`: argparse wiring only.
+"""`pd-operator dev-cluster <build|tools|up|down|env|status|kubelet>`: argparse wiring only.
 
 Each sub-command sets `handler=<callable(args) -> int>`; a `DevClusterError` becomes one
 `error: ...` line on stderr and exit code 1, since its message already says what to do.
@@ -21,6 +21,7 @@ from pd_operator.devcluster.cluster import (
 )
 from pd_operator.devcluster.components import Ports
 from pd_operator.devcluster.errors import DevClusterError
+from pd_operator.devcluster.kubelet import stop_recorded_engines
 from pd_operator.devcluster.paths import default_state_dir
 from pd_operator.devcluster.processes import is_running
 from pd_operator.devcluster.toolchain import ensure_toolchain, find_toolchain
@@ -28,6 +29,7 @@ from pd_operator.devcluster.toolchain import ensure_toolchain, find_toolchain
 __all__ = ["add_parser"]
 
 Handler = Callable[[argparse.Namespace], int]
+KUBELET_DIR = "kubelet"
 
 
 def _guarded(handler: Handler) -> Handler:
@@ -94,9 +96,35 @@ def _print_usage(kubeconfig: Path) -> None:
 
 
 def _down(args: argparse.Namespace) -> int:
-    """Stop only the daemons this tool recorded in the state dir."""
+    """Stop only the daemons this tool recorded in the state dir (and the fake kubelet's
+    engines, should the kubelet itself have died without stopping them)."""
     for line in stop_control_plane(args.state_dir, grace_s=args.grace_seconds):
         _say(line)
+    for line in stop_recorded_engines(args.state_dir / KUBELET_DIR):
+        _say(line)
+    return 0
+
+
+def _kubelet(args: argparse.Namespace) -> int:
+    """Run the fake kubelet (DEV TOOLING) in the foreground until SIGTERM/SIGINT."""
+    import logging  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    from pd_operator.devcluster.kubelet import FakeKubelet  # noqa: PLC0415
+
+    handle = load_handle(args.state_dir)
+    if handle is None or not handle.is_running():
+        raise DevClusterError(f"no dev cluster running from {args.state_dir}; "
+                              "start one with `pd-operator dev-cluster up`")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    kubelet = FakeKubelet(handle, args.state_dir / KUBELET_DIR, namespace=args.namespace,
+                          ip_prefix=args.ip_prefix)
+    _say("fake kubelet running (dev tooling): starts `pd-transfer engine` pods only")
+    kubelet.run(stop, poll_s=args.poll_seconds)
     return 0
 
 
@@ -178,3 +206,17 @@ def add_parser(subparsers: Any) -> None:
     status = commands.add_parser("status", help="show the recorded daemons and whether they run")
     state_dir_option(status)
     status.set_defaults(handler=_guarded(_status))
+
+    kubelet = commands.add_parser(
+        "kubelet", help="DEV TOOLING: run `pd-transfer engine` pods as local processes",
+        description="A fake kubelet for the local control plane: runs the engine of every "
+                    "pd-operator pod whose command is `pd-transfer engine` (framework "
+                    "reference) on its own loopback IP, with the pod's environment, config "
+                    "and ServiceAccount, and writes the pod status. Other pods stay Pending.")
+    state_dir_option(kubelet)
+    kubelet.add_argument("--namespace", default=None,
+                         help="only pods of this namespace (default: all)")
+    kubelet.add_argument("--ip-prefix", default="127.0.1.",
+                         help="pods get <prefix>2, <prefix>3, ... (default: %(default)s)")
+    kubelet.add_argument("--poll-seconds", type=float, default=1.0)
+    kubelet.set_defaults(handler=_guarded(_kubelet))

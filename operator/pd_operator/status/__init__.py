@@ -1,7 +1,8 @@
 """Status of a PDDeployment, computed as data: conditions and their reasons (`conditions`),
-and the aggregation of observed pods and children into `PDDeploymentStatus` (`compute`).
+transfer health from the pods' TransferAgent reports (`transfer`), and the aggregation of
+observed pods and children into `PDDeploymentStatus` (`compute`).
 
-Reading order: `conditions` (types, reasons, `set_condition`), then `compute`.
+Reading order: `conditions` (types, reasons, `set_condition`), `transfer`, then `compute`.
 Nothing here performs I/O or reads the clock.
 """
 
@@ -16,10 +17,18 @@ from pd_operator.status.compute import (
 )
 from pd_operator.status.conditions import (
     CONDITION_TYPES,
+    PodReason,
     Reason,
     find_condition,
     make_condition,
     set_condition,
+)
+from pd_operator.status.transfer import (
+    PodReport,
+    ReportState,
+    compute_pod_reports,
+    compute_transfer_status,
+    next_stale_in,
 )
 
 __all__ = [
@@ -27,12 +36,18 @@ __all__ = [
     "NOT_READY_DEADLINE",
     "Observed",
     "PDDSnapshot",
+    "PodReason",
+    "PodReport",
     "Reason",
+    "ReportState",
     "RoleObservation",
+    "compute_pod_reports",
     "compute_status",
+    "compute_transfer_status",
     "derive_phase",
     "find_condition",
     "make_condition",
+    "next_stale_in",
     "pod_is_ready",
     "set_condition",
 ]

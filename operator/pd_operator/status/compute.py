@@ -8,8 +8,11 @@ Truth rules (FAILURES.md 20-22):
   label equals the desired revision; `readyReplicas` those of them that are Ready. A pod of an
   old revision never counts as updated or ready, whatever its own condition says.
 - every condition is set on the first visit, Unknown where nothing is known yet; the three
-  transfer conditions stay Unknown (`NoReports`) until TransferAgent reports are aggregated
-  (`_transfer_conditions` is the place they plug in).
+  transfer conditions and `status.transfer` come from the pods' TransferAgent reports
+  (`status.transfer`, which also says why a report counts or not);
+- Ready is never True while TransferHealthy is False for pods that carry the transfer
+  readiness gate: their gates are False, so the status must not claim otherwise even before
+  the kubelet has taken the pods out of Ready.
 - `phase` is derived from the conditions, for the printer column only.
 """
 
@@ -29,7 +32,6 @@ from pd_operator.api.status import (
     Phase,
     RoleStatus,
     StagingRolloutStatus,
-    TransferStatus,
 )
 from pd_operator.build.names import LABEL_TEMPLATE_HASH
 from pd_operator.status.conditions import (
@@ -38,14 +40,12 @@ from pd_operator.status.conditions import (
     PROGRESSING,
     READY,
     SPEC_VALID,
-    STAGING_POOL_READY,
-    TRANSFER_HEALTHY,
-    TRANSPORT_VERIFIED,
     Reason,
     find_condition,
     make_condition,
     set_condition,
 )
+from pd_operator.status.transfer import compute_transfer_status
 
 __all__ = [
     "NOT_READY_DEADLINE",
@@ -101,6 +101,8 @@ class Observed:
     `router`: the live router Deployment, or None when it is disabled or missing.
     `failure`: a message when the reconcile failed in a way that should show as Degraded
     (a permanent API refusal, or retryable errors that keep coming).
+    `agents`: the deployment's TransferAgent bodies as listed; `transfer_gate`: whether its
+    pods carry the transfer readiness gate (`build.pod.reports_transfer_health`).
     """
 
     prefill: RoleObservation
@@ -110,6 +112,8 @@ class Observed:
     router_replicas: int = 0
     router: Mapping[str, Any] | None = None
     failure: str | None = None
+    agents: Sequence[Mapping[str, Any]] = ()
+    transfer_gate: bool = False
 
 
 def pod_is_ready(pod: Pod) -> bool:
@@ -214,17 +218,14 @@ def _degraded_condition(observed: Observed, ready: Condition, at: _At) -> Condit
     return _cond(DEGRADED, F, Reason.AS_EXPECTED, "No failure observed.", at)
 
 
-def _transfer_conditions(spec: PDDeploymentSpec, at: _At) -> list[Condition]:
-    """TransferHealthy, TransportVerified, StagingPoolReady: Unknown until pods report.
-
-    The aggregation of TransferAgent reports replaces this body; `spec` carries the health
-    thresholds it will compare against.
-    """
-    message = "No TransferAgent reports are aggregated yet, so transfer health is unknown."
-    return [
-        _cond(type_, U, Reason.NO_REPORTS, message, at)
-        for type_ in (TRANSFER_HEALTHY, TRANSPORT_VERIFIED, STAGING_POOL_READY)
-    ]
+def _gate_ready(ready: Condition, transfer_healthy: Condition, at: _At) -> Condition:
+    """Ready as the kubelet would see it once the pods' transfer gates are False."""
+    if ready.status is not T or transfer_healthy.status is not F:
+        return ready
+    return _cond(READY, F, Reason.TRANSFER_UNHEALTHY,
+                 "The pods carry the transfer readiness gate and transfers are failing "
+                 f"(TransferHealthy={transfer_healthy.reason}): {transfer_healthy.message}",
+                 at)
 
 
 def derive_phase(conditions: Sequence[Condition]) -> Phase:
@@ -293,12 +294,18 @@ def compute_status(
     accepted = _cond(SPEC_VALID, T, Reason.SPEC_ACCEPTED,
                      "The spec passed every validation rule.", at)
     conditions = set_condition(conditions, accepted, now)
-    conditions = set_condition(conditions, _ready_condition(observed, roles, at), now)
+    engine_pods = [*observed.prefill.pods, *observed.decode.pods]
+    transfer, transfer_conditions = compute_transfer_status(
+        spec, engine_pods, observed.agents, now, generation=snap.generation)
+    ready_now = _ready_condition(observed, roles, at)
+    if observed.transfer_gate:
+        ready_now = _gate_ready(ready_now, transfer_conditions[0], at)
+    conditions = set_condition(conditions, ready_now, now)
     ready = find_condition(conditions, READY)
     assert ready is not None  # set just above
     conditions = set_condition(conditions, _progressing_condition(observed, roles, at), now)
     conditions = set_condition(conditions, _degraded_condition(observed, ready, at), now)
-    for condition in _transfer_conditions(spec, at):
+    for condition in transfer_conditions:
         conditions = set_condition(conditions, condition, now)
 
     return PDDeploymentStatus(
@@ -307,6 +314,6 @@ def compute_status(
         conditions=_ordered(conditions),
         prefill=roles["prefill"],
         decode=roles["decode"],
-        transfer=TransferStatus(summary="Unknown"),
+        transfer=transfer,
         staging_rollout=StagingRolloutStatus(summary=_staging_summary(spec)),
     )

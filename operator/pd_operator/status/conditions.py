@@ -23,6 +23,7 @@ __all__ = [
     "STAGING_POOL_READY",
     "TRANSFER_HEALTHY",
     "TRANSPORT_VERIFIED",
+    "PodReason",
     "Reason",
     "find_condition",
     "make_condition",
@@ -69,10 +70,38 @@ class Reason:
     AS_EXPECTED: Final = "AsExpected"
     RECONCILE_FAILED: Final = "ReconcileFailed"
     NOT_READY_TOO_LONG: Final = "NotReadyTooLong"
-    # Transfer conditions, until the pods' TransferAgents report
-    NO_REPORTS: Final = "NoReports"
+    TRANSFER_UNHEALTHY: Final = "TransferUnhealthy"  # gated pods; see TransferHealthy
+    # TransferHealthy (False uses the top failure code itself when it is one CamelCase word,
+    # e.g. GrantTimeout, the FailureReason codes of pd_transfer; TransferFailing otherwise)
+    TRANSFERS_HEALTHY: Final = "TransfersHealthy"
+    TRANSFER_FAILING: Final = "TransferFailing"
+    NO_REPORTS: Final = "NoReports"  # also TransportVerified and StagingPoolReady
+    REPORTS_STALE: Final = "ReportsStale"
+    REPORT_INVALID: Final = "ReportInvalid"
+    # TransportVerified
+    RDMA_VERIFIED: Final = "RDMAVerified"
+    TCP_FALLBACK: Final = "TCPFallback"
+    NO_TRANSPORT_SEEN: Final = "NoTransportSeen"
+    NOT_REQUIRED: Final = "NotRequired"
+    # StagingPoolReady
+    POOL_SIZE_APPLIED: Final = "PoolSizeApplied"
+    NEAR_CAPACITY: Final = "NearCapacity"
+    RESIZING: Final = "Resizing"
+    SIZE_MISMATCH: Final = "SizeMismatch"
+    NOT_IN_USE: Final = "NotInUse"
     # Any condition that cannot be evaluated because the spec is invalid
     SPEC_INVALID: Final = "SpecInvalid"
+
+
+class PodReason:
+    """Reasons of the `pd.serving.dev/transfer-ready` condition the operator sets on each
+    engine pod that declares it as a readiness gate (one per pod, from its own report)."""
+
+    TRANSFER_HEALTHY: Final = "TransferHealthy"
+    TRANSFER_FAILING: Final = "TransferFailing"
+    REPORT_STALE: Final = "ReportStale"
+    NO_REPORT: Final = "NoReport"
+    REPORT_INVALID: Final = "ReportInvalid"
 
 
 def make_condition(

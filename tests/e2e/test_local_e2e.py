@@ -1,0 +1,263 @@
+"""End to end on this machine: control plane + operator (in-process) + fake kubelet +
+reference engines (real processes, real NIXL over loopback) + steady load.
+
+One deployment (examples/local-reference.yaml: 2 prefill TP1 pods, 2 decode TP2 pods,
+staged transfers) is brought up once for the module; the tests then run in order:
+1. steady load → every pod's TransferAgent reports moved bytes, status.transfer shows the
+   totals and a watermark per pod, TransferHealthy=True;
+2. dropped grants on one decode pod → TransferHealthy=False naming it, its readiness gate
+   False, a Warning Event (FAILURES #20);
+3. that pod's engine killed → its report turns stale, the pod Unknown (FAILURES #22);
+4. a second deployment forced onto TCP with RDMA required → TransportVerified=False
+   (FAILURES #21).
+Budget: about 3 minutes on 2 cores, dominated by process start-up and the health windows.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from pd_operator import settings
+from pd_operator.devcluster import ControlPlaneHandle, service_account_kubeconfig
+from pd_operator.devcluster.kubelet import FakeKubelet
+from pd_operator.devcluster.processes import stop_process
+from pd_operator.workqueue import QueueTuning
+from pd_transfer.agent.kube import KubeAgentClient
+from pd_transfer.load import LoadConfig, LoadReport, engines_from_agents, run_load
+from tests.integration.operator_runner import kopf_runner
+
+pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[2]
+GROUP, VERSION = "pd.serving.dev", "v1alpha1"
+NAME = "local-reference"
+TCP_NAME = "tcp-only"
+WINDOW_S, STALE_S = 8, 10
+
+Obj = dict[str, Any]
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}; last seen: {last!r}")
+
+
+def body(namespace: str, name: str = NAME) -> Obj:
+    pdd: Obj = yaml.safe_load((REPO / "examples" / "local-reference.yaml").read_text())
+    pdd["metadata"] = {"name": name, "namespace": namespace}
+    pdd["spec"]["transfer"]["health"] = {"windowSeconds": WINDOW_S, "maxFailureRatio": 0.05,
+                                         "reportIntervalSeconds": 5,
+                                         "staleAfterSeconds": STALE_S}
+    return pdd
+
+
+@dataclass
+class Deployment:
+    handle: ControlPlaneHandle
+    namespace: str
+    objects: k8s.CustomObjectsApi
+    core: k8s.CoreV1Api
+    kubelet: FakeKubelet
+    load_stop: threading.Event
+    load_report: LoadReport
+
+    def pdd(self, name: str = NAME) -> Obj:
+        got: Obj = self.objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace,
+                                                             "pddeployments", name)
+        return got
+
+    def condition(self, type_: str, name: str = NAME) -> Obj:
+        conditions = (self.pdd(name).get("status") or {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == type_), {})
+
+    def agents(self, name: str = NAME) -> list[Obj]:
+        listed: Obj = self.objects.list_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "transferagents",
+            label_selector=f"pd.serving.dev/deployment={name}")
+        return list(listed["items"])
+
+    def gate(self, pod: str) -> Obj:
+        status = self.core.read_namespaced_pod(pod, self.namespace).status
+        return next(({"status": c.status, "reason": c.reason} for c in status.conditions or []
+                     if c.type == "pd.serving.dev/transfer-ready"), {})
+
+
+def _discover(kubeconfig: Path, namespace: str, name: str) -> Callable[[], Any]:
+    def discover() -> Any:
+        api = k8s_config.new_client_from_config(config_file=str(kubeconfig))
+        client = KubeAgentClient(api)
+        try:
+            return engines_from_agents(client.list(namespace,
+                                                   f"pd.serving.dev/deployment={name}"))
+        finally:
+            client.close()
+    return discover
+
+
+@pytest.fixture(scope="module")
+def deployment(control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    core = k8s.CoreV1Api(kube_client)
+    namespace = core.create_namespace(k8s.V1Namespace(
+        metadata=k8s.V1ObjectMeta(generate_name="pde2e-"))).metadata.name
+    objects = k8s.CustomObjectsApi(kube_client)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KUBECONFIG", str(control_plane.kubeconfig_path))
+        patch.setattr(settings, "_config", replace(
+            settings.current(), kubeconfig=str(control_plane.kubeconfig_path),
+            tuning=QueueTuning(workers=2, resync_s=2.0, base_backoff_s=0.2, max_backoff_s=2.0,
+                               status_interval_s=1.0)))
+        with kopf_runner(["run", "--standalone", "-m", "pd_operator.handlers",
+                          "--namespace", namespace], timeout=60) as runner:
+            prefix = f"127.{random.randint(100, 250)}.{random.randint(1, 250)}."
+            kubelet = FakeKubelet(control_plane, tmp_path_factory.mktemp("kubelet"),
+                                  namespace=namespace, ip_prefix=prefix)
+            kubelet_stop = threading.Event()
+            kubelet_thread = threading.Thread(target=kubelet.run, args=(kubelet_stop, 0.5),
+                                              daemon=True)
+            kubelet_thread.start()
+            objects.create_namespaced_custom_object(GROUP, VERSION, namespace,
+                                                    "pddeployments", body(namespace))
+            sa_kubeconfig = wait_for("the agent ServiceAccount", lambda: _try_kubeconfig(
+                control_plane, namespace, tmp_path_factory), 60)
+            load_stop, report = threading.Event(), LoadReport()
+            config = LoadConfig(namespace=namespace, deployment=NAME, rate=4.0,
+                                duration_s=3600, tokens=200, concurrency=2, timeout_s=10.0,
+                                discover_s=2.0, progress_s=30.0)
+
+            def drive() -> None:
+                result = run_load(config, _discover(sa_kubeconfig, namespace, NAME),
+                                  stop=load_stop)
+                report.__dict__.update(result.__dict__)
+
+            load_thread = threading.Thread(target=drive, daemon=True)
+            load_thread.start()
+            try:
+                yield Deployment(control_plane, namespace, objects, core, kubelet, load_stop,
+                                 report)
+            finally:
+                load_stop.set()
+                load_thread.join(30)
+                kubelet_stop.set()
+                kubelet_thread.join(60)
+                core.delete_namespace(namespace)
+        assert runner.exception is None, runner.output
+
+
+def _try_kubeconfig(handle: ControlPlaneHandle, namespace: str,
+                    factory: pytest.TempPathFactory) -> Path | None:
+    try:
+        return service_account_kubeconfig(handle, namespace, f"{NAME}-transfer-agent",
+                                          path=factory.mktemp("sa") / "kubeconfig")
+    except Exception:  # the operator has not created it yet
+        return None
+
+
+def test_steady_load_fills_transfer_status_for_every_pod(deployment: Deployment) -> None:
+    agents = wait_for("4 TransferAgents reporting moved bytes", lambda: (
+        a if len(a := deployment.agents()) == 4
+        and all((x.get("status") or {}).get("bytesTotal", 0) > 0 for x in a) else None), 120)
+    assert {a["spec"]["role"] for a in agents} == {"prefill", "decode"}
+    for agent in agents:
+        status = agent["status"]
+        assert status["podUID"] == agent["metadata"]["ownerReferences"][0]["uid"]
+        assert status["endpoints"]["bootstrap"].startswith(deployment.kubelet.ip_prefix)
+        assert status["transports"], f"{agent['metadata']['name']}: no transport seen"
+    transfer = wait_for("status.transfer with a watermark per pod and TransferHealthy=True",
+                        lambda: _healthy_transfer(deployment), 60)
+    assert transfer["totals"]["bytes"] > 0
+    decode_pools = [w for w in transfer["watermarks"] if w["role"] == "decode"]
+    assert decode_pools and all(w["poolMiB"] > 0 for w in decode_pools)
+    assert deployment.load_report.succeeded > 0 or deployment.load_report.requests == 0
+
+
+def _healthy_transfer(deployment: Deployment) -> Obj | None:
+    transfer = (deployment.pdd().get("status") or {}).get("transfer") or {}
+    pods = {w["pod"] for w in transfer.get("watermarks") or []}
+    healthy = deployment.condition("TransferHealthy").get("status") == "True"
+    return transfer if len(pods) == 4 and healthy and transfer["totals"]["bytes"] > 0 else None
+
+
+def _engine_of(deployment: Deployment, pod: str) -> str:
+    agent = next(a for a in deployment.agents() if a["metadata"]["name"] == pod)
+    return str(agent["status"]["endpoints"]["engine"])
+
+
+def test_failing_decode_pod_turns_transfer_health_false(deployment: Deployment) -> None:
+    pod = f"{NAME}-decode-0"
+    request = urllib.request.Request(
+        f"http://{_engine_of(deployment, pod)}/v1/faults",
+        data=json.dumps({"set": {"drop_grants": 1.0}}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert json.loads(response.read()) == {"faults": {"drop_grants": 1.0}}
+    condition = wait_for("TransferHealthy=False", lambda: (
+        c if (c := deployment.condition("TransferHealthy")).get("status") == "False"
+        else None), WINDOW_S + 30)
+    assert pod in condition["message"], condition
+    gate = wait_for(f"{pod}'s readiness gate False",
+                    lambda: g if (g := deployment.gate(pod)).get("status") == "False" else None,
+                    30)
+    assert gate["reason"] == "TransferFailing"
+    events = deployment.core.list_namespaced_event(deployment.namespace).items
+    assert any(e.type == "Warning" and "TransferHealthy is False" in (e.message or "")
+               for e in events), [e.message for e in events]
+
+
+def test_killed_engine_report_turns_stale(deployment: Deployment) -> None:
+    pod = f"{NAME}-decode-1"
+    record = deployment.kubelet.process_of(deployment.namespace, pod)
+    assert record is not None
+    stop_process(record, grace_s=0.0)  # SIGTERM then SIGKILL at once: the agent stops too
+    stale = wait_for(f"{pod} listed stale", lambda: (
+        t if pod in (t := (deployment.pdd().get("status") or {}).get("transfer") or {}).get(
+            "stalePods", []) else None), STALE_S + 30)
+    assert pod in stale["stalePods"]
+    gate = wait_for(f"{pod}'s gate ReportStale", lambda: (
+        g if (g := deployment.gate(pod)).get("reason") == "ReportStale" else None), 20)
+    assert gate["status"] == "False"
+
+
+def test_tcp_with_rdma_required_is_not_verified(deployment: Deployment) -> None:
+    deployment.load_stop.set()  # free the cores for the second deployment
+    deployment.objects.delete_namespaced_custom_object(GROUP, VERSION, deployment.namespace,
+                                                       "pddeployments", NAME)
+    tcp = body(deployment.namespace, TCP_NAME)
+    tcp["spec"]["prefill"]["replicas"] = 1
+    tcp["spec"]["decode"]["replicas"] = 1
+    tcp["spec"]["network"] = {"rdma": {"enabled": True, "required": True}}
+    tcp["spec"]["transfer"]["transport"] = {"ucxTransports": ["tcp"]}
+    deployment.objects.create_namespaced_custom_object(GROUP, VERSION, deployment.namespace,
+                                                       "pddeployments", tcp)
+    agents = wait_for("both tcp-only engines reporting", lambda: (
+        a if len(a := deployment.agents(TCP_NAME)) == 2 and all(
+            (x.get("status") or {}).get("endpoints", {}).get("engine") for x in a) else None),
+        120)
+    engines = engines_from_agents(agents)
+    report = run_load(LoadConfig(namespace=deployment.namespace, deployment=TCP_NAME,
+                                 rate=5.0, duration_s=3.0, tokens=64, concurrency=1),
+                      lambda: engines, say=lambda _: None)
+    assert report.succeeded > 0, report.to_json()
+    condition = wait_for("TransportVerified=False", lambda: (
+        c if (c := deployment.condition("TransportVerified", TCP_NAME)).get("status")
+        == "False" else None), 60)
+    assert condition["reason"] == "TCPFallback" and "tcp" in condition["message"]

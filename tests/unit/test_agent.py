@@ -1,0 +1,385 @@
+"""The in-pod agent without NIXL or an API server: identity, report building, the reporter's
+rate limiting / transitions / backoff (in-process fake API, manual clock), the UCX probe."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pd_operator.api.transferagent import AgentEndpoints, AgentStaging, PeerTransport
+from pd_transfer.agent.errors import IdentityError, PermanentAPIError, RetryableAPIError
+from pd_transfer.agent.identity import PodIdentity, read_identity
+from pd_transfer.agent.report import (
+    ReportFacts,
+    WindowSample,
+    build_status,
+    compute_window,
+    trim_samples,
+)
+from pd_transfer.agent.reporter import Reporter, ReporterTuning, build_transfer_agent
+from pd_transfer.agent.transport_probe import (
+    ProtoInfoParser,
+    UcxLogTail,
+    configure_environment,
+    normalise_transport,
+)
+from pd_transfer.metrics import RecentFailure, RingWatermark, TransferSnapshot
+
+DATA = Path(__file__).parent / "data"
+ENV = {"POD_NAME": "demo-decode-0", "POD_NAMESPACE": "ns", "POD_UID": "uid-1",
+       "POD_IP": "10.0.0.7", "NODE_NAME": "n1", "PD_DEPLOYMENT": "demo", "PD_ROLE": "decode",
+       "PD_TENSOR_PARALLEL": "2", "PD_TRANSFER_METRICS_PORT": "9400"}
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def make_identity() -> PodIdentity:
+    return read_identity(ENV, started_unix_s=1000.5)
+
+
+def make_facts(window_s: float = 10.0, ratio: float = 0.1) -> ReportFacts:
+    return ReportFacts(identity=make_identity(),
+                       endpoints=AgentEndpoints(bootstrap="10.0.0.7:8998", engine="10.0.0.7:8000",
+                                                metrics="10.0.0.7:9400"),
+                       staging=AgentStaging(decode_pool_mib=8, prefill_buffer_mib=8),
+                       window_seconds=window_s, max_failure_ratio=ratio)
+
+
+def make_snapshot(succeeded: int = 0, failed: int = 0, reasons: dict[str, int] | None = None,
+                  ring: RingWatermark | None = None,
+                  recent: tuple[RecentFailure, ...] = ()) -> TransferSnapshot:
+    return TransferSnapshot(role="decode", succeeded=succeeded, failed=failed, live_requests=1,
+                            bytes_transferred=100 * succeeded, failures_by_reason=reasons or {},
+                            rejected_by_reason={}, recent_failures=recent, ring=ring)
+
+
+# Identity ---------------------------------------------------------------------------------------
+
+def test_identity_reads_downward_api_and_incarnation() -> None:
+    ident = make_identity()
+    assert (ident.name, ident.namespace, ident.uid, ident.ip, ident.role) == (
+        "demo-decode-0", "ns", "uid-1", "10.0.0.7", "decode")
+    assert ident.tensor_parallel == 2 and ident.pipeline_parallel == 1
+    assert ident.incarnation == "uid-1-1000500"  # pod UID + start in ms
+
+
+def test_identity_error_names_every_missing_variable() -> None:
+    """Guards against fixing a hand-written pod spec one variable per restart."""
+    env = {k: v for k, v in ENV.items() if k not in ("POD_UID", "POD_IP")}
+    env["PD_TENSOR_PARALLEL"] = "zero"
+    with pytest.raises(IdentityError) as info:
+        read_identity(env)
+    message = str(info.value)
+    assert "POD_UID is not set (downward API fieldRef metadata.uid)" in message
+    assert "POD_IP is not set (downward API fieldRef status.podIP)" in message
+    assert "PD_TENSOR_PARALLEL='zero'" in message
+
+
+def test_identity_refuses_unknown_role() -> None:
+    with pytest.raises(IdentityError, match="PD_ROLE='router' must be prefill or decode"):
+        read_identity(ENV | {"PD_ROLE": "router"})
+
+
+# Report building ---------------------------------------------------------------------------------
+
+def test_window_counts_only_the_last_window() -> None:
+    # Cumulative: t=0 (0, 0), t=5 (10 transfers, 1 failure), t=12 (30, 4: 3 GrantTimeout).
+    samples = [WindowSample(0.0, 0, 0), WindowSample(5.0, 10, 1, {"GrantTimeout": 1}),
+               WindowSample(12.0, 30, 4, {"GrantTimeout": 3, "Aborted": 1})]
+    # Window (2, 12]: baseline is the t=0 sample (newest at or before 2) -> all of it.
+    assert compute_window(samples, 12.0, 10.0).transfers == 30
+    # Window (5, 12]: baseline t=5 -> 20 transfers, 3 failures, 2 GrantTimeout + 1 Aborted.
+    window = compute_window(samples, 12.0, 7.0)
+    assert (window.transfers, window.failures) == (20, 3)
+    assert window.failures_by_reason == {"GrantTimeout": 2, "Aborted": 1}
+    # trimming keeps the baseline and everything after it; no window loses data
+    assert trim_samples(samples, 12.0, 7.0) == samples[1:]
+
+
+def test_build_status_sums_ranks_and_judges_health() -> None:
+    ring = RingWatermark(capacity_bytes=100, used_bytes=10, free_bytes=90,
+                         largest_free_extent_bytes=60, high_water_bytes=50,
+                         pending_allocations=1, quarantined_bytes=0)
+    failure = RecentFailure("room-7", "StalledWriter", "writer gone", 1_700_000_000.0)
+    ranks = [make_snapshot(9, 1, {"StalledWriter": 1}, ring, (failure,)),
+             make_snapshot(10, 0, None, ring)]
+    window = compute_window([WindowSample(0.0, 20, 1, {"StalledWriter": 1})], 1.0, 10.0)
+    status = build_status(make_facts(ratio=0.1), ranks,
+                          [PeerTransport(peer="p-r0", transport="tcp")], window, NOW)
+    assert status.transfers_total == 20 and status.failures_total == 1
+    assert status.bytes_total == 1900
+    assert status.ring.capacity_bytes == 200 and status.ring.high_water_bytes == 100
+    assert status.ring.largest_free_extent_bytes == 60  # max over ranks, not a sum
+    assert status.healthy is True  # 1 of 20 = 5% <= 10%
+    assert status.recent_failures[0].pod == "demo-decode-0"
+    assert status.last_error == "room room-7: writer gone"
+    wire = status.to_wire()
+    assert wire["podUID"] == "uid-1" and wire["incarnation"] == "uid-1-1000500"
+    assert "" not in wire.values()  # the v1.20 server refuses "" in custom resources
+
+
+def test_unhealthy_above_the_ratio_and_healthy_without_traffic() -> None:
+    facts = make_facts(ratio=0.05)
+    bad = compute_window([WindowSample(0.0, 10, 1)], 1.0, 10.0)  # 10% > 5%
+    assert build_status(facts, [], [], bad, NOW).healthy is False
+    idle = compute_window([WindowSample(0.0, 0, 0)], 1.0, 10.0)
+    assert build_status(facts, [], [], idle, NOW).healthy is True
+
+
+# Reporter -----------------------------------------------------------------------------------------
+
+class FakeAPI:
+    """In-process stand-in for the API server's TransferAgent endpoints (AgentClient)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.status_writes: list[dict[str, Any]] = []
+        self.calls: list[str] = []
+        self.fail_next: list[Exception] = []
+        self._version = 0
+
+    def _maybe_fail(self, call: str) -> None:
+        self.calls.append(call)
+        if self.fail_next:
+            raise self.fail_next.pop(0)
+
+    def _bump(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self._version += 1
+        obj["metadata"]["resourceVersion"] = str(self._version)
+        return obj
+
+    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self._maybe_fail("get")
+        return self.objects.get((namespace, name))
+
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._maybe_fail("create")
+        meta = body["metadata"]
+        obj = self._bump({**body, "metadata": {**meta, "generation": 1}})
+        self.objects[(meta["namespace"], meta["name"])] = obj
+        return obj
+
+    def replace_status(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._maybe_fail("replace_status")
+        meta = body["metadata"]
+        current = self.objects[(meta["namespace"], meta["name"])]
+        if meta["resourceVersion"] != current["metadata"]["resourceVersion"]:
+            raise RetryableAPIError("conflict", 409)
+        current["status"] = body["status"]
+        self.status_writes.append(body["status"])
+        return self._bump(current)
+
+    def list(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        return list(self.objects.values())
+
+
+class Source:
+    def __init__(self) -> None:
+        self.snaps = [make_snapshot()]
+        self.reported_calls = 0
+
+    def snapshots(self) -> list[TransferSnapshot]:
+        return self.snaps
+
+    def transports(self) -> list[PeerTransport]:
+        return []
+
+    def reported(self) -> None:
+        self.reported_calls += 1
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_reporter(api: FakeAPI, source: Source, clock: Clock) -> Reporter:
+    return Reporter(make_facts(ratio=0.1), source, api, ReporterTuning(report_interval_s=5.0),
+                    clock=clock, wall=lambda: NOW, rng=random.Random(0))
+
+
+def test_first_tick_creates_the_agent_owned_by_its_pod() -> None:
+    api, source, clock = FakeAPI(), Source(), Clock()
+    reporter = make_reporter(api, source, clock)
+    assert reporter.tick() is True
+    obj = api.objects[("ns", "demo-decode-0")]
+    assert obj["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Pod", "name": "demo-decode-0", "uid": "uid-1"}]
+    assert obj["metadata"]["labels"] == {"pd.serving.dev/deployment": "demo",
+                                         "pd.serving.dev/role": "decode",
+                                         "app.kubernetes.io/managed-by": "pd-transfer-agent"}
+    assert obj["spec"] == {"pdDeployment": "demo", "role": "decode",
+                           "staging": {"decodePoolMiB": 8, "prefillBufferMiB": 8},
+                           "paused": False}
+    assert obj["status"]["observedGeneration"] == 1  # its spec's staging is what runs
+    assert source.reported_calls == 1
+
+
+def test_writes_at_most_every_interval() -> None:
+    """Guards against an agent that writes its status every tick (API server load)."""
+    api, source, clock = FakeAPI(), Source(), Clock()
+    reporter = make_reporter(api, source, clock)
+    for _ in range(20):  # 20 ticks of 1 s
+        reporter.tick()
+        clock.now += 1.0
+    # written at t=100, 105, 110, 115: every 5 s
+    assert len(api.status_writes) == 4
+    assert api.calls.count("get") == 1  # resourceVersion reused, no read before each write
+
+
+def test_health_transition_is_written_at_once_but_not_faster_than_the_gap() -> None:
+    api, source, clock = FakeAPI(), Source(), Clock()
+    reporter = make_reporter(api, source, clock)
+    reporter.tick()
+    clock.now += 0.5
+    source.snaps = [make_snapshot(5, 5, {"StalledWriter": 5})]  # 50% failures
+    assert reporter.tick() is False  # within transition_gap_s of the last write
+    clock.now += 0.6
+    assert reporter.tick() is True  # 1.1 s after the last write, interval is 5 s
+    assert api.status_writes[-1]["healthy"] is False
+    assert api.status_writes[-1]["window"]["failuresByReason"] == {"StalledWriter": 5}
+
+
+def test_backoff_grows_with_jitter_and_recovers() -> None:
+    """The API server being down must neither spin the agent nor stop it for good."""
+    api, source, clock = FakeAPI(), Source(), Clock()
+    reporter = make_reporter(api, source, clock)
+    api.fail_next = [RetryableAPIError("down", 0) for _ in range(4)]
+    attempts = []
+    for _ in range(40):
+        before = len(api.calls)
+        reporter.tick()
+        if len(api.calls) > before:
+            attempts.append(clock.now)
+        clock.now += 0.25
+    gaps = [b - a for a, b in itertools.pairwise(attempts)][:4]
+    # equal jitter: the n-th delay lies in [d/2, d] with d = 0.5 * 2^(n-1) s
+    for n, gap in enumerate(gaps, start=1):
+        d = 0.5 * 2 ** (n - 1)
+        assert d / 2 <= gap <= d + 0.25, (n, gaps)
+    assert api.status_writes, "the reporter recovered once the API server answered"
+    assert reporter.failed_attempts == 4
+
+
+def test_permanent_error_waits_the_cap_and_conflict_rereads() -> None:
+    api, source, clock = FakeAPI(), Source(), Clock()
+    reporter = make_reporter(api, source, clock)
+    api.fail_next = [PermanentAPIError("forbidden", 403)]
+    reporter.tick()
+    clock.now += 29.0
+    assert reporter.tick() is False and len(api.calls) == 1  # still waiting the 30 s cap
+    clock.now += 1.5
+    assert reporter.tick() is True
+    api.objects[("ns", "demo-decode-0")]["metadata"]["resourceVersion"] = "someone-else"
+    clock.now += 5.0
+    assert reporter.tick() is False  # 409: forget the resourceVersion
+    clock.now += 1.0
+    assert reporter.tick() is True and api.calls[-2:] == ["get", "replace_status"]
+
+
+def test_recreates_a_deleted_agent() -> None:
+    api, source, clock = FakeAPI(), Source(), Clock()
+    reporter = make_reporter(api, source, clock)
+    reporter.tick()
+    api.objects.clear()
+    clock.now += 5.0
+
+    def missing(body: dict[str, Any]) -> dict[str, Any]:
+        raise PermanentAPIError("not found", 404)
+
+    original = api.replace_status
+    api.replace_status = missing  # type: ignore[method-assign]
+    assert reporter.tick() is False
+    api.replace_status = original  # type: ignore[method-assign]
+    clock.now += 31.0
+    assert reporter.tick() is True
+    assert ("ns", "demo-decode-0") in api.objects
+
+
+def test_transfer_agent_body_has_no_empty_strings() -> None:
+    body = build_transfer_agent(make_facts())
+    assert body["apiVersion"] == "pd.serving.dev/v1alpha1" and body["kind"] == "TransferAgent"
+
+    def strings(value: Any) -> list[str]:
+        if isinstance(value, dict):
+            return [s for v in value.values() for s in strings(v)]
+        if isinstance(value, list):
+            return [s for v in value for s in strings(v)]
+        return [value] if isinstance(value, str) else []
+
+    assert "" not in strings(body)
+
+
+# Transport probe (real lines captured from UCX 1.x under NIXL 1.5.1 on this test bed) -------------
+
+def test_probe_reads_default_selection_cma_and_tcp() -> None:
+    parser = ProtoInfoParser()
+    parser.feed_lines((DATA / "ucx_proto_info_default.log").read_text().splitlines())
+    # intra-node cfg#1: remote memory write over cma (data); tcp only for active messages
+    assert parser.worker_transports("prefill-0-0-073b68ce") == ["cma"]
+    assert parser.transports_for("prefill-0-0-073b68ce", ["decode-r0"]) == [
+        PeerTransport(peer="decode-r0", transport="cma")]
+
+
+def test_probe_matches_the_truncated_worker_name() -> None:
+    """UCX prints 31 characters of a worker name; a long agent name must still match."""
+    lines = [
+        "[1.0] [h:1:0]   | r0-0123456789-local-reference-d intra-node cfg#1 |",
+        "[1.0] [h:1:0]   | remote memory write by ucp_put* from host memory to host |",
+        "[1.0] [h:1:0]   | 0..inf | zero-copy   | cma/memory                        |",
+    ]
+    parser = ProtoInfoParser()
+    parser.feed_lines(lines)
+    assert parser.worker_transports("r0-0123456789-local-reference-decode-0") == ["cma"]
+    assert parser.worker_transports("r1-0123456789-local-reference-decode-0") == []
+
+
+def test_probe_reads_forced_tcp() -> None:
+    parser = ProtoInfoParser()
+    parser.feed_lines((DATA / "ucx_proto_info_tcp.log").read_text().splitlines())
+    assert parser.worker_transports("prefill-0-0-8c3b7308") == ["tcp"]
+    assert parser.worker_transports("someone-else") == []
+
+
+def test_probe_normalises_rdma_names_and_passes_other_lines() -> None:
+    # Same table format as the captured lines, for an RDMA lane (no NIC on this test bed).
+    lines = [
+        "[1.0] [h:1:0]   | decode-r0 inter-node cfg#2                               |",
+        "[1.0] [h:1:0]   | remote memory write by ucp_put* from host memory to host |",
+        "[1.0] [h:1:0]   | 0..inf | zero-copy   | rc_mlx5/mlx5_0:1                  |",
+    ]
+    parser = ProtoInfoParser()
+    parser.feed_lines(lines)
+    assert parser.worker_transports("decode-r0") == ["rc"]
+    assert parser.feed("[1.0] [h:1:0] UCX  WARN  some warning") is False
+    assert [normalise_transport(n) for n in ("rc_mlx5", "dc_mlx5", "ud_verbs", "cuda_ipc",
+                                             "TCP")] == ["rc", "dc", "ud", "cuda_ipc", "tcp"]
+
+
+def test_log_tail_forwards_and_parses_incrementally(tmp_path: Path) -> None:
+    log = tmp_path / "ucx.log"
+    parser = ProtoInfoParser()
+    tail = UcxLogTail(log, parser)
+    assert tail.read_available() == 0  # not created yet
+    lines = (DATA / "ucx_proto_info_tcp.log").read_text()
+    log.write_text(lines[:200])  # a partial line stays buffered
+    tail.read_available()
+    with log.open("a") as handle:
+        handle.write(lines[200:])
+    tail.read_available()
+    assert parser.worker_transports("prefill-0-0-8c3b7308") == ["tcp"]
+
+
+def test_configure_environment_respects_the_user(tmp_path: Path) -> None:
+    env: dict[str, str] = {}
+    path = configure_environment(env, tmp_path)
+    assert env["UCX_PROTO_INFO"] == "y" and env["UCX_LOG_FILE"] == str(path)
+    assert configure_environment({"UCX_PROTO_INFO": "n"}, tmp_path) is None
+    assert configure_environment({"UCX_LOG_FILE": "/x/ucx-%p.log"}, tmp_path) is None

@@ -1,0 +1,36 @@
+"""The in-pod agent: tells Kubernetes how this pod's KV transfers are doing.
+
+Reading order: ``identity`` (who this pod is, from the downward API) → ``report`` (pure:
+snapshots + transports + window → ``TransferAgentStatus``) → ``reporter`` (the thread:
+rate-limited writes, backoff, creation) → ``kube`` (the only Kubernetes client code) →
+``transport_probe`` (which UCX transports are in use) → ``metrics_http`` (Prometheus
+endpoint over every rank's registry). The agent imports ``pd_operator.api`` — the shared,
+pure pydantic schema — and nothing else of the operator.
+"""
+
+from pd_transfer.agent.errors import (
+    AgentAPIError,
+    AgentError,
+    IdentityError,
+    PermanentAPIError,
+    RetryableAPIError,
+)
+from pd_transfer.agent.identity import PodIdentity, read_identity
+from pd_transfer.agent.report import ReportFacts, build_status, compute_window
+from pd_transfer.agent.reporter import Reporter, ReporterTuning, ReportSource
+
+__all__ = [
+    "AgentAPIError",
+    "AgentError",
+    "IdentityError",
+    "PermanentAPIError",
+    "PodIdentity",
+    "ReportFacts",
+    "ReportSource",
+    "Reporter",
+    "ReporterTuning",
+    "RetryableAPIError",
+    "build_status",
+    "compute_window",
+    "read_identity",
+]

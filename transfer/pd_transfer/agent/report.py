@@ -1,0 +1,184 @@
+"""What the agent writes into its TransferAgent's status, computed as data (no I/O, no clock).
+
+``build_status(facts, snapshots, transports, window, now)`` turns the ranks' metric
+snapshots (``metrics.TransferSnapshot``, one per rank of the pod), the transports seen per
+peer and the window counts into one ``TransferAgentStatus``:
+
+- totals (bytes, transfers, failures by reason) are sums over the ranks since the process
+  started; ``incarnation`` tells a restart (counters back to zero) from a wrap;
+- ``ring`` sums capacity / use / high water / pending grants over the ranks and takes the
+  largest free extent of any rank (the largest allocation that would succeed somewhere);
+- ``window`` counts requests that finished in the last ``window_seconds``
+  (``compute_window`` over cumulative samples), and ``healthy`` is
+  ``window.failures <= max_failure_ratio * window.transfers``: with no traffic nothing
+  failed, so the pod is healthy. The operator decides from these counts, not from memory
+  of earlier reports, so it survives its own restarts;
+- ``recent_failures`` keeps the ``RECENT_FAILURES`` newest failures of all ranks.
+
+Why samples, not a sliding list of events: the data plane only bumps counters; the agent
+reads a snapshot once per tick and keeps one small cumulative sample per tick, so the
+window costs the hot path nothing and its memory is bounded by ``window / tick``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from pd_operator.api.status import TransferFailure
+from pd_operator.api.transferagent import (
+    AgentEndpoints,
+    AgentStaging,
+    PeerTransport,
+    RingWatermark,
+    TransferAgentStatus,
+    WindowCounts,
+)
+from pd_transfer.agent.identity import PodIdentity
+from pd_transfer.metrics import TransferSnapshot
+
+__all__ = [
+    "RECENT_FAILURES",
+    "ReportFacts",
+    "WindowSample",
+    "build_status",
+    "compute_window",
+    "sample_of",
+    "trim_samples",
+]
+
+RECENT_FAILURES = 10
+_MESSAGE_CHARS = 300
+
+
+@dataclass(frozen=True)
+class ReportFacts:
+    """What does not change between two reports of one process."""
+
+    identity: PodIdentity
+    endpoints: AgentEndpoints
+    staging: AgentStaging
+    window_seconds: float
+    max_failure_ratio: float
+    registration_version: int = 0
+
+
+@dataclass(frozen=True)
+class WindowSample:
+    """Cumulative counts at monotonic time ``at_s`` (sums over the pod's ranks)."""
+
+    at_s: float
+    transfers: int
+    failures: int
+    failures_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+def sample_of(at_s: float, snapshots: Iterable[TransferSnapshot]) -> WindowSample:
+    transfers = failures = 0
+    reasons: Counter[str] = Counter()
+    for snap in snapshots:
+        transfers += snap.succeeded + snap.failed
+        failures += snap.failed
+        reasons.update(snap.failures_by_reason)
+    return WindowSample(at_s, transfers, failures, dict(reasons))
+
+
+def trim_samples(samples: Sequence[WindowSample], now_s: float,
+                 window_s: float) -> list[WindowSample]:
+    """Drop samples no window ending at or after ``now_s`` needs: keep every sample newer
+    than ``now_s - window_s`` and the newest one at or before it (the baseline)."""
+    cutoff = now_s - window_s
+    older = [s for s in samples if s.at_s <= cutoff]
+    return older[-1:] + [s for s in samples if s.at_s > cutoff]
+
+
+def compute_window(samples: Sequence[WindowSample], now_s: float,
+                   window_s: float) -> WindowCounts:
+    """Requests finished during ``(now_s - window_s, now_s]``.
+
+    The baseline is the newest sample at or before the window's start; a process younger
+    than the window has none, and then counts since its start (its counters began at 0).
+    ``samples`` are in time order; the last one is "now".
+    """
+    seconds = max(0, round(window_s))
+    if not samples:
+        return WindowCounts(seconds=seconds)
+    latest = samples[-1]
+    cutoff = now_s - window_s
+    base = next((s for s in reversed(samples) if s.at_s <= cutoff), None)
+    base_transfers = base.transfers if base is not None else 0
+    base_failures = base.failures if base is not None else 0
+    base_reasons = base.failures_by_reason if base is not None else {}
+    reasons = {reason: count - base_reasons.get(reason, 0)
+               for reason, count in latest.failures_by_reason.items()
+               if count - base_reasons.get(reason, 0) > 0}
+    return WindowCounts(
+        seconds=seconds,
+        transfers=max(0, latest.transfers - base_transfers),
+        failures=max(0, latest.failures - base_failures),
+        failures_by_reason=reasons,
+    )
+
+
+def _ring(snapshots: Sequence[TransferSnapshot]) -> RingWatermark:
+    rings = [s.ring for s in snapshots if s.ring is not None]
+    return RingWatermark(
+        capacity_bytes=sum(r.capacity_bytes for r in rings),
+        used_bytes=sum(r.used_bytes for r in rings),
+        high_water_bytes=sum(r.high_water_bytes for r in rings),
+        largest_free_extent_bytes=max((r.largest_free_extent_bytes for r in rings), default=0),
+        pending_grants=sum(r.pending_allocations for r in rings),
+    )
+
+
+def _recent(pod: str, snapshots: Sequence[TransferSnapshot]) -> list[TransferFailure]:
+    failures = sorted((f for s in snapshots for f in s.recent_failures),
+                      key=lambda f: f.at_unix_s, reverse=True)[:RECENT_FAILURES]
+    return [
+        TransferFailure(
+            pod=pod,
+            reason=f.reason,
+            message=f"room {f.room}: {f.detail}"[:_MESSAGE_CHARS],
+            time=datetime.fromtimestamp(f.at_unix_s, UTC),
+        )
+        for f in failures
+    ]
+
+
+def build_status(
+    facts: ReportFacts,
+    snapshots: Sequence[TransferSnapshot],
+    transports: Sequence[PeerTransport],
+    window: WindowCounts,
+    now: datetime,
+    *,
+    observed_generation: int = 0,
+) -> TransferAgentStatus:
+    """The status to write at ``now`` (see the module docstring for each field)."""
+    reasons: Counter[str] = Counter()
+    for snap in snapshots:
+        reasons.update(snap.failures_by_reason)
+    recent = _recent(facts.identity.name, snapshots)
+    healthy = window.failures <= facts.max_failure_ratio * window.transfers
+    return TransferAgentStatus(
+        pod_uid=facts.identity.uid,
+        endpoints=facts.endpoints,
+        incarnation=facts.identity.incarnation,
+        staging=facts.staging,
+        registration_version=facts.registration_version,
+        ring=_ring(snapshots),
+        live_requests=sum(s.live_requests for s in snapshots),
+        bytes_total=sum(s.bytes_transferred for s in snapshots),
+        transfers_total=sum(s.succeeded + s.failed for s in snapshots),
+        failures_total=sum(s.failed for s in snapshots),
+        failures_by_reason=dict(reasons),
+        window=window,
+        recent_failures=recent,
+        transports=sorted(transports, key=lambda t: (t.peer, t.transport)),
+        healthy=healthy,
+        last_error=recent[0].message if recent else "",
+        report_time=now,
+        observed_generation=observed_generation,
+    )

@@ -1,0 +1,246 @@
+"""The agent's reporting thread: mirror the pod's transfer health into its TransferAgent.
+
+Contract (shared with the operator; see ``report.py`` for the fields):
+
+- one TransferAgent per engine pod, named after the pod, in its namespace, labelled with
+  the deployment and role and ``app.kubernetes.io/managed-by=pd-transfer-agent``, owned by
+  the Pod (garbage-collected with it). The agent creates it on its first successful
+  contact (spec: deployment, role, the staging sizes it runs with) and afterwards writes
+  ONLY its status;
+- a status write happens at most every ``report_interval_s``, sooner when ``healthy``
+  flips (but never more often than ``transition_gap_s``), so the operator hears about a
+  failing pod within a tick instead of an interval;
+- API errors back off exponentially with jitter (``backoff_s``), capped; a permanent
+  error (RBAC, missing CRD) waits the cap. The thread never dies and never raises into
+  the data plane, and the data plane never waits for it: it only reads snapshots the
+  endpoints publish under their own short locks. With the API server unreachable the
+  samples keep being taken, so the first report after the outage has the right window.
+
+``Reporter.tick()`` is one iteration, driven by the thread or directly by tests with a
+manual clock and an in-process fake client.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final, Protocol
+
+from pd_operator.api import API_VERSION
+from pd_operator.api.transferagent import (
+    PeerTransport,
+    Role,
+    TransferAgentSpec,
+    TransferAgentStatus,
+)
+from pd_transfer.agent.errors import AgentAPIError, PermanentAPIError
+from pd_transfer.agent.kube import AgentClient
+from pd_transfer.agent.report import (
+    ReportFacts,
+    WindowSample,
+    build_status,
+    compute_window,
+    sample_of,
+    trim_samples,
+)
+from pd_transfer.metrics import TransferSnapshot
+
+__all__ = [
+    "MANAGED_BY",
+    "ReportSource",
+    "Reporter",
+    "ReporterTuning",
+    "build_transfer_agent",
+]
+
+MANAGED_BY: Final = "pd-transfer-agent"
+LABEL_DEPLOYMENT: Final = "pd.serving.dev/deployment"
+LABEL_ROLE: Final = "pd.serving.dev/role"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+
+_log = logging.getLogger("pd_transfer.agent")
+
+
+class ReportSource(Protocol):
+    """What the reporter reads from the engine: cheap, thread-safe, never blocking long."""
+
+    def snapshots(self) -> Sequence[TransferSnapshot]: ...
+
+    def transports(self) -> Sequence[PeerTransport]: ...
+
+    def reported(self) -> None:
+        """Called after each successful write (e.g. to restart ring high-water marks)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReporterTuning:
+    """Timing of the reporter (seconds). ``report_interval_s`` comes from the config."""
+
+    report_interval_s: float
+    tick_s: float = 1.0
+    transition_gap_s: float = 1.0
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+    def backoff_s(self, failures: int, rng: random.Random) -> float:
+        """Delay after ``failures`` consecutive failed attempts: exponential, capped, with
+        "equal jitter" (half fixed, half random) so agents restarted together spread out."""
+        delay = min(self.backoff_max_s, self.backoff_base_s * 2.0 ** max(0, failures - 1))
+        return delay / 2 + rng.uniform(0, delay / 2)
+
+
+def build_transfer_agent(facts: ReportFacts) -> dict[str, Any]:
+    """The TransferAgent this pod creates for itself (wire form, no status)."""
+    ident = facts.identity
+    spec = TransferAgentSpec(pd_deployment=ident.deployment, role=Role(ident.role),
+                             staging=facts.staging)
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "TransferAgent",
+        "metadata": {
+            "name": ident.name,
+            "namespace": ident.namespace,
+            "labels": {LABEL_DEPLOYMENT: ident.deployment, LABEL_ROLE: ident.role,
+                       LABEL_MANAGED_BY: MANAGED_BY},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": ident.name,
+                                 "uid": ident.uid}],
+        },
+        "spec": spec.to_wire(),
+    }
+
+
+class Reporter:
+    """Samples the source every tick and writes the status when due (module docstring)."""
+
+    def __init__(
+        self,
+        facts: ReportFacts,
+        source: ReportSource,
+        client: AgentClient,
+        tuning: ReporterTuning,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], datetime] = lambda: datetime.now(UTC),
+        rng: random.Random | None = None,
+    ) -> None:
+        self.facts = facts
+        self.source = source
+        self.client = client
+        self.tuning = tuning
+        self.clock = clock
+        self.wall = wall
+        self.rng = rng or random.Random()
+        self.writes = 0
+        self.failed_attempts = 0
+        self.last_error = ""
+        self.last_status: TransferAgentStatus | None = None
+        self._samples: list[WindowSample] = []
+        self._last_write_s: float | None = None
+        self._written_healthy: bool | None = None
+        self._next_attempt_s = float("-inf")
+        self._failures = 0
+        self._resource_version: str | None = None
+        self._observed_generation = 0
+        self._spec: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # Thread ---------------------------------------------------------------------------------
+
+    def start(self) -> Reporter:
+        self._thread = threading.Thread(target=self._run, name="pd-transfer-agent",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # never let the reporter die; the data plane must not notice
+                _log.exception("agent reporter tick failed (it keeps going)")
+            self._stop.wait(self.tuning.tick_s)
+
+    # One iteration ----------------------------------------------------------------------------
+
+    def tick(self) -> bool:
+        """Sample; write the status if due and not backing off. True if a write succeeded."""
+        now_s = self.clock()
+        snapshots = list(self.source.snapshots())
+        window_s = self.facts.window_seconds
+        self._samples.append(sample_of(now_s, snapshots))
+        self._samples = trim_samples(self._samples, now_s, window_s)
+        window = compute_window(self._samples, now_s, window_s)
+        status = build_status(self.facts, snapshots, list(self.source.transports()), window,
+                              self.wall(), observed_generation=self._observed_generation)
+        if not self._due(now_s, status.healthy) or now_s < self._next_attempt_s:
+            return False
+        try:
+            self._write(status)
+        except AgentAPIError as exc:
+            self._failures += 1
+            self.failed_attempts += 1
+            self.last_error = str(exc)
+            delay = (self.tuning.backoff_max_s if isinstance(exc, PermanentAPIError)
+                     else self.tuning.backoff_s(self._failures, self.rng))
+            self._next_attempt_s = now_s + delay
+            if exc.status in {409, 404}:
+                self._resource_version = None  # re-read (or re-create) before the next PUT
+            log = _log.warning if self._failures in (1, 10) or self._failures % 100 == 0 \
+                else _log.debug
+            log("TransferAgent status write failed (%d in a row; next try in %.1f s): %s",
+                self._failures, delay, exc)
+            return False
+        self._failures = 0
+        self._next_attempt_s = float("-inf")
+        self._last_write_s = now_s
+        self._written_healthy = status.healthy
+        self.last_status = status
+        self.writes += 1
+        self.source.reported()
+        return True
+
+    def _due(self, now_s: float, healthy: bool | None) -> bool:
+        if self._last_write_s is None:
+            return True
+        since = now_s - self._last_write_s
+        if since >= self.tuning.report_interval_s:
+            return True
+        return healthy != self._written_healthy and since >= self.tuning.transition_gap_s
+
+    def _write(self, status: TransferAgentStatus) -> None:
+        ident = self.facts.identity
+        if self._resource_version is None:
+            current = self.client.get(ident.namespace, ident.name)
+            if current is None:
+                current = self.client.create(build_transfer_agent(self.facts))
+                _log.info("created TransferAgent %s/%s", ident.namespace, ident.name)
+            self._adopt(current)
+        body = build_transfer_agent(self.facts)
+        body["metadata"]["resourceVersion"] = self._resource_version
+        body["status"] = status.model_copy(
+            update={"observed_generation": self._observed_generation}).to_wire()
+        if self._spec is not None:  # the server's spec, as read: a status PUT ignores it
+            body["spec"] = self._spec
+        self._adopt(self.client.replace_status(body))
+
+    def _adopt(self, obj: dict[str, Any]) -> None:
+        """Remember the object's resourceVersion, and its generation when its desired
+        staging is what this process runs with (the only spec it can honour today)."""
+        meta = obj.get("metadata", {})
+        self._resource_version = meta.get("resourceVersion")
+        self._spec = obj.get("spec")
+        staging = obj.get("spec", {}).get("staging")
+        if staging == self.facts.staging.to_wire():
+            self._observed_generation = int(meta.get("generation", 0) or 0)

@@ -1,0 +1,230 @@
+"""``pd-transfer load``: a steady stream of requests prefill → decode through the engines.
+
+Discovery: the engines of PDDeployment ``--deployment`` in ``--namespace`` are read from
+their TransferAgents (label ``pd.serving.dev/deployment``; ``status.endpoints`` gives each
+pod's engine and bootstrap address). Listing TransferAgents is all it needs, so it runs
+with the deployment's own agent ServiceAccount. Discovery repeats every
+``--discover-seconds``, so pods that come and go are followed.
+
+Each request: a fresh room, a (prefill, decode) pair picked round-robin over the pods
+reporting now; ``POST /v1/decode`` on the decode engine and ``POST /v1/prefill`` on the
+prefill engine at the same time (the decode side's result decides the outcome; its latency
+is the KV-ready latency as decode sees it). Requests start at ``--rate`` per second with at
+most ``--concurrency`` in flight. Progress every ``--progress-seconds`` on stderr; the
+summary (requests, failures by reason, p50/p99 latency) on stdout, or JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Engines", "LoadConfig", "LoadReport", "add_load_parser", "discover", "run_load"]
+
+_HTTP_SLACK_S = 10.0
+
+
+@dataclass(frozen=True)
+class Engines:
+    """The reporting engines of one deployment: (pod, engine address, bootstrap address)."""
+
+    prefill: tuple[tuple[str, str, str], ...]
+    decode: tuple[tuple[str, str, str], ...]
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    namespace: str
+    deployment: str
+    rate: float = 5.0
+    duration_s: float = 30.0
+    tokens: int = 64
+    concurrency: int = 4
+    timeout_s: float = 30.0
+    discover_s: float = 5.0
+    progress_s: float = 5.0
+
+
+@dataclass
+class LoadReport:
+    requests: int = 0
+    succeeded: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    latencies_s: list[float] = field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def percentile(self, q: float) -> float | None:
+        if not self.latencies_s:
+            return None
+        ordered = sorted(self.latencies_s)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def to_json(self) -> dict[str, Any]:
+        p50, p99 = self.percentile(0.5), self.percentile(0.99)
+        return {"requests": self.requests, "succeeded": self.succeeded,
+                "failed": sum(self.failures.values()), "failures_by_reason": dict(self.failures),
+                "p50_latency_s": p50, "p99_latency_s": p99, "bytes": self.bytes,
+                "seconds": round(self.seconds, 3),
+                "requests_per_s": round(self.requests / self.seconds, 3) if self.seconds else 0}
+
+
+def engines_from_agents(agents: Sequence[dict[str, Any]]) -> Engines:
+    """The engines whose TransferAgent reports both an engine and a bootstrap address."""
+    found: dict[str, list[tuple[str, str, str]]] = {"prefill": [], "decode": []}
+    for agent in agents:
+        endpoints = (agent.get("status") or {}).get("endpoints") or {}
+        role = (agent.get("spec") or {}).get("role")
+        if role in found and endpoints.get("engine") and endpoints.get("bootstrap"):
+            found[role].append((agent["metadata"]["name"], endpoints["engine"],
+                                endpoints["bootstrap"]))
+    return Engines(tuple(sorted(found["prefill"])), tuple(sorted(found["decode"])))
+
+
+def discover(namespace: str, deployment: str) -> Engines:
+    from pd_transfer.agent.kube import KubeAgentClient  # noqa: PLC0415 - kubernetes is heavy
+
+    client = KubeAgentClient.from_environment()
+    try:
+        return engines_from_agents(client.list(namespace,
+                                               f"pd.serving.dev/deployment={deployment}"))
+    finally:
+        client.close()
+
+
+def post_json(address: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """POST ``body`` to ``http://address/path``; the JSON answer, or ``{"state": "Failed",
+    "reason": ...}`` describing why there is none (HTTP error, unreachable)."""
+    request = urllib.request.Request(f"http://{address}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            answer: dict[str, Any] = json.loads(response.read())
+            return answer
+    except urllib.error.HTTPError as exc:
+        detail = exc.read()[:300].decode(errors="replace")
+        return {"state": "Failed", "reason": f"HTTP{exc.code}", "detail": detail}
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return {"state": "Failed", "reason": "EngineUnreachable", "detail": str(exc)}
+
+
+def run_one(engines: Engines, pair: int, config: LoadConfig) -> dict[str, Any]:
+    """One request through pair ``pair`` (round-robin index); the decode side's answer."""
+    prefill = engines.prefill[pair % len(engines.prefill)]
+    decode = engines.decode[(pair // max(1, len(engines.prefill))) % len(engines.decode)]
+    room = f"load-{uuid.uuid4().hex[:16]}"
+    timeout = config.timeout_s + _HTTP_SLACK_S
+    with ThreadPoolExecutor(max_workers=1) as side:
+        sent = side.submit(post_json, prefill[1], "/v1/prefill",
+                           {"room": room, "num_tokens": config.tokens, "decode": [decode[2]],
+                            "timeout_seconds": config.timeout_s}, timeout)
+        got = post_json(decode[1], "/v1/decode",
+                        {"room": room, "num_tokens": config.tokens, "prefill": [prefill[2]],
+                         "timeout_seconds": config.timeout_s}, timeout)
+        sent.result()
+    return dict(got, prefill_pod=prefill[0], decode_pod=decode[0])
+
+
+def run_load(config: LoadConfig, discover_fn: Callable[[], Engines],
+             say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+             stop: threading.Event | None = None) -> LoadReport:
+    """Drive requests for ``config.duration_s`` or until ``stop`` is set (module docstring);
+    requests in flight are waited for."""
+    stop = stop or threading.Event()
+    report = LoadReport()
+    lock = threading.Lock()
+    slots = threading.Semaphore(config.concurrency)
+    pairs = itertools.count()
+    engines = discover_fn()
+    discovered_at = started = time.monotonic()
+    last_progress = started
+
+    def finished(future: Future[dict[str, Any]]) -> None:
+        slots.release()
+        try:
+            answer = future.result()
+        except Exception as exc:  # a bug in run_one must not stop the stream
+            answer = {"state": "Failed", "reason": "LoadGeneratorError", "detail": str(exc)}
+        with lock:
+            report.requests += 1
+            if answer.get("state") == "Succeeded":
+                report.succeeded += 1
+                report.latencies_s.append(float(answer.get("latency_s", 0.0)))
+                report.bytes += int(answer.get("bytes", 0))
+            else:
+                report.failures[str(answer.get("reason") or "Unknown")] += 1
+
+    with ThreadPoolExecutor(max_workers=config.concurrency) as pool:
+        next_start = started
+        while (now := time.monotonic()) < started + config.duration_s and not stop.is_set():
+            if now - discovered_at >= config.discover_s:
+                try:
+                    engines = discover_fn()
+                except Exception as exc:  # keep the last known engines
+                    say(f"discovery failed (keeping {len(engines.prefill)}+"
+                        f"{len(engines.decode)} engines): {exc}")
+                discovered_at = now
+            if now - last_progress >= config.progress_s:
+                with lock:
+                    say(f"[load] {now - started:5.1f} s: {report.requests} done, "
+                        f"{sum(report.failures.values())} failed "
+                        f"{dict(report.failures) or ''}")
+                last_progress = now
+            if not engines.prefill or not engines.decode:
+                time.sleep(0.2)
+                continue
+            if now < next_start:
+                time.sleep(min(next_start - now, 0.05))
+                continue
+            if not slots.acquire(timeout=0.05):
+                continue
+            next_start = max(next_start + 1.0 / config.rate, now - 1.0)
+            pool.submit(run_one, engines, next(pairs), config).add_done_callback(finished)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = LoadConfig(namespace=args.namespace, deployment=args.deployment, rate=args.rate,
+                        duration_s=args.duration_seconds, tokens=args.tokens,
+                        concurrency=args.concurrency, timeout_s=args.timeout_seconds)
+    report = run_load(config, lambda: discover(config.namespace, config.deployment))
+    data = report.to_json()
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        p50, p99 = data["p50_latency_s"], data["p99_latency_s"]
+        print(f"{data['requests']} requests in {data['seconds']} s "
+              f"({data['requests_per_s']}/s): {data['succeeded']} succeeded, "
+              f"{data['failed']} failed {data['failures_by_reason'] or ''}; latency p50 "
+              f"{'-' if p50 is None else f'{p50 * 1e3:.1f} ms'}, p99 "
+              f"{'-' if p99 is None else f'{p99 * 1e3:.1f} ms'}; {data['bytes']} KV bytes")
+    return 0 if report.requests and not report.failures else 1
+
+
+def add_load_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "load", help="drive requests prefill -> decode through a deployment's engines",
+        description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add = parser.add_argument
+    add("--namespace", required=True)
+    add("--deployment", required=True, help="PDDeployment name")
+    add("--rate", type=float, default=5.0, help="requests started per second")
+    add("--duration-seconds", type=float, default=30.0)
+    add("--tokens", type=int, default=64, help="prompt tokens per request")
+    add("--concurrency", type=int, default=4, help="requests in flight at most")
+    add("--timeout-seconds", type=float, default=30.0, help="per request")
+    add("--json", action="store_true", help="print the summary as JSON")
+    parser.set_defaults(handler=_run)

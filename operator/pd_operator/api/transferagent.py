@@ -94,6 +94,11 @@ class TransferAgentStatus(APIModel):
     staging: AgentStaging | None = Field(
         default=None, description="Staging sizes actually in force."
     )
+    staging_since: datetime | None = Field(
+        default=None,
+        description="When the staging sizes in force took effect (a rollout's analysis "
+        "period starts here).",
+    )
     registration_version: int = Field(
         default=0, ge=0, description="Version of the staging registration peers see."
     )

@@ -27,6 +27,7 @@ Triton, one fused kernel launch moves K and V for every layer and page.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 
 import torch
@@ -56,8 +57,14 @@ def staged_chunk_bytes(layout: KVLayout, num_layers: int, num_pages: int, num_he
         * num_pages
         * layout.page_size
         * num_heads
-        * layout.bytes_per_token_per_head
+        * _head_bytes(layout)
     )
+
+
+def _head_bytes(layout: KVLayout) -> int:
+    """``layout.bytes_per_token_per_head`` without the tensor allocation that property makes
+    (a few µs, several times per call, on the transfer worker's hot path)."""
+    return layout.head_dim * layout.dtype.itemsize
 
 
 def gather(
@@ -108,26 +115,51 @@ def _move(  # noqa: PLR0917 - private; gather/scatter name every argument
     scatter: bool,
 ) -> int:
     layout = pool.layout
-    layer_list = [int(layer) for layer in layers]
-    page_list = [int(page) for page in page_ids]
+    # One int64 array of layers then pages: converts (and type-checks) the ids at C speed,
+    # and becomes the kernel's index tensor without another pass.
+    ids = array.array("q", layers)
+    num_layers = len(ids)
+    ids.extend(page_ids)
+    layer_list, page_list = ids[:num_layers], ids[num_layers:]
     _validate(layout, layer_list, page_list, head_start, num_heads, staged, pool, scatter)
     nbytes = staged_chunk_bytes(layout, len(layer_list), len(page_list), num_heads)
     if nbytes == 0:
         return 0
     if not force_torch and TRITON_AVAILABLE and staged.is_cuda:
         _staging_kernel.launch(
-            pool.tensors(), layout, layer_list, page_list,
-            head_start=head_start, num_heads=num_heads, staged=staged[:nbytes], scatter=scatter,
+            pool.tensors(),
+            layout,
+            _device_index(torch.frombuffer(ids, dtype=torch.int64), pool.device),
+            len(layer_list),
+            len(page_list),
+            head_start=head_start,
+            num_heads=num_heads,
+            staged=staged[:nbytes],
+            scatter=scatter,
         )
     else:
         _move_torch(pool, layer_list, page_list, head_start, num_heads, staged[:nbytes], scatter)
     return nbytes
 
 
+def _device_index(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``values`` (a CPU int64 tensor) on ``device``, without blocking the host on CUDA.
+
+    ``torch.tensor(..., device=cuda)`` copies from pageable memory and then synchronises the
+    current stream, which would block the caller (the transfer worker) until every kernel
+    queued before it (the engine's forward pass, say) has finished. A pinned source and a
+    non-blocking copy stay asynchronous; torch's pinned-memory allocator keeps the source
+    alive until the copy has run.
+    """
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
 def _validate(  # noqa: PLR0917 - private, called once with _move's arguments
     layout: KVLayout,
-    layers: list[int],
-    pages: list[int],
+    layers: Sequence[int],
+    pages: Sequence[int],
     head_start: int,
     num_heads: int,
     staged: torch.Tensor,
@@ -146,12 +178,13 @@ def _validate(  # noqa: PLR0917 - private, called once with _move's arguments
             f"head slice [{head_start}, {head_start + num_heads}) is not inside the pool's "
             f"{layout.kv_heads} local heads"
         )
-    for layer in layers:
-        if not 0 <= layer < layout.num_layers:
-            raise IndexError(f"layer {layer} outside the pool's [0, {layout.num_layers})")
-    for page in pages:
-        if not 0 <= page < layout.num_pages:
-            raise IndexError(f"page {page} outside the pool's [0, {layout.num_pages})")
+    # min/max rather than a Python loop: a 32K-token chunk has 2048 pages per call.
+    if layers and not (min(layers) >= 0 and max(layers) < layout.num_layers):
+        bad = next(x for x in layers if not 0 <= x < layout.num_layers)
+        raise IndexError(f"layer {bad} outside the pool's [0, {layout.num_layers})")
+    if pages and not (min(pages) >= 0 and max(pages) < layout.num_pages):
+        bad = next(x for x in pages if not 0 <= x < layout.num_pages)
+        raise IndexError(f"page {bad} outside the pool's [0, {layout.num_pages})")
     if scatter and (len(set(pages)) != len(pages) or len(set(layers)) != len(layers)):
         raise ValueError("scatter needs distinct page ids and layers (a page written twice "
                          "would take an arbitrary one of the values)")
@@ -172,32 +205,31 @@ def _pool_rows(
         layout.num_layers * layout.num_pages,
         layout.page_size,
         layout.kv_heads,
-        layout.bytes_per_token_per_head,
+        _head_bytes(layout),
     )
     return as_bytes[:, :, head_start : head_start + num_heads, :]
 
 
 def _move_torch(  # noqa: PLR0917 - private, called once with _move's arguments
     pool: KVPool,
-    layers: list[int],
-    pages: list[int],
+    layers: Sequence[int],
+    pages: Sequence[int],
     head_start: int,
     num_heads: int,
     staged: torch.Tensor,
     scatter: bool,
 ) -> None:
     layout = pool.layout
-    rows = torch.tensor(
-        [layer * layout.num_pages + page for layer in layers for page in pages],
-        dtype=torch.int64,
-        device=pool.device,
+    layer_rows = torch.tensor(layers, dtype=torch.int64)[:, None] * layout.num_pages
+    rows = _device_index(
+        (layer_rows + torch.tensor(pages, dtype=torch.int64)[None, :]).flatten(), pool.device
     )
     staged_parts = staged.view(
         len(layout.parts),
         len(layers) * len(pages),
         layout.page_size,
         num_heads,
-        layout.bytes_per_token_per_head,
+        _head_bytes(layout),
     )
     for index, tensor in enumerate(pool.tensors()):
         source = _pool_rows(tensor, layout, head_start, num_heads)

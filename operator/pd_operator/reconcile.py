@@ -9,14 +9,19 @@
    are restored and a steady state sends no write at all; delete our children that are no
    longer desired (router disabled, PDBs on a server without policy/v1);
 4. list the pods of both roles and the pods' TransferAgents;
-5. compute the status (pure, `status.compute_status`);
-6. write it through the status subresource only if it differs from the stored one;
-7. set each gated pod's `pd.serving.dev/transfer-ready` condition from its own report, only
+5. plan the next staging rollout step (`rollout.executor.plan_step`, pure: the planner on the
+   observed pods and the stored `status.stagingRollout`);
+6. compute the status (pure, `status.compute_status`), the rollout's part from step 5;
+7. write it through the status subresource only if it differs from the stored one;
+8. carry out the rollout step: its TransferAgent spec writes (`RolloutExecutor`; none when
+   every pod already runs the spec's sizes);
+9. set each gated pod's `pd.serving.dev/transfer-ready` condition from its own report, only
    where its status or reason changes;
-8. emit Events for condition transitions and per-pod transfer-health transitions, only after
-   the status write succeeded.
+10. emit Events for condition transitions, per-pod transfer-health transitions and the
+   rollout's steps, only after the status write succeeded.
 A reconcile that saw fresh TransferAgent reports asks to run again when the first of them
-would turn stale (`RecheckAfter`): staleness is the absence of events, so no watch brings it.
+would turn stale (`RecheckAfter`): staleness is the absence of events, so no watch brings it;
+likewise while a staging rollout moves (its analysis periods end without events).
 No finalizer: children carry a controller ownerReference, so the garbage collector removes
 them with the PDDeployment and the operator has nothing to clean up (and needs no write on
 deletion, nor blocks deletion while it is down).
@@ -74,6 +79,12 @@ from pd_operator.metrics import (
     STATUS_WRITES,
     STATUS_WRITES_COALESCED,
     TRANSFER_REPORTS,
+)
+from pd_operator.rollout.executor import (
+    RolloutExecutor,
+    RolloutStep,
+    plan_step,
+    recheck_seconds,
 )
 from pd_operator.status import (
     Observed,
@@ -300,6 +311,7 @@ class Reconciler:
         self.capabilities = capabilities
         self.clock = clock
         self.after_apply = after_apply
+        self.rollouts = RolloutExecutor(kube)
         self._kinds = tuple(
             k for k in CHILD_KINDS if k != PDB or capabilities.pod_disruption_budgets
         )
@@ -362,15 +374,23 @@ class Reconciler:
         observed = self._observe(pdd, desired, live, pods=pods, created=created, failure=failure,
                                  agents=agents)
         now = self.clock()
-        status = compute_status(pdd, observed, now)
         engine_pods = [*observed.prefill.pods, *observed.decode.pods]
+        step = plan_step(pdd.spec, parsed.previous.staging_rollout, engine_pods, agents, now)
+        status = compute_status(pdd, observed, now,
+                                staging_rollout=step.decision.status if step else None)
         reports = compute_pod_reports(pdd.spec, engine_pods, agents, now)
-        self._write_status(parsed, status, transfer_gate_changes(engine_pods, reports, now))
+        self._write_status(parsed, status, transfer_gate_changes(engine_pods, reports, now),
+                           rollout=step)
         if pending is not None:
             raise pending
-        stale_in = next_stale_in(pdd.spec, reports, now)
-        if stale_in is not None:
-            return RecheckAfter(stale_in + STALE_RECHECK_SLACK_S), "success"
+        rechecks = [next_stale_in(pdd.spec, reports, now)]
+        if rechecks[0] is not None:
+            rechecks[0] = rechecks[0] + STALE_RECHECK_SLACK_S
+        if step is not None:
+            rechecks.append(recheck_seconds(step, pdd.spec.transfer.staging.rollout))
+        due = [s for s in rechecks if s is not None]
+        if due:
+            return RecheckAfter(min(due)), "success"
         return True, "success"
 
     # -- steps ---------------------------------------------------------------------------
@@ -474,15 +494,20 @@ class Reconciler:
         )
 
     def _write_status(
-        self, parsed: _Parsed, status: PDDeploymentStatus, gates: Sequence[GateChange] = ()
+        self, parsed: _Parsed, status: PDDeploymentStatus, gates: Sequence[GateChange] = (),
+        rollout: RolloutStep | None = None,
     ) -> None:
-        """Write the status if it changed, then the pods' gates, then the Events."""
+        """Write the status if it changed, then the rollout's TransferAgent writes, then the
+        pods' gates, then the Events."""
         events: list[tuple[str, str, str]] = []
         wire = status.to_wire()
         if wire != parsed.body.get("status"):
             self.kube.replace_status(parsed.body, wire)
             STATUS_WRITES.labels(kind="PDDeployment").inc()
             events += transition_events(parsed.previous.conditions, status.conditions)
+        if rollout is not None:
+            self.rollouts.execute(rollout)
+            events += [(e.type.value, e.reason.value, e.message) for e in rollout.decision.events]
         namespace = parsed.body["metadata"]["namespace"]
         for change in gates:
             self.kube.patch_pod_condition(namespace, change.pod, change.condition)

@@ -22,6 +22,8 @@ from pd_operator.build.names import agent_service_account
 from pd_operator.devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.kube import KubeClient
 from pd_operator.reconcile import Reconciler
+from pd_transfer.agent.errors import RetryableAPIError
+from pd_transfer.agent.kube import KubeAgentClient
 from tests.integration.test_operator_reconcile import NAME, example_body
 from tests.kube_factories import make_agent
 
@@ -108,3 +110,43 @@ def test_agent_service_account_writes_only_its_transferagents(
             "patch TransferAgent status elsewhere"), 403)
     finally:
         api.close()
+
+
+def test_agent_watch_delivers_its_own_spec_changes_only(
+        control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient, namespace: str) -> None:
+    """Guards the agent's spec watch (rollouts wait on it): with the agent's own token it
+    sees the operator's spec change of its TransferAgent, and not a sibling's."""
+    admin = k8s.CustomObjectsApi(kube_client)
+    admin.create_namespaced_custom_object(GROUP, VERSION, namespace, "pddeployments",
+                                          example_body(namespace))
+    kube = KubeClient(control_plane.api_client())
+    try:
+        Reconciler(kube, Capabilities(pod_disruption_budgets=False)).reconcile(namespace, NAME)
+    finally:
+        kube.close()
+    for pod in (f"{NAME}-decode-0", f"{NAME}-decode-1"):
+        body = make_agent(pod, deployment=NAME, namespace=namespace,
+                          report_time=datetime.now(UTC))
+        body.pop("status")
+        del body["metadata"]["ownerReferences"]  # no pod here (see the test above)
+        admin.create_namespaced_custom_object(GROUP, VERSION, namespace, "transferagents",
+                                              body)
+    path = service_account_kubeconfig(control_plane, namespace, agent_service_account(NAME))
+    agent = KubeAgentClient(k8s_config.new_client_from_config(config_file=str(path)))
+    mine = f"{NAME}-decode-0"
+    try:
+        start = agent.get(namespace, mine)
+        assert start is not None
+        version = start["metadata"]["resourceVersion"]
+        for pod, pool in ((f"{NAME}-decode-1", 512), (mine, 6144)):
+            admin.patch_namespaced_custom_object(
+                GROUP, VERSION, namespace, "transferagents", pod,
+                {"spec": {"staging": {"decodePoolMiB": pool}}})
+        seen = list(agent.watch(namespace, mine, version, timeout_s=2))
+        assert [o["metadata"]["name"] for o in seen] == [mine]
+        assert seen[0]["spec"]["staging"]["decodePoolMiB"] == 6144
+        with pytest.raises(RetryableAPIError) as gone:  # a compacted version: relist
+            list(agent.watch(namespace, mine, "1", timeout_s=2))
+        assert gone.value.status == 410
+    finally:
+        agent.close()

@@ -3,8 +3,11 @@ rate limiting / transitions / backoff (in-process fake API, manual clock), the U
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
+from collections.abc import Iterator
+from concurrent.futures import Future
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from pd_transfer.agent.report import (
     trim_samples,
 )
 from pd_transfer.agent.reporter import Reporter, ReporterTuning, build_transfer_agent
+from pd_transfer.agent.spec_watch import SpecWatch
 from pd_transfer.agent.transport_probe import (
     ProtoInfoParser,
     UcxLogTail,
@@ -383,3 +387,131 @@ def test_configure_environment_respects_the_user(tmp_path: Path) -> None:
     assert env["UCX_PROTO_INFO"] == "y" and env["UCX_LOG_FILE"] == str(path)
     assert configure_environment({"UCX_PROTO_INFO": "n"}, tmp_path) is None
     assert configure_environment({"UCX_LOG_FILE": "/x/ucx-%p.log"}, tmp_path) is None
+
+
+def test_a_spec_change_resizes_and_reports_each_transition() -> None:
+    """The engine's resizer runs when spec.staging differs; resizing, then the new sizes,
+    stagingSince, registrationVersion and observedGeneration are written at once."""
+    api, source, clock = FakeAPI(), Source(), Clock()
+    asked: list[tuple[AgentStaging, Future[int]]] = []
+
+    def resizer(staging: AgentStaging) -> Future[int]:
+        asked.append((staging, Future()))
+        return asked[-1][1]
+
+    later = datetime(2026, 1, 1, 12, 5, tzinfo=UTC)
+    walls = iter([NOW] * 3 + [later] * 50)
+    reporter = Reporter(make_facts(), source, api, ReporterTuning(report_interval_s=5.0),
+                        clock=clock, wall=lambda: next(walls), rng=random.Random(0),
+                        resizer=resizer)
+    assert reporter.tick()
+    assert not asked and api.status_writes[-1]["observedGeneration"] == 1
+    obj = next(iter(api.objects.values()))
+    obj["spec"]["staging"]["decodePoolMiB"] = 128
+    obj["metadata"]["generation"] = 2
+    clock.now += 1
+    assert not reporter.tick()  # the spec is polled at the report interval
+    clock.now += 5
+    assert reporter.tick()  # a transition is written at once
+    assert len(asked) == 1 and asked[0][0].decode_pool_mib == 128
+    status = api.status_writes[-1]
+    assert status["resizing"] is True and status["observedGeneration"] == 1
+    assert status["staging"]["decodePoolMiB"] != 128
+    clock.now += 1
+    assert not reporter.tick()
+    asked[0][1].set_result(2)
+    clock.now += 1
+    assert reporter.tick()
+    status = api.status_writes[-1]
+    assert status["resizing"] is False and status["staging"]["decodePoolMiB"] == 128
+    assert status["registrationVersion"] == 2 and status["observedGeneration"] == 2
+    assert status["stagingSince"].startswith("2026-01-01T12:05")
+    # A failed resize keeps the old sizes, reports lastError and is not retried.
+    obj["spec"]["staging"]["decodePoolMiB"] = 256
+    obj["metadata"]["generation"] = 3
+    clock.now += 6
+    assert reporter.tick() and len(asked) == 2
+    asked[1][1].set_exception(RuntimeError("out of device memory"))
+    clock.now += 1
+    assert reporter.tick()
+    status = api.status_writes[-1]
+    assert status["resizing"] is False and status["staging"]["decodePoolMiB"] == 128
+    assert "out of device memory" in status["lastError"] and status["observedGeneration"] == 2
+    clock.now += 6
+    reporter.tick()
+    assert len(asked) == 2  # same generation: no retry
+    obj["spec"]["paused"] = True
+    obj["spec"]["staging"]["decodePoolMiB"] = 512
+    obj["metadata"]["generation"] = 4
+    clock.now += 6
+    reporter.tick()
+    assert len(asked) == 2  # paused: no resize
+
+
+def test_a_notified_spec_resizes_at_the_next_tick_without_waiting_for_the_poll() -> None:
+    """Guards the rollout's pace: a spec change pushed by the watch (`notify_spec`) starts
+    the resize at the very next tick, not at the next spec poll (report interval)."""
+    api, source, clock = FakeAPI(), Source(), Clock()
+    asked: list[AgentStaging] = []
+
+    def resizer(staging: AgentStaging) -> Future[int]:
+        asked.append(staging)
+        return Future()
+
+    reporter = Reporter(make_facts(), source, api, ReporterTuning(report_interval_s=5.0),
+                        clock=clock, wall=lambda: NOW, rng=random.Random(0), resizer=resizer)
+    assert reporter.tick()
+    obj = copy.deepcopy(next(iter(api.objects.values())))
+    obj["spec"]["staging"]["decodePoolMiB"] = 96
+    obj["metadata"]["generation"] = 2
+    gets = api.calls.count("get")
+    clock.now += 1  # well inside the poll interval
+    reporter.notify_spec(obj)
+    assert reporter.tick()  # the resizing report goes out at once
+    assert [s.decode_pool_mib for s in asked] == [96]
+    assert api.calls.count("get") == gets  # no extra GET: the watch brought the object
+    assert api.status_writes[-1]["resizing"] is True
+
+
+class ScriptedStream:
+    """A `SpecStream` that plays one outcome per call: a list of objects, or an error."""
+
+    def __init__(self, watch: list[SpecWatch], script: list[list[dict[str, Any]] | Exception]
+                 ) -> None:
+        self.watch, self.script = watch, script
+        self.calls: list[str | None] = []
+
+    def __call__(self, version: str | None, timeout_s: float) -> Iterator[dict[str, Any]]:
+        self.calls.append(version)
+        if not self.script:
+            self.watch[0].stop(timeout_s=0)
+            return
+        step = self.script.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        yield from step
+
+
+def _version(v: str) -> dict[str, Any]:
+    return {"metadata": {"resourceVersion": v}, "spec": {}}
+
+
+def test_spec_watch_resumes_from_the_last_version_and_relists_after_410() -> None:
+    """Guards against a watch that replays from scratch after each server timeout (every
+    event again) or retries a compacted version forever."""
+    seen: list[str] = []
+    holder: list[SpecWatch] = []
+    stream = ScriptedStream(holder, [
+        [_version("5"), _version("7")],          # the server ends the watch after two events
+        [_version("9")],                         # resumed from 7
+        RetryableAPIError("too old resource version", 410),
+        RetryableAPIError("connection refused", 0),
+        [_version("12")],                        # a fresh watch (version None)
+    ])
+    watch = SpecWatch(stream, lambda obj: seen.append(obj["metadata"]["resourceVersion"]),
+                      backoff_base_s=0.001, backoff_max_s=0.002, rng=random.Random(0))
+    holder.append(watch)
+    watch.run()
+    assert seen == ["5", "7", "9", "12"]
+    assert stream.calls == [None, "7", "9", None, None, "12"]
+    assert (watch.events, watch.errors) == (4, 2)

@@ -12,6 +12,7 @@ import pytest
 from pd_transfer.errors import RemoteProtocolError
 from pd_transfer.protocol.messages import (
     MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
     Abort,
     AllocRequest,
     Finish,
@@ -21,6 +22,7 @@ from pd_transfer.protocol.messages import (
     PartDone,
     Release,
     RequestKV,
+    RingUpdate,
     StagedPart,
     Watermark,
     compute_runs,
@@ -38,12 +40,14 @@ EVERY_TYPE: list[Message] = [
     Grant(room="r", part=0, sender_id=1, ring_offset=256, size_bytes=4096, ring_version=1),
     GrantRefused(room="r", part=0, sender_id=1, needed_bytes=1 << 30, capacity_bytes=1 << 20),
     StagedPart(room="r", part=2, sender_id=1, ring_offset=0, size_bytes=64, layer_start=0,
-               layer_stop=4, page_start=3, page_count=2, final_parts=3),
+               layer_stop=4, page_start=3, page_count=2, ring_version=1, final_parts=3),
     PartDone(room="r", part=0, sender_id=0),
     Finish(room="r", sender_id=0, final_parts=2),
     Release(room="r"),
     Abort(room="r", reason="Aborted", detail="engine"),
     Watermark(used_bytes=1, capacity_bytes=2, largest_free_bytes=1, pending_allocations=0),
+    RingUpdate(ring_version=2, name="d/ring-v2", base_address=4096, size_bytes=1 << 20,
+               kind="VRAM", device_id=0, transport_metadata_b64="bWV0YQ=="),
 ]
 
 
@@ -51,25 +55,28 @@ EVERY_TYPE: list[Message] = [
 def test_every_message_round_trips_as_compact_versioned_json(message: Message) -> None:
     wire = encode_message(message)
     envelope = json.loads(wire)
-    assert envelope["v"] == 1 and envelope["type"] == message.type
+    assert envelope["v"] == PROTOCOL_VERSION == 2 and envelope["type"] == message.type
     assert b" " not in wire.replace(b'"engine"', b"")  # compact
     assert decode_message(wire) == message
 
 
 def _raw(**fields: object) -> bytes:
-    return json.dumps({"v": 1, **fields}).encode()
+    return json.dumps({"v": PROTOCOL_VERSION, **fields}).encode()
 
 
 GRANT = {"type": "grant", "room": "r", "part": 0, "sender_id": 0, "ring_offset": 0,
          "size_bytes": 64, "ring_version": 1}
 
 REJECTED: list[tuple[str, bytes, str]] = [
-    ("oversized payload", b'{"v":1,"pad":"' + b"x" * MAX_MESSAGE_BYTES + b'"}', "too_large"),
+    ("oversized payload", b'{"v":2,"pad":"' + b"x" * MAX_MESSAGE_BYTES + b'"}', "too_large"),
     ("binary garbage", b"\xff\xfe\x00", "not_json"),
     ("truncated json", encode_message(EVERY_TYPE[0])[:-3], "not_json"),
     ("json array", b"[1, 2]", "not_object"),
     ("no version", json.dumps({"type": "release", "room": "r"}).encode(), "unsupported_version"),
-    ("future version", json.dumps({"v": 2, "type": "release", "room": "r"}).encode(),
+    ("older version (1: before hot resize)", json.dumps({"v": 1, "type": "release",
+                                                          "room": "r"}).encode(),
+     "unsupported_version"),
+    ("future version", json.dumps({"v": 3, "type": "release", "room": "r"}).encode(),
      "unsupported_version"),
     ("boolean version", json.dumps({"v": True, "type": "release", "room": "r"}).encode(),
      "unsupported_version"),

@@ -343,12 +343,13 @@ def test_hostile_messages_are_rejected_counted_and_change_nothing() -> None:
         (receiver, AllocRequest(room=request.room, part=0, sender_id=0, size_bytes=64)),
         (receiver, StagedPart(room=request.room, part=0, sender_id=0, ring_offset=0,
                               size_bytes=64, layer_start=0, layer_stop=1, page_start=0,
-                              page_count=1)),
+                              page_count=1, ring_version=1)),
         (receiver, Release(room=request.room)),
         (sender, Grant(room=request.room, part=5, sender_id=0, ring_offset=0, size_bytes=64,
                        ring_version=1)),
         (sender, StagedPart(room="nope", part=0, sender_id=0, ring_offset=0, size_bytes=64,
-                            layer_start=0, layer_stop=1, page_start=0, page_count=1)),
+                            layer_start=0, layer_stop=1, page_start=0, page_count=1,
+                            ring_version=1)),
     ]
     for target, message in hostile:
         mallory.send_message(target.transport.agent_name, encode_message(message))

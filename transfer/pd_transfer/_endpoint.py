@@ -42,7 +42,7 @@ from pd_transfer.protocol.lifecycle import RequestStatus, Role
 from pd_transfer.protocol.messages import Message, decode_message, encode_message
 from pd_transfer.transport.base import RegisteredRegion, Transport
 
-__all__ = ["Endpoint", "RankIdentity", "Timeouts"]
+__all__ = ["Endpoint", "RankIdentity", "ResizeResult", "Timeouts"]
 
 _log = logging.getLogger("pd_transfer")
 T = TypeVar("T")
@@ -71,6 +71,28 @@ class Timeouts:
             stall_s=max(4 * config.grant_seconds, config.transfer_seconds / 4),
             quarantine_grace_s=config.transfer_seconds,
         )
+
+
+@dataclass(frozen=True)
+class ResizeResult:
+    """A finished staging resize (``resize_ring`` / ``resize_buffer``)."""
+
+    side: str  # "ring" (decode) or "buffer" (prefill)
+    capacity_bytes: int  # the size now in force
+    registration_version: int  # decode: the ring's new version; prefill: its buffer's
+    duration_s: float
+    failed_requests: int  # requests failed ResizeDeadline (still live at the deadline)
+
+
+@dataclass
+class PendingResize:
+    """A resize under way on an endpoint's worker (at most one at a time)."""
+
+    new_bytes: int
+    started: float
+    deadline: float
+    future: Future[ResizeResult]
+    failed_requests: int = 0
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,12 @@ class TransferError(Exception):
     code: ClassVar[str] = "transfer_error"
 
 
+class ResizeError(TransferError):
+    """A staging resize was refused or failed; the size in force is unchanged."""
+
+    code: ClassVar[str] = "resize_failed"
+
+
 class PlanError(TransferError):
     """A parallelism/layout combination cannot be planned; the message says what to change."""
 

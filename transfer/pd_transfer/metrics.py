@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter as _Tally
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -58,6 +59,11 @@ class TransferSnapshot:
     rejected_by_reason: dict[str, int]
     recent_failures: tuple[RecentFailure, ...]
     ring: RingWatermark | None
+    # Staging in force (decode: the ring; prefill: the staging buffer) and its resizes.
+    staging_bytes: int = 0
+    registration_version: int = 0
+    staging_since_unix_s: float | None = None
+    resizing: bool = False
 
 
 class TransferMetrics:
@@ -90,7 +96,21 @@ class TransferMetrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=r,
         )
+        self.resizes = Counter(
+            "pd_transfer_resizes", "Staging resizes by side (ring|buffer) and result "
+            "(succeeded|failed)", ["side", "result"], registry=r,
+        )
+        self.resize_duration = Histogram(
+            "pd_transfer_resize_duration_seconds", "Time a staging resize took (drain and "
+            "re-registration)", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
         self._ring: StagingRing | None = None
+        self._ring_gauges = False
+        self._staging_bytes = 0
+        self._registration_version = 0
+        self._staging_since: float | None = None
+        self._resizing = False
         self._pending = 0
         self._lock = threading.Lock()
         self._succeeded = 0
@@ -102,21 +122,53 @@ class TransferMetrics:
         self._recent: deque[RecentFailure] = deque(maxlen=RECENT_FAILURES)
 
     def attach_ring(self, ring: StagingRing) -> None:
-        """Export ``ring``'s occupancy as gauges read at scrape time."""
+        """Export ``ring``'s occupancy as gauges read at scrape time (a resize attaches the
+        new ring: the gauges read whichever ring is attached)."""
         self._ring = ring
+        if self._ring_gauges:
+            return
+        self._ring_gauges = True
         r = self.registry
-        for name, doc, read in (
-            ("used", "Staging ring bytes in use", lambda: ring.used_bytes),
-            ("capacity", "Staging ring size", lambda: ring.capacity_bytes),
-            ("free", "Staging ring free bytes", lambda: ring.free_bytes),
+
+        def read(attr: str) -> Callable[[], float]:
+            return lambda: float(getattr(self._ring, attr, 0))
+
+        for name, doc, fn in (
+            ("used", "Staging ring bytes in use", read("used_bytes")),
+            ("capacity", "Staging ring size", read("capacity_bytes")),
+            ("free", "Staging ring free bytes", read("free_bytes")),
             ("largest_free_extent", "Largest grantable region",
-             lambda: ring.largest_free_extent_bytes),
+             read("largest_free_extent_bytes")),
         ):
-            Gauge(f"pd_transfer_ring_{name}_bytes", doc, registry=r).set_function(read)
+            Gauge(f"pd_transfer_ring_{name}_bytes", doc, registry=r).set_function(fn)
         Gauge(
             "pd_transfer_ring_pending_allocations", "AllocRequests queued for ring space",
             registry=r,
         ).set_function(lambda: self._pending)
+
+    def set_staging(self, staging_bytes: int, registration_version: int) -> None:
+        """The staging size in force and its registration version (at start-up)."""
+        with self._lock:
+            self._staging_bytes = staging_bytes
+            self._registration_version = registration_version
+
+    def resize_started(self) -> None:
+        with self._lock:
+            self._resizing = True
+
+    def resize_finished(
+        self, side: str, *, ok: bool, duration_s: float, staging_bytes: int,
+        registration_version: int,
+    ) -> None:
+        """A resize ended; on success the new size and version are in force from now."""
+        self.resizes.labels(side, "succeeded" if ok else "failed").inc()
+        self.resize_duration.observe(duration_s)
+        with self._lock:
+            self._resizing = False
+            if ok:
+                self._staging_bytes = staging_bytes
+                self._registration_version = registration_version
+                self._staging_since = time.time()
 
     def set_pending_allocations(self, count: int) -> None:
         self._pending = count
@@ -181,4 +233,8 @@ class TransferMetrics:
                 rejected_by_reason=dict(self._rejected_by_reason),
                 recent_failures=tuple(self._recent),
                 ring=watermark,
+                staging_bytes=self._staging_bytes,
+                registration_version=self._registration_version,
+                staging_since_unix_s=self._staging_since,
+                resizing=self._resizing,
             )

@@ -19,10 +19,20 @@ fails, OversizedChunk). A region granted but unwritten for ``stall_s`` fails its
 (StalledWriter). When a request fails, regions a live writer may still write into are
 QUARANTINED (kept occupied) until its late notification arrives, the writer is known dead,
 or ``quarantine_grace_s`` passed; everything else is freed at once.
+
+Hot resize (``resize_ring(new_bytes, deadline_s)``): no new region is granted (new
+AllocRequests queue FIFO, answered with a Watermark, bounded by their own deadlines);
+granted regions finish (written, scattered, freed) until the deadline; a request still
+holding a granted region then fails ResizeDeadline and the region is quarantined. The old
+buffer is deregistered (and kept allocated while a quarantined region of it may still be
+written), the new one allocated and registered, ``ring_version`` bumped and announced to
+every prefill peer (``RingUpdate``); then the queue is served against the new ring. Grants
+carry the version; a StagedPart of another version is a protocol violation (its request).
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import logging
 import time
@@ -32,9 +42,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd_transfer._endpoint import Endpoint, RankIdentity, Timeouts
+from pd_transfer._endpoint import Endpoint, PendingResize, RankIdentity, ResizeResult, Timeouts
 from pd_transfer._paths import PathMode, choose_path, compute_layout
-from pd_transfer.errors import OversizedAllocation
+from pd_transfer.bootstrap import RankDocument
+from pd_transfer.errors import OversizedAllocation, ResizeError
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.plan import TransferPlan, compute_transfer_topology
@@ -55,6 +66,7 @@ from pd_transfer.protocol.messages import (
     PartDone,
     Release,
     RequestKV,
+    RingUpdate,
     StagedPart,
     Watermark,
     compute_runs,
@@ -143,12 +155,16 @@ class DecodeReceiver(Endpoint):
         self.ring = StagingRing(ring_bytes)
         self.ring_version = 1
         self.metrics.attach_ring(self.ring)
+        self.metrics.set_staging(ring_bytes, self.ring_version)
         self._stream: torch.cuda.Stream | None = None
         if pool.device.type == "cuda":
             self._stream = torch.cuda.Stream(pool.device)  # type: ignore[no-untyped-call]
         self._transfers: dict[str, ReceiveTransfer] = {}
         self._queue: collections.deque[tuple[str, int, int]] = collections.deque()
-        self._quarantine: list[tuple[Region, str, float]] = []  # region, writer, expiry
+        # region, writer, expiry, ring version of the region
+        self._quarantine: list[tuple[Region, str, float, int]] = []
+        self._retired: dict[int, torch.Tensor] = {}  # old ring buffers quarantine still pins
+        self._resize: PendingResize | None = None
 
     # Engine API ----------------------------------------------------------------------------
 
@@ -170,12 +186,28 @@ class DecodeReceiver(Endpoint):
     def abort(self, room: str, detail: str = "aborted by the engine") -> Future[None]:
         return self.submit(lambda: self._abort(room, detail))
 
+    def resize_ring(self, new_bytes: int, deadline_s: float) -> Future[ResizeResult]:
+        """Re-size the staging ring to ``new_bytes`` without restarting (module docstring).
+
+        The Future yields a ``ResizeResult`` once the new ring serves, or raises
+        ``ResizeError`` (one already under way, bad size, registration failed: the old ring
+        stays in force). Requests whose regions are still live after ``deadline_s`` fail
+        ResizeDeadline; no other request fails because of the resize."""
+        done: Future[ResizeResult] = Future()
+        self.submit(lambda: self._begin_resize(new_bytes, deadline_s, done))
+        return done
+
+    @property
+    def resizing(self) -> bool:
+        return self._resize is not None
+
     def debug_counts(self) -> dict[str, int]:
         """Sizes of every per-request structure (FAILURES #11 tests compare to baseline)."""
         return {
             "transfers": len(self._transfers),
             "queued_allocations": len(self._queue),
             "quarantined": len(self._quarantine),
+            "retired_rings": len(self._retired),
             "ring_live_regions": self.ring.live_regions,
             "ring_quarantined_regions": self.ring.quarantined_regions,
             **self.status_counts(),
@@ -249,7 +281,9 @@ class DecodeReceiver(Endpoint):
             ring_version=self.ring_version,
         ))
 
-    def _on_peer_added(self, document: object) -> None:
+    def _on_peer_added(self, document: RankDocument) -> None:
+        if self.ring_version > 1 and document.role == "prefill":
+            self.send(document.agent_name, self._ring_update())  # it may hold an older doc
         for transfer in list(self._transfers.values()):
             if transfer.lifecycle.state is State.BOOTSTRAPPING:
                 with self.guard(self._failer(transfer)):
@@ -258,7 +292,8 @@ class DecodeReceiver(Endpoint):
     # Messages ------------------------------------------------------------------------------
 
     def _on_message(self, peer: str, message: Message) -> None:
-        if isinstance(message, RequestKV | Grant | GrantRefused | Release | Watermark):
+        if isinstance(message, RequestKV | Grant | GrantRefused | Release | Watermark
+                      | RingUpdate):
             self.reject("wrong_direction", f"{message.type} from {peer} to a decode rank")
             return
         transfer = self._transfers.get(message.room)
@@ -295,16 +330,16 @@ class DecodeReceiver(Endpoint):
     def _on_unknown_room(self, peer: str, message: Message) -> None:
         if isinstance(message, StagedPart):  # a late write into a quarantined region?
             for entry in self._quarantine:
-                region, writer, _ = entry
-                if (writer, region.offset_bytes, region.size_bytes) == (
-                        peer, message.ring_offset, message.size_bytes):
-                    self._quarantine.remove(entry)
-                    self.ring.release_quarantined(region)
+                region, writer, _, version = entry
+                if (writer, region.offset_bytes, region.size_bytes, version) == (
+                        peer, message.ring_offset, message.size_bytes, message.ring_version):
+                    self._drop_quarantined(entry)
                     break
         if isinstance(message, AllocRequest) and peer in self.peers:
             self.send(peer, Abort(room=message.room, reason="AbortedByPeer",
                                   detail="decode does not expect this room (finished or failed)"))
-        self.reject("unknown_room", f"{message.type} for {message.room!r} from {peer}")
+        room = getattr(message, "room", None)
+        self.reject("unknown_room", f"{message.type} for {room!r} from {peer}")
 
     def _on_alloc(self, transfer: ReceiveTransfer, writer: _Writer, msg: AllocRequest) -> None:
         if writer.path != "staged":
@@ -315,6 +350,8 @@ class DecodeReceiver(Endpoint):
             return
         granted = writer.grants.get(msg.part)
         if granted is not None:  # a re-sent request: the same grant again (idempotent)
+            if self.ring_version > 1:  # the writer may have missed the RingUpdate it needs
+                self.send(writer.peer, self._ring_update())
             self.send(writer.peer, self._grant(transfer, writer, msg.part, granted[0]))
             return
         if msg.part in writer.pending or msg.part in writer.scattering:
@@ -328,6 +365,12 @@ class DecodeReceiver(Endpoint):
         if msg.size_bytes > most:
             self._violation(transfer, writer, f"AllocRequest of {msg.size_bytes} bytes; the "
                             f"whole request is at most {most}")
+            return
+        if self._resize is not None:  # no new grants while a resize drains the ring
+            writer.pending[msg.part] = msg.size_bytes
+            self._queue.append((transfer.room, msg.sender_id, msg.part))
+            self.metrics.set_pending_allocations(len(self._queue))
+            self.send(writer.peer, self._watermark(transfer, writer, msg.part))
             return
         try:
             region = self.ring.allocate(transfer.room, msg.size_bytes)
@@ -349,6 +392,12 @@ class DecodeReceiver(Endpoint):
     def _on_staged(self, transfer: ReceiveTransfer, writer: _Writer, msg: StagedPart) -> None:
         if msg.part in writer.arrived or msg.part in writer.scattering:
             self.reject("duplicate", f"notification for part {msg.part} again")
+            return
+        if msg.ring_version != self.ring_version:  # every live grant is of the current ring
+            self.reject("stale_registration", f"part {msg.part}: ring version "
+                        f"{msg.ring_version}, the ring in force is {self.ring_version}")
+            self._violation(transfer, writer, f"StagedPart for ring version {msg.ring_version}"
+                            f" (in force: {self.ring_version})")
             return
         granted = writer.grants.get(msg.part)
         if granted is None:
@@ -441,20 +490,34 @@ class DecodeReceiver(Endpoint):
                         busy = True
             if busy:
                 self._check_complete(transfer)
+        if self._resize is not None:
+            return self._step_resize() or busy
         return self._serve_queue() or busy
 
     def _serve_queue(self) -> bool:
         """Grant queued allocations in arrival order while the ring has room (FIFO: a big
-        part at the head is not starved by smaller ones behind it)."""
+        part at the head is not starved by smaller ones behind it). Nothing while a resize
+        is under way."""
         served = False
-        while self._queue:
+        while self._queue and self._resize is None:
             room, sender_id, part = self._queue[0]
             transfer = self._transfers.get(room)
             writer = transfer.writers.get(sender_id) if transfer is not None else None
             if transfer is None or writer is None or part not in writer.pending:
                 self._queue.popleft()
                 continue
-            region = self.ring.allocate(room, writer.pending[part])
+            try:
+                region = self.ring.allocate(room, writer.pending[part])
+            except OversizedAllocation as exc:  # queued before a shrink: it no longer fits
+                self._queue.popleft()
+                size = writer.pending.pop(part)
+                self.send(writer.peer, GrantRefused(
+                    room=room, part=part, sender_id=sender_id, needed_bytes=size,
+                    capacity_bytes=self.ring.capacity_bytes))
+                self._fail(transfer, FailureReason.OVERSIZED_CHUNK, str(exc),
+                           skip_peer=writer.peer)
+                served = True
+                continue
             if region is None:
                 break
             self._queue.popleft()
@@ -467,8 +530,7 @@ class DecodeReceiver(Endpoint):
 
     def _check_deadlines(self, now: float) -> None:
         for entry in [e for e in self._quarantine if e[2] <= now]:
-            self._quarantine.remove(entry)
-            self.ring.release_quarantined(entry[0])
+            self._drop_quarantined(entry)
         for transfer in list(self._transfers.values()):
             with self.guard(self._failer(transfer)):
                 self._check_transfer_deadlines(transfer, now)
@@ -556,7 +618,7 @@ class DecodeReceiver(Endpoint):
                 self.ring.free(region)
             for region, _ in writer.grants.values():
                 if writer.peer in self.peers and self.ring.quarantine(region):
-                    self._quarantine.append((region, writer.peer, expiry))
+                    self._quarantine.append((region, writer.peer, expiry, self.ring_version))
             writer.grants.clear()
             writer.scattering.clear()
             writer.pending.clear()
@@ -565,8 +627,7 @@ class DecodeReceiver(Endpoint):
 
     def _on_peer_lost(self, peer: str, detail: str) -> None:
         for entry in [e for e in self._quarantine if e[1] == peer]:
-            self._quarantine.remove(entry)  # a dead writer writes nothing more
-            self.ring.release_quarantined(entry[0])
+            self._drop_quarantined(entry)  # a dead writer writes nothing more
         for transfer in list(self._transfers.values()):
             if any(w.peer == peer for w in transfer.writers.values()):
                 self._fail(transfer, FailureReason.PEER_UNREACHABLE, detail, skip_peer=peer)
@@ -574,6 +635,109 @@ class DecodeReceiver(Endpoint):
     def _abort_all(self, detail: str) -> None:
         for transfer in list(self._transfers.values()):
             self._fail(transfer, FailureReason.ABORTED, detail)
+        if self._resize is not None:
+            resize, self._resize = self._resize, None
+            self._end_resize(resize, ResizeError(f"resize to {resize.new_bytes} bytes: {detail}"))
+
+    def _drop_quarantined(self, entry: tuple[Region, str, float, int]) -> None:
+        """Release a quarantined region: in the ring in force, or of a retired ring (whose
+        buffer is freed once none of its regions may still be written)."""
+        self._quarantine.remove(entry)
+        version = entry[3]
+        if version == self.ring_version:
+            self.ring.release_quarantined(entry[0])
+        elif all(e[3] != version for e in self._quarantine):
+            self._retired.pop(version, None)
+
+    # Resize ----------------------------------------------------------------------------------
+
+    def _begin_resize(self, new_bytes: int, deadline_s: float,
+                      done: Future[ResizeResult]) -> None:
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            if self._resize is not None:
+                raise ResizeError(f"a resize to {self._resize.new_bytes} bytes is under way")
+            if deadline_s < 0:
+                raise ResizeError(f"deadline_s must be >= 0, got {deadline_s}")
+            StagingRing(new_bytes)  # validates the size (positive, aligned)
+        except (ResizeError, ValueError) as exc:
+            done.set_exception(exc if isinstance(exc, ResizeError) else ResizeError(str(exc)))
+            return
+        now = self.clock()
+        self._resize = PendingResize(new_bytes, now, now + deadline_s, done)
+        self.metrics.resize_started()
+        _log.info("resizing the staging ring: %d → %d bytes (deadline %.1f s)",
+                  self.ring.capacity_bytes, new_bytes, deadline_s)
+        self._step_resize()
+
+    def _step_resize(self) -> bool:
+        """Drain, then swap: True when the resize finished this step."""
+        resize = self._resize
+        assert resize is not None
+        if self.ring.live_regions and self.clock() >= resize.deadline:
+            for transfer in list(self._transfers.values()):
+                if any(w.grants or w.scattering for w in transfer.writers.values()):
+                    resize.failed_requests += 1
+                    self._fail(transfer, FailureReason.RESIZE_DEADLINE,
+                               f"its staging region was still live when the ring resize to "
+                               f"{resize.new_bytes} bytes reached its deadline")
+        if self.ring.live_regions:
+            return False
+        self._resize = None
+        try:
+            self._swap_ring(resize.new_bytes)
+        except Exception as exc:
+            _log.exception("staging ring resize failed; the old ring stays in force")
+            self._end_resize(resize, ResizeError(
+                f"resize to {resize.new_bytes} bytes failed: {type(exc).__name__}: {exc}"))
+        else:
+            self._end_resize(resize, None)
+        self._serve_queue()
+        return True
+
+    def _swap_ring(self, new_bytes: int) -> None:
+        new_buffer = torch.zeros(new_bytes, dtype=torch.uint8, device=self.pool.device)
+        old_buffer, old_region, version = self.ring_buffer, self.ring_region, self.ring_version
+        name = f"{self.transport.agent_name}/ring-v{version + 1}"
+        self.transport.deregister(old_region)
+        try:
+            region = self.transport.register(new_buffer, name=name)
+        except Exception:
+            self.ring_region = self.transport.register(old_buffer, name=old_region.name)
+            raise
+        if any(e[3] == version for e in self._quarantine):
+            self._retired[version] = old_buffer  # a late write may still land in it
+        self.ring_buffer, self.ring_region = new_buffer, region
+        self.ring = StagingRing(new_bytes)
+        self.ring_version = version + 1
+        self.metrics.attach_ring(self.ring)
+        update = self._ring_update()
+        for name_, document in list(self.peers.items()):
+            if document.role == "prefill":
+                self.send(name_, update)
+
+    def _end_resize(self, resize: PendingResize, error: Exception | None) -> None:
+        duration = self.clock() - resize.started
+        self.metrics.resize_finished("ring", ok=error is None, duration_s=duration,
+                                     staging_bytes=self.ring.capacity_bytes,
+                                     registration_version=self.ring_version)
+        if error is not None:
+            resize.future.set_exception(error)
+            return
+        _log.info("staging ring resized to %d bytes (version %d) in %.3f s; %d requests "
+                  "failed ResizeDeadline", self.ring.capacity_bytes, self.ring_version,
+                  duration, resize.failed_requests)
+        resize.future.set_result(ResizeResult(
+            "ring", self.ring.capacity_bytes, self.ring_version, duration,
+            resize.failed_requests))
+
+    def _ring_update(self) -> RingUpdate:
+        region = self.ring_region
+        return RingUpdate(
+            ring_version=self.ring_version, name=region.name, base_address=region.base_address,
+            size_bytes=region.size_bytes, kind=region.kind.value, device_id=region.device_id,
+            transport_metadata_b64=base64.b64encode(self.transport.local_metadata()).decode())
 
     def _ring_region(self) -> RegisteredRegion | None:
         return self.ring_region

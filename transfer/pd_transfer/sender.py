@@ -16,10 +16,19 @@ RequestKV within ``kv_lease_s`` → LeaseExpired (the KV hold has a lease, FAILU
 ``grant_s`` and after ``grant_retries`` unanswered re-sends → GrantTimeout.
 
 A RequestKV for a room not registered yet is buffered until ``bootstrap_s`` (FAILURES #2).
+
+Decode ring resizes: a ``RingUpdate`` from a decode peer replaces that peer's ring region,
+registration version and transport metadata (kept per peer, so decode peers with different
+pool sizes are served at once). A grant of an older version than the peer's ring in force is
+refused; one of a newer version waits for its RingUpdate: nothing is ever written with an
+older registration. ``resize_buffer(new_bytes, deadline_s)`` re-sizes this rank's own
+staging buffer: no new gather starts, parts holding staging space finish until the deadline
+(the rest fail ResizeDeadline), the buffer is re-registered, gathers resume.
 """
 
 from __future__ import annotations
 
+import base64
 import enum
 import logging
 import time
@@ -30,13 +39,14 @@ from typing import Protocol
 
 import torch
 
-from pd_transfer._endpoint import Endpoint, RankIdentity, Timeouts
+from pd_transfer._endpoint import Endpoint, PendingResize, RankIdentity, ResizeResult, Timeouts
 from pd_transfer._paths import compute_contiguous_spans, compute_layout, compute_sliced_spans
-from pd_transfer.bootstrap import RankDocument
+from pd_transfer.bootstrap import RankDocument, RegionDoc
 from pd_transfer.errors import (
     DescriptorError,
     OversizedAllocation,
     PeerUnreachable,
+    ResizeError,
     TransportError,
 )
 from pd_transfer.layout import KVLayout, KVPool
@@ -67,6 +77,7 @@ from pd_transfer.protocol.messages import (
     PartDone,
     Release,
     RequestKV,
+    RingUpdate,
     StagedPart,
     Watermark,
     encode_message,
@@ -190,6 +201,9 @@ class PrefillSender(Endpoint):
             self.staging_buffer, name=f"{transport.agent_name}/staging"
         )
         self.staging = StagingRing(staging_bytes)
+        self.staging_version = 1
+        self.metrics.set_staging(staging_bytes, self.staging_version)
+        self._resize: PendingResize | None = None
         self._stream: torch.cuda.Stream | None = None
         if pool.device.type == "cuda":
             self._stream = torch.cuda.Stream(pool.device)  # type: ignore[no-untyped-call]
@@ -225,6 +239,18 @@ class PrefillSender(Endpoint):
 
     def abort(self, room: str, detail: str = "aborted by the engine") -> Future[None]:
         return self.submit(lambda: self._abort(room, detail))
+
+    def resize_buffer(self, new_bytes: int, deadline_s: float) -> Future[ResizeResult]:
+        """Re-size this rank's staging buffer to ``new_bytes`` without restarting (module
+        docstring). The Future yields a ``ResizeResult`` or raises ``ResizeError`` (the old
+        buffer then stays in force)."""
+        done: Future[ResizeResult] = Future()
+        self.submit(lambda: self._begin_resize(new_bytes, deadline_s, done))
+        return done
+
+    @property
+    def resizing(self) -> bool:
+        return self._resize is not None
 
     def debug_counts(self) -> dict[str, int]:
         """Sizes of every per-request structure (FAILURES #11 tests compare to baseline)."""
@@ -297,6 +323,9 @@ class PrefillSender(Endpoint):
         if isinstance(message, StagedPart | PartDone | Finish | AllocRequest):
             self.reject("wrong_direction", f"{message.type} from {peer} to a prefill rank")
             return
+        if isinstance(message, RingUpdate):
+            self._on_ring_update(peer, message)
+            return
         if isinstance(message, Watermark) and message.room is None:
             return  # an occupancy report; nothing waits on it here
         assert message.room is not None
@@ -367,10 +396,8 @@ class PrefillSender(Endpoint):
             problem = f"destination pages outside [0, {document.num_pages}) or repeated"
         elif message.path == "contiguous" and plan.heads.num_heads != layout.kv_heads:
             problem = "contiguous path asked for a partial head slice"
-        elif message.path == "staged" and (document.ring is None
-                                           or document.ring_version != message.ring_version):
-            problem = (f"staged path but ring version {message.ring_version} is not the "
-                       f"published {document.ring_version} (re-bootstrap the peer)")
+        elif message.path == "staged" and document.ring is None:
+            problem = "staged path but the decode rank published no staging ring"
         elif transfer.instance not in (None, document.instance):
             problem = f"decode instance {document.instance} but {transfer.instance} asked first"
         if problem is not None:
@@ -402,17 +429,17 @@ class PrefillSender(Endpoint):
                        f"{msg.capacity_bytes}; raise decodePoolMiB to at least {needed_mib} "
                        f"MiB or send smaller chunks")
             return
-        ring = stream.document.ring
-        assert ring is not None  # checked when the stream opened
-        if msg.ring_version != stream.document.ring_version:
-            self.reject("stale_registration", f"grant for ring version {msg.ring_version}")
+        known = self._peer_document(stream)
+        if msg.ring_version < known.ring_version:  # a grant of a ring since re-registered
+            self.reject("stale_registration", f"grant for ring version {msg.ring_version}; "
+                        f"{stream.peer}'s ring in force is version {known.ring_version}")
             return
-        if msg.size_bytes != out.size_bytes or msg.ring_offset + msg.size_bytes > ring.size_bytes:
-            self.reject("region_mismatch", f"grant [{msg.ring_offset}, +{msg.size_bytes}) for "
-                        f"a {out.size_bytes}-byte part in a {ring.size_bytes}-byte ring")
-            self._violation(transfer, stream.peer, "grant outside the ring or of the wrong size")
+        if msg.size_bytes != out.size_bytes:
+            self.reject("region_mismatch", f"grant of {msg.size_bytes} bytes for a "
+                        f"{out.size_bytes}-byte part")
+            self._violation(transfer, stream.peer, "grant of the wrong size")
             return
-        out.grant = msg
+        out.grant = msg  # a newer version than known waits for its RingUpdate
         self._try_post_staged(transfer, stream, out)
 
     # Progress ------------------------------------------------------------------------------
@@ -429,6 +456,8 @@ class PrefillSender(Endpoint):
                         break
                 if not transfer.lifecycle.finished:
                     self._check_complete(transfer)
+        if self._resize is not None:
+            busy = self._step_resize() or busy
         return busy
 
     def _advance(self, transfer: SendTransfer, stream: _Stream) -> bool:
@@ -497,6 +526,8 @@ class PrefillSender(Endpoint):
         self._post(transfer, stream, out, local, remote, regions, encode_message(note))
 
     def _stage_part(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
+        if self._resize is not None:
+            return False  # no new gather while the staging buffer is being re-sized
         layers, pages = self._pairs(transfer, stream, out)
         heads = stream.plan.heads
         size = staged_chunk_bytes(self.pool.layout, len(layers), len(pages), heads.num_heads)
@@ -538,14 +569,22 @@ class PrefillSender(Endpoint):
             return False
         if out.gathered is not None and not out.gathered.query():  # type: ignore[no-untyped-call]
             return False
-        ring = stream.document.ring
-        assert ring is not None
+        document = self._peer_document(stream)
+        ring = document.ring
+        assert ring is not None  # checked when the stream opened
+        if grant.ring_version != document.ring_version:
+            return False  # granted in a ring whose RingUpdate has not arrived yet
+        if grant.ring_offset + grant.size_bytes > ring.size_bytes:
+            self.reject("region_mismatch", f"grant [{grant.ring_offset}, +{grant.size_bytes})"
+                        f" in a {ring.size_bytes}-byte ring")
+            self._violation(transfer, stream.peer, "grant outside the ring")
+            return True
         note = StagedPart(
             room=transfer.room, part=out.index, sender_id=stream.plan.sender_id,
             ring_offset=grant.ring_offset, size_bytes=grant.size_bytes,
             layer_start=out.layers.start, layer_stop=out.layers.stop,
             page_start=out.spec.pages.start, page_count=len(out.spec.pages),
-            final_parts=out.final,
+            ring_version=grant.ring_version, final_parts=out.final,
         )
         granted = RegisteredRegion(f"{ring.name}@{grant.ring_offset}",
                                    ring.base_address + grant.ring_offset, grant.size_bytes,
@@ -637,15 +676,23 @@ class PrefillSender(Endpoint):
                        f"not finished within {self.timeouts.transfer_s} s")
             return
         for stream in transfer.streams.values():
+            known = self._peer_document(stream).ring_version
             for out in stream.out.values():
-                if out.stage is not _Stage.WAIT_GRANT or out.grant is not None:
+                if out.stage is not _Stage.WAIT_GRANT:
+                    continue
+                # A grant in a ring whose RingUpdate has not arrived is no grant yet: the
+                # update may be lost, and a re-sent AllocRequest makes decode send it again.
+                if out.grant is not None and out.grant.ring_version <= known:
                     continue
                 if now - out.alloc_sent_at < self.timeouts.grant_s:
                     continue
                 out.retries += 1
                 if out.retries > self.timeouts.grant_retries:
+                    missing = ("no grant" if out.grant is None else
+                               f"a grant in ring version {out.grant.ring_version} but no "
+                               f"RingUpdate for it (version {known} in force)")
                     self._fail(transfer, FailureReason.GRANT_TIMEOUT,
-                               f"no grant from {stream.peer} for part {out.index} after "
+                               f"{missing} from {stream.peer} for part {out.index} after "
                                f"{self.timeouts.grant_retries} re-sends")
                     return
                 out.alloc_sent_at = now
@@ -712,6 +759,114 @@ class PrefillSender(Endpoint):
     def _abort_all(self, detail: str) -> None:
         for transfer in list(self._transfers.values()):
             self._fail(transfer, FailureReason.ABORTED, detail)
+        if self._resize is not None:
+            resize, self._resize = self._resize, None
+            self._end_resize(resize, ResizeError(f"resize to {resize.new_bytes} bytes: {detail}"))
+
+    # Decode ring updates and own-buffer resizes ------------------------------------------------
+
+    def _peer_document(self, stream: _Stream) -> RankDocument:
+        """The peer's document in force (its ring may have been re-registered since the
+        stream opened)."""
+        return self.peers.get(stream.peer, stream.document)
+
+    def _on_ring_update(self, peer: str, message: RingUpdate) -> None:
+        document = self.peers.get(peer)
+        if document is None or document.role != "decode":
+            self.reject("unknown_peer", f"RingUpdate from {peer}, not a known decode rank")
+            return
+        if message.ring_version <= document.ring_version:
+            if message.ring_version < document.ring_version:
+                self.reject("stale_registration", f"RingUpdate {message.ring_version} from "
+                            f"{peer}; version {document.ring_version} is in force")
+            return
+        try:
+            metadata = base64.b64decode(message.transport_metadata_b64, validate=True)
+            name = self.transport.add_peer(metadata)  # reload: its registrations changed
+        except (ValueError, TransportError) as exc:
+            self.reject("invalid_ring_update", f"from {peer}: {exc}")
+            return
+        if name != peer:
+            self.reject("invalid_ring_update", f"from {peer}: metadata names {name!r}")
+            return
+        ring = RegionDoc(name=message.name, base_address=message.base_address,
+                         size_bytes=message.size_bytes, kind=message.kind,
+                         device_id=message.device_id)
+        self.peers[peer] = document.model_copy(update={
+            "ring": ring, "ring_version": message.ring_version,
+            "transport_metadata_b64": message.transport_metadata_b64})
+        _log.info("decode %s re-registered its ring: %d bytes, version %d", peer,
+                  message.size_bytes, message.ring_version)
+
+    def _begin_resize(self, new_bytes: int, deadline_s: float,
+                      done: Future[ResizeResult]) -> None:
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            if self._resize is not None:
+                raise ResizeError(f"a resize to {self._resize.new_bytes} bytes is under way")
+            if deadline_s < 0:
+                raise ResizeError(f"deadline_s must be >= 0, got {deadline_s}")
+            StagingRing(new_bytes)  # validates the size (positive, aligned)
+        except (ResizeError, ValueError) as exc:
+            done.set_exception(exc if isinstance(exc, ResizeError) else ResizeError(str(exc)))
+            return
+        now = self.clock()
+        self._resize = PendingResize(new_bytes, now, now + deadline_s, done)
+        self.metrics.resize_started()
+        _log.info("resizing the prefill staging buffer: %d → %d bytes (deadline %.1f s)",
+                  self.staging.capacity_bytes, new_bytes, deadline_s)
+        self._step_resize()
+
+    def _step_resize(self) -> bool:
+        """Drain the staging buffer, then swap it: True when the resize finished."""
+        resize = self._resize
+        assert resize is not None
+        if self.staging.live_regions and self.clock() >= resize.deadline:
+            for transfer in list(self._transfers.values()):
+                if self.staging.regions_of(transfer.room):
+                    resize.failed_requests += 1
+                    self._fail(transfer, FailureReason.RESIZE_DEADLINE,
+                               f"its parts still held staging space when the buffer resize to"
+                               f" {resize.new_bytes} bytes reached its deadline")
+        if self.staging.live_regions:
+            return False
+        self._resize = None
+        try:
+            self._swap_buffer(resize.new_bytes)
+        except Exception as exc:
+            _log.exception("staging buffer resize failed; the old buffer stays in force")
+            self._end_resize(resize, ResizeError(
+                f"resize to {resize.new_bytes} bytes failed: {type(exc).__name__}: {exc}"))
+        else:
+            self._end_resize(resize, None)
+        return True
+
+    def _swap_buffer(self, new_bytes: int) -> None:
+        new_buffer = torch.zeros(new_bytes, dtype=torch.uint8, device=self.pool.device)
+        old_buffer, old_region = self.staging_buffer, self.staging_region
+        self.transport.deregister(old_region)
+        try:
+            region = self.transport.register(
+                new_buffer, name=f"{self.transport.agent_name}/staging-v{self.staging_version + 1}")
+        except Exception:
+            self.staging_region = self.transport.register(old_buffer, name=old_region.name)
+            raise
+        self.staging_buffer, self.staging_region = new_buffer, region
+        self.staging = StagingRing(new_bytes)
+        self.staging_version += 1
+
+    def _end_resize(self, resize: PendingResize, error: Exception | None) -> None:
+        duration = self.clock() - resize.started
+        self.metrics.resize_finished("buffer", ok=error is None, duration_s=duration,
+                                     staging_bytes=self.staging.capacity_bytes,
+                                     registration_version=self.staging_version)
+        if error is not None:
+            resize.future.set_exception(error)
+            return
+        resize.future.set_result(ResizeResult(
+            "buffer", self.staging.capacity_bytes, self.staging_version, duration,
+            resize.failed_requests))
 
     def _topology(self, decode: Parallelism) -> TransferTopology:
         topology = self._topologies.get(decode)

@@ -262,8 +262,12 @@ def compute_status(
     observed: Observed | None,
     now: datetime,
     spec_error: str | None = None,
+    *,
+    staging_rollout: StagingRolloutStatus | None = None,
 ) -> PDDeploymentStatus:
     """The status to write. `observed` may be None only when `spec_error` is set.
+    `staging_rollout` is the rollout planner's `status.stagingRollout` (None: no rollout is
+    planned, e.g. staging unused; only the STAGING summary is set then).
 
     With `spec_error`, only SpecValid and phase change: counts and the other conditions
     keep their previous values (children of an earlier valid generation are left running
@@ -315,5 +319,5 @@ def compute_status(
         prefill=roles["prefill"],
         decode=roles["decode"],
         transfer=transfer,
-        staging_rollout=StagingRolloutStatus(summary=_staging_summary(spec)),
+        staging_rollout=staging_rollout or StagingRolloutStatus(summary=_staging_summary(spec)),
     )

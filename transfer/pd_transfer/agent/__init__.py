@@ -2,7 +2,8 @@
 
 Reading order: ``identity`` (who this pod is, from the downward API) → ``report`` (pure:
 snapshots + transports + window → ``TransferAgentStatus``) → ``reporter`` (the thread:
-rate-limited writes, backoff, creation) → ``kube`` (the only Kubernetes client code) →
+rate-limited writes, backoff, creation, staging resizes) → ``spec_watch`` (a new spec
+reaches the reporter at once) → ``kube`` (the only Kubernetes client code) →
 ``transport_probe`` (which UCX transports are in use) → ``metrics_http`` (Prometheus
 endpoint over every rank's registry). The agent imports ``pd_operator.api`` — the shared,
 pure pydantic schema — and nothing else of the operator.
@@ -18,6 +19,7 @@ from pd_transfer.agent.errors import (
 from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.report import ReportFacts, build_status, compute_window
 from pd_transfer.agent.reporter import Reporter, ReporterTuning, ReportSource
+from pd_transfer.agent.spec_watch import SpecWatch
 
 __all__ = [
     "AgentAPIError",
@@ -30,6 +32,7 @@ __all__ = [
     "Reporter",
     "ReporterTuning",
     "RetryableAPIError",
+    "SpecWatch",
     "build_status",
     "compute_window",
     "read_identity",

@@ -1,4 +1,5 @@
-"""The agent's only Kubernetes client code: get / create a TransferAgent, replace its status.
+"""The agent's only Kubernetes client code: get / create / watch a TransferAgent, replace its
+status.
 
 ``AgentClient`` is the protocol the reporter needs; ``KubeAgentClient`` implements it with
 the official client, configured in-cluster (the pod's ServiceAccount token) or from
@@ -16,6 +17,7 @@ omits empty strings: the v1.20 API server refuses ``""`` in custom resources.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any, Final, Protocol
 
 from pd_operator.api import GROUP, VERSION
@@ -132,3 +134,38 @@ class KubeAgentClient:
                                  label_selector=label_selector)
         items: list[Obj] = listed.get("items", [])
         return items
+
+    def watch(self, namespace: str, name: str, resource_version: str | None,
+              timeout_s: float) -> Iterator[Obj]:
+        """The TransferAgent after each change (ADDED / MODIFIED), from `resource_version`
+        (None: its current state first) until the server ends the watch after `timeout_s`.
+        Raises RetryableAPIError (status 410 when the version is gone) like the other calls."""
+        from kubernetes import watch  # noqa: PLC0415
+
+        what = f"watch transferagent {namespace}/{name}"
+        kwargs: dict[str, Any] = {"field_selector": f"metadata.name={name}",
+                                  "timeout_seconds": max(1, int(timeout_s))}
+        if resource_version is not None:
+            kwargs["resource_version"] = resource_version
+        stream = watch.Watch().stream(  # type: ignore[no-untyped-call]
+            self._objects.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+            _request_timeout=(_TIMEOUT[0], timeout_s + 30), **kwargs)
+        while True:
+            try:
+                event = next(stream)
+            except StopIteration:
+                return
+            except Exception as exc:
+                status = int(getattr(exc, "status", 0) or 0)
+                message = f"{what}: {type(exc).__name__}: {exc}"
+                if status == 410:  # the version was compacted away: relist, then watch
+                    raise RetryableAPIError(message, 410) from exc
+                raise classify_status(status, message) from exc
+            if event.get("type") == "ERROR":
+                raw = event.get("raw_object") or {}
+                code = int(raw.get("code", 0) or 0)
+                raise RetryableAPIError(f"{what}: {raw.get('message', raw)}", code or 410)
+            if event.get("type") in ("ADDED", "MODIFIED"):
+                obj = event.get("object")
+                if isinstance(obj, dict):
+                    yield obj

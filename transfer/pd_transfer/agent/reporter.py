@@ -16,6 +16,16 @@ Contract (shared with the operator; see ``report.py`` for the fields):
   endpoints publish under their own short locks. With the API server unreachable the
   samples keep being taken, so the first report after the outage has the right window.
 
+Staging resizes (when the engine passes a ``resizer``): the agent reads its own object's
+spec at the report interval, and at once when ``notify_spec`` hands it a newer version (the
+engine feeds it from a watch, ``spec_watch.py``). When ``spec.staging`` differs from the
+sizes in force and ``spec.paused`` is false, it asks the engine to resize every rank and
+writes a report at once with ``resizing: true``; when the resize ends it writes again at
+once: on success ``staging`` = the new sizes, ``stagingSince`` = the completion time,
+``registrationVersion`` = the ring's new version and ``observedGeneration`` = the spec's
+generation; on failure ``lastError`` says why, the old sizes stay in force and reported,
+and the same generation is not retried (a new spec change is).
+
 ``Reporter.tick()`` is one iteration, driven by the thread or directly by tests with a
 manual clock and an in-process fake client.
 """
@@ -27,12 +37,14 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Final, Protocol
 
 from pd_operator.api import API_VERSION
 from pd_operator.api.transferagent import (
+    AgentStaging,
     PeerTransport,
     Role,
     TransferAgentSpec,
@@ -55,6 +67,7 @@ __all__ = [
     "ReportSource",
     "Reporter",
     "ReporterTuning",
+    "Resizer",
     "build_transfer_agent",
 ]
 
@@ -76,6 +89,11 @@ class ReportSource(Protocol):
     def reported(self) -> None:
         """Called after each successful write (e.g. to restart ring high-water marks)."""
         ...
+
+
+Resizer = Callable[[AgentStaging], "Future[int]"]
+"""Resize every rank of the pod to these sizes; the Future yields the new registration
+version (decode: the rings'; prefill: 0) or raises (the old sizes stay in force)."""
 
 
 @dataclass(frozen=True)
@@ -128,8 +146,10 @@ class Reporter:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
         rng: random.Random | None = None,
+        resizer: Resizer | None = None,
     ) -> None:
         self.facts = facts
+        self.resizer = resizer
         self.source = source
         self.client = client
         self.tuning = tuning
@@ -148,7 +168,17 @@ class Reporter:
         self._resource_version: str | None = None
         self._observed_generation = 0
         self._spec: dict[str, Any] | None = None
+        self._staging_since: datetime = self.wall()
+        self._desired: tuple[AgentStaging, int, bool] | None = None  # staging, generation,
+        #                                                               paused
+        self._next_spec_poll_s = float("-inf")
+        self._resize: tuple[Future[int], AgentStaging, int] | None = None
+        self._failed_generation: int | None = None
+        self._resize_error = ""
+        self._notified: dict[str, Any] | None = None  # latest object from notify_spec
+        self._notified_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # notify_spec or stop: tick now
         self._thread: threading.Thread | None = None
 
     # Thread ---------------------------------------------------------------------------------
@@ -161,8 +191,16 @@ class Reporter:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def notify_spec(self, obj: dict[str, Any]) -> None:
+        """A newer version of this pod's TransferAgent (from a watch; any thread): its spec
+        is read at the next tick, which this brings forward."""
+        with self._notified_lock:
+            self._notified = obj
+        self._wake.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -170,13 +208,15 @@ class Reporter:
                 self.tick()
             except Exception:  # never let the reporter die; the data plane must not notice
                 _log.exception("agent reporter tick failed (it keeps going)")
-            self._stop.wait(self.tuning.tick_s)
+            self._wake.wait(self.tuning.tick_s)
+            self._wake.clear()
 
     # One iteration ----------------------------------------------------------------------------
 
     def tick(self) -> bool:
         """Sample; write the status if due and not backing off. True if a write succeeded."""
         now_s = self.clock()
+        transition = self._step_resize(now_s)
         snapshots = list(self.source.snapshots())
         window_s = self.facts.window_seconds
         self._samples.append(sample_of(now_s, snapshots))
@@ -184,7 +224,11 @@ class Reporter:
         window = compute_window(self._samples, now_s, window_s)
         status = build_status(self.facts, snapshots, list(self.source.transports()), window,
                               self.wall(), observed_generation=self._observed_generation)
-        if not self._due(now_s, status.healthy) or now_s < self._next_attempt_s:
+        status = status.model_copy(update={
+            "resizing": self._resize is not None, "staging_since": self._staging_since,
+            "last_error": self._resize_error or status.last_error})
+        due = transition or self._due(now_s, status.healthy)
+        if not due or now_s < self._next_attempt_s:
             return False
         try:
             self._write(status)
@@ -241,6 +285,68 @@ class Reporter:
         meta = obj.get("metadata", {})
         self._resource_version = meta.get("resourceVersion")
         self._spec = obj.get("spec")
+        self._read_desired(obj)
         staging = obj.get("spec", {}).get("staging")
         if staging == self.facts.staging.to_wire():
             self._observed_generation = int(meta.get("generation", 0) or 0)
+
+    # Staging resizes ---------------------------------------------------------------------------
+
+    def _read_desired(self, obj: dict[str, Any]) -> None:
+        spec = obj.get("spec") or {}
+        try:
+            staging = AgentStaging.model_validate(spec.get("staging"))
+        except ValueError:
+            return  # not a spec this agent can apply (the operator validates it)
+        generation = int(obj.get("metadata", {}).get("generation", 0) or 0)
+        self._desired = (staging, generation, bool(spec.get("paused", False)))
+
+    def _step_resize(self, now_s: float) -> bool:
+        """Poll the spec, start or finish a resize; True at a transition (report now)."""
+        if self.resizer is None:
+            return False
+        with self._notified_lock:
+            notified, self._notified = self._notified, None
+        if notified is not None:
+            self._read_desired(notified)
+        if now_s >= self._next_spec_poll_s and self._resize is None:
+            self._next_spec_poll_s = now_s + self.tuning.report_interval_s
+            ident = self.facts.identity
+            try:
+                current = self.client.get(ident.namespace, ident.name)
+            except AgentAPIError as exc:
+                _log.debug("reading the TransferAgent spec failed: %s", exc)
+            else:
+                if current is not None:
+                    self._read_desired(current)
+        if self._resize is not None:
+            future, staging, generation = self._resize
+            if not future.done():
+                return False
+            self._resize = None
+            try:
+                version = future.result()
+            except Exception as exc:
+                self._failed_generation = generation
+                self._resize_error = f"staging resize to {staging.to_wire()} failed: {exc}"
+                _log.error("%s (keeps serving with %s)", self._resize_error,
+                           self.facts.staging.to_wire())
+                return True
+            self.facts = replace(self.facts, staging=staging, registration_version=version)
+            self._staging_since = self.wall()
+            self._observed_generation = generation
+            self._resize_error = ""
+            _log.info("staging resized to %s (generation %d)", staging.to_wire(), generation)
+            return True
+        if self._desired is None:
+            return False
+        staging, generation, paused = self._desired
+        if staging == self.facts.staging:
+            self._observed_generation = max(self._observed_generation, generation)
+            return False
+        if paused or generation == self._failed_generation:
+            return False
+        _log.info("resizing staging %s → %s (generation %d)", self.facts.staging.to_wire(),
+                  staging.to_wire(), generation)
+        self._resize = (self.resizer(staging), staging, generation)
+        return True

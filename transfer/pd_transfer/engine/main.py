@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from pd_transfer.agent.kube import KubeAgentClient
 from pd_transfer.agent.metrics_http import serve_metrics
 from pd_transfer.agent.report import ReportFacts
 from pd_transfer.agent.reporter import Reporter, ReporterTuning
+from pd_transfer.agent.spec_watch import SpecWatch
 from pd_transfer.agent.transport_probe import ProtoInfoParser, UcxLogTail, configure_environment
 from pd_transfer.config import TransferConfig
 from pd_transfer.engine.errors import EngineConfigError
@@ -139,11 +141,14 @@ def run_engine(args: argparse.Namespace) -> int:
     metrics = serve_metrics([r.endpoint.metrics.registry for r in service.ranks],
                             identity.ip, identity.metrics_port)
     reporter: Reporter | None = None
+    watch: SpecWatch | None = None
     try:
         client = KubeAgentClient.from_environment()
         tuning = ReporterTuning(report_interval_s=config.reporting.report_interval_seconds)
         reporter = Reporter(_facts(identity, config, service, http.address), service, client,
-                            tuning).start()
+                            tuning, resizer=service.resize_staging).start()
+        watch = SpecWatch(partial(client.watch, identity.namespace, identity.name),
+                          reporter.notify_spec).start()
     except AgentError as exc:  # the engine serves; only its reports are missing
         _log.error("transfer health reporting is OFF: %s", exc)
     _log.info("%s engine of pod %s/%s serving on %s (bootstrap %s, %d rank(s))", args.role,
@@ -154,6 +159,8 @@ def run_engine(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     _log.info("stopping")
+    if watch is not None:
+        watch.stop(timeout_s=0.5)
     if reporter is not None:
         reporter.stop()
     http.close()

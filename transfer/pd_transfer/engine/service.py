@@ -32,13 +32,14 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import torch
 
-from pd_operator.api.transferagent import PeerTransport
-from pd_transfer._endpoint import RankIdentity, Timeouts
+from pd_operator.api.transferagent import AgentStaging, PeerTransport
+from pd_transfer._endpoint import RankIdentity, ResizeResult, Timeouts
 from pd_transfer.agent.transport_probe import ProtoInfoParser
 from pd_transfer.bootstrap import (
     DTYPES,
@@ -271,6 +272,38 @@ class EngineService:
                                                    list(r.endpoint.peers)):
                 found[(entry.peer, entry.transport)] = entry  # ranks share peers: once each
         return list(found.values())
+
+    def resize_staging(self, staging: AgentStaging) -> Future[int]:
+        """Resize every rank's staging (decode ring / prefill buffer) to ``staging``; the
+        Future yields the decode rings' new registration version (0 on prefill) once all
+        ranks finished, or raises the first rank's error. Deadline: the transfer timeout."""
+        deadline = self.timeouts.transfer_s
+        futures: list[Future[ResizeResult]] = []
+        for r in self.ranks:
+            if isinstance(r.endpoint, DecodeReceiver):
+                futures.append(r.endpoint.resize_ring(staging.decode_pool_mib << 20, deadline))
+            else:
+                futures.append(r.endpoint.resize_buffer(staging.prefill_buffer_mib << 20,
+                                                        deadline))
+        done: Future[int] = Future()
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def finished(_: Future[ResizeResult]) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors:
+                done.set_exception(errors[0])
+            else:
+                done.set_result(max((f.result().registration_version for f in futures
+                                     if f.result().side == "ring"), default=0))
+
+        for future in futures:
+            future.add_done_callback(finished)
+        return done
 
     def reported(self) -> None:
         for r in self.ranks:

@@ -80,6 +80,8 @@ class FailureReason(enum.Enum):
     LEASE_EXPIRED = "LeaseExpired"  # prefill held KV that no decode claimed in time
     BOOTSTRAP_TIMEOUT = "BootstrapTimeout"  # decode never found the prefill ranks it needs
     INTERNAL_ERROR = "InternalError"  # an exception in our own processing of the request
+    RESIZE_DEADLINE = "ResizeDeadline"  # its staging region was still live when a resize
+    #                                     of the staging pool reached its deadline
 
 
 @dataclass(frozen=True)

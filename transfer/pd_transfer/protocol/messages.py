@@ -15,7 +15,9 @@ Who sends what (R = request/room id):
 
 - decode → prefill: ``RequestKV`` (destination pages, path), ``Grant`` / ``GrantRefused``
   (answers to ``AllocRequest``), ``Watermark`` (alive, the allocation is queued),
-  ``Release`` (decode holds every byte it expected: prefill may free the KV), ``Abort``.
+  ``Release`` (decode holds every byte it expected: prefill may free the KV), ``Abort``,
+  ``RingUpdate`` (decode re-registered its staging ring: new region, registration version
+  and transport metadata; sent to every prefill peer after a resize).
 - prefill → decode: ``AllocRequest`` (idempotent; re-sent until granted), ``Finish`` (a
   writer's final part count when its last part carried no data for that decode rank),
   ``Abort``; and, as the NOTIFICATION bound to a WRITE (delivered only after the data),
@@ -46,6 +48,7 @@ __all__ = [
     "Path",
     "Release",
     "RequestKV",
+    "RingUpdate",
     "StagedPart",
     "Watermark",
     "compute_runs",
@@ -54,10 +57,12 @@ __all__ = [
     "expand_runs",
 ]
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 # Version history of PROTOCOL_VERSION (bump on any change a peer could misread):
 #   1: first version: RequestKV, AllocRequest, Grant, GrantRefused, StagedPart, PartDone,
 #      Finish, Release, Abort, Watermark.
+#   2: hot resize of the staging ring: StagedPart carries the ``ring_version`` of the grant
+#      it wrote into (decode rejects a stale one); new ``RingUpdate`` (decode → prefill).
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_PARTS: Final = 1 << 16  # parts per (request, writer); bounds every per-part structure
 
@@ -75,7 +80,7 @@ PageRuns = tuple[tuple[Count, Annotated[int, Field(gt=0)]], ...]
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    v: Literal[1] = PROTOCOL_VERSION
+    v: Literal[2] = PROTOCOL_VERSION
 
 
 class RequestKV(_Message):
@@ -141,6 +146,7 @@ class StagedPart(_Message):
     layer_stop: Count
     page_start: Count
     page_count: Size
+    ring_version: Count
     final_parts: Annotated[int, Field(gt=0, le=MAX_PARTS)] | None = None
 
 
@@ -196,9 +202,25 @@ class Watermark(_Message):
     sender_id: SenderId | None = None
 
 
+class RingUpdate(_Message):
+    """Decode re-registered its staging ring (a resize): grants of ``ring_version`` lie in
+    ``[base_address, base_address + size_bytes)``. ``transport_metadata_b64`` is decode's
+    transport metadata after the registration (a writer reloads it before writing there).
+    Grants of older versions are void; a writer never writes with an older registration."""
+
+    type: Literal["ring_update"] = "ring_update"
+    ring_version: Annotated[int, Field(ge=1)]
+    name: Annotated[str, Field(min_length=1, max_length=512)]
+    base_address: Size
+    size_bytes: Size
+    kind: Literal["DRAM", "VRAM"]
+    device_id: Count
+    transport_metadata_b64: Annotated[str, Field(min_length=1, max_length=48 * 1024)]
+
+
 Message = Annotated[
     RequestKV | AllocRequest | Grant | GrantRefused | StagedPart | PartDone | Finish
-    | Release | Abort | Watermark,
+    | Release | Abort | Watermark | RingUpdate,
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)

@@ -1,0 +1,235 @@
+"""Hot resize of the staging pools (decode ring, prefill buffer) over the loopback transport.
+
+Deterministic (manual clock, endpoints stepped by hand) and bounded (round limits). Guards
+FAILURES #25 (in-flight requests on a resizing pod finish or fail cleanly), #4/#11 (nothing
+leaks across a resize) and #15 (a write with a stale registration is refused).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+
+from pd_transfer._endpoint import ResizeResult
+from pd_transfer.errors import ResizeError
+from pd_transfer.protocol.lifecycle import FailureReason, State
+from pd_transfer.protocol.messages import StagedPart, encode_message
+from pd_transfer.transport import FaultAction, FaultRule
+from tests.transfer_harness import Cluster, Request, message_type
+
+pytestmark = pytest.mark.timeout(60)
+
+SUCCEEDED = {State.SUCCEEDED}
+
+
+def _start_multipart(cluster: Cluster, request: Request) -> None:
+    """Two parts per writer, so a request asks for ring space more than once."""
+    for receiver in cluster.receivers:
+        receiver.expect(request.room, request.dst_pages, request.num_tokens)
+    half = len(request.src_pages) // 2
+    for sender in cluster.senders:
+        sender.register_request(request.room, request.src_pages, request.num_tokens)
+        sender.send_part(request.room, pages=range(0, half))
+        sender.send_part(request.room, pages=range(half, len(request.src_pages)), last=True)
+
+
+def _all_done(cluster: Cluster, requests: list[Request], futures: list[Future[ResizeResult]],
+              ) -> bool:
+    return all(f.done() for f in futures) and all(cluster.finished(r.room) for r in requests)
+
+
+def _succeeded_and_exact(cluster: Cluster, requests: list[Request]) -> None:
+    for request in requests:
+        assert cluster.states(request.room) == SUCCEEDED, cluster.statuses(request.room)
+        assert cluster.verified(request)
+        cluster.retire(request)
+
+
+def _clean(cluster: Cluster) -> None:
+    cluster.clock.advance(cluster.timeouts.quarantine_grace_s + 0.1)
+    cluster.step()
+    for counts in cluster.counts():
+        assert {k: v for k, v in counts.items() if k != "live_status"} == dict.fromkeys(
+            [k for k in counts if k != "live_status"], 0), counts
+
+
+@pytest.mark.parametrize("new_bytes", [4096, 32768], ids=["shrink", "grow"])
+def test_resize_under_a_steady_stream_fails_nothing(new_bytes: int) -> None:
+    cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2, ring_bytes=8192)
+    # Writes take a while (50 ms), so regions are live when the resize starts.
+    cluster.fabric.inject(FaultRule(FaultAction.DELAY, lambda e: message_type(e)
+                                    == "staged_part", delay_s=0.05, remaining=None))
+    before = [cluster.new_request(num_tokens=16) for _ in range(8)]
+    for request in before:
+        _start_multipart(cluster, request)
+    cluster.step()
+    cluster.step()
+    assert any(r.ring.live_regions for r in cluster.receivers)  # regions granted, in flight
+    futures = [r.resize_ring(new_bytes, deadline_s=5.0) for r in cluster.receivers]
+    cluster.step()
+    assert all(r.resizing for r in cluster.receivers)
+    during = [cluster.new_request(num_tokens=16) for _ in range(8)]
+    for request in during:
+        _start_multipart(cluster, request)
+    queued = 0
+
+    def done() -> bool:
+        nonlocal queued
+        queued = max([queued, *(len(r._queue) for r in cluster.receivers)])
+        return _all_done(cluster, before + during, futures)
+
+    cluster.run(done)
+    assert queued > 0  # AllocRequests waited for the new ring, then succeeded
+    _succeeded_and_exact(cluster, before + during)
+    for receiver, future in zip(cluster.receivers, futures, strict=True):
+        result = future.result()
+        assert (result.capacity_bytes, result.registration_version, result.failed_requests) \
+            == (new_bytes, 2, 0)
+        assert receiver.ring.capacity_bytes == new_bytes and receiver.ring_version == 2
+        assert receiver.ring_region.size_bytes == new_bytes
+        assert receiver.document().ring_version == 2
+        snap = receiver.metrics.snapshot()
+        assert (snap.staging_bytes, snap.registration_version, snap.resizing) == (
+            new_bytes, 2, False)
+        assert snap.staging_since_unix_s is not None and snap.failed == 0
+        assert receiver.metrics.resizes.labels("ring", "succeeded")._value.get() == 1
+    for sender in cluster.senders:
+        assert all(d.ring_version == 2 for d in sender.peers.values())
+    after = [cluster.new_request(num_tokens=16) for _ in range(8)]
+    for request in after:
+        _start_multipart(cluster, request)
+    cluster.run(lambda: _all_done(cluster, after, []))
+    _succeeded_and_exact(cluster, after)
+    _clean(cluster)
+
+
+def test_a_writer_silent_past_the_deadline_fails_only_its_request() -> None:
+    cluster = Cluster(mode="staged", ring_bytes=8192)
+    silent = cluster.new_request(num_tokens=8)
+    late = cluster.fabric.inject(FaultRule(
+        FaultAction.DELAY, lambda e: message_type(e) == "staged_part"
+        and silent.room.encode() in e.payload, delay_s=0.5))
+    cluster.start(silent)
+    cluster.run(lambda: cluster.receivers[0].ring.live_regions == 1)
+    receiver = cluster.receivers[0]
+    future = receiver.resize_ring(16384, deadline_s=0.2)
+    others = [cluster.new_request(num_tokens=8) for _ in range(3)]
+    for request in others:
+        cluster.start(request)
+    cluster.run(lambda: future.done() and _all_done(cluster, others, []))
+    assert receiver.poll(silent.room).reason is FailureReason.RESIZE_DEADLINE  # type: ignore[union-attr]
+    assert future.result().failed_requests == 1 and receiver.ring_version == 2
+    _succeeded_and_exact(cluster, others)
+    assert receiver.debug_counts()["retired_rings"] == 1  # the late write may still land
+    late.remaining = 0
+    cluster.run(lambda: receiver.debug_counts()["retired_rings"] == 0)
+    assert receiver.metrics.snapshot().failures_by_reason == {"ResizeDeadline": 1}
+    cluster.run(lambda: cluster.finished(silent.room))
+    cluster.retire(silent)
+    _clean(cluster)
+
+
+def test_a_staged_part_of_a_stale_registration_is_rejected_for_its_request_only() -> None:
+    cluster = Cluster(mode="staged")
+    receiver, sender = cluster.receivers[0], cluster.senders[0]
+    future = receiver.resize_ring(16384, deadline_s=1.0)
+    cluster.run(future.done)
+    victim = cluster.new_request(num_tokens=8)
+    cluster.start(victim, send=False)
+    cluster.run(lambda: receiver.poll(victim.room).state is State.TRANSFERRING)  # type: ignore[union-attr]
+    stale = StagedPart(room=victim.room, part=0, sender_id=0, ring_offset=0, size_bytes=256,
+                       layer_start=0, layer_stop=2, page_start=0, page_count=2,
+                       ring_version=1)
+    sender.transport.send_message(receiver.transport.agent_name, encode_message(stale))
+    cluster.run(lambda: cluster.finished(victim.room))
+    assert receiver.poll(victim.room).reason is FailureReason.PROTOCOL_VIOLATION  # type: ignore[union-attr]
+    assert receiver.metrics.snapshot().rejected_by_reason["stale_registration"] == 1
+    cluster.retire(victim)
+    ok = cluster.new_request(num_tokens=8)
+    cluster.start(ok)
+    cluster.run(lambda: cluster.finished(ok.room))
+    _succeeded_and_exact(cluster, [ok])
+
+
+def test_a_lost_ring_update_is_sent_again_and_the_next_request_succeeds() -> None:
+    """Guards FAILURES #3 for the resize protocol: a lost RingUpdate must not leave a writer
+    holding grants it can never use (a stall until TransferTimeout). The writer re-sends its
+    AllocRequest after grantSeconds; decode answers a duplicate with the RingUpdate again."""
+    cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2)
+    lost = cluster.fabric.inject(FaultRule(FaultAction.DROP, lambda e: message_type(e)
+                                           == "ring_update", remaining=4))  # every one of them
+    futures = [r.resize_ring(16384, deadline_s=1.0) for r in cluster.receivers]
+    cluster.run(lambda: all(f.done() for f in futures))
+    assert lost.applied == 4
+    assert all(d.ring_version == 1 for s in cluster.senders for d in s.peers.values())
+    request = cluster.new_request(num_tokens=16)
+    cluster.start(request)
+    cluster.run(lambda: cluster.finished(request.room))
+    _succeeded_and_exact(cluster, [request])
+    # 2 KV heads over TP 2 → 2: each prefill rank writes to one decode rank only, so only
+    # that peer's ring (re-sent) is known at version 2; the other one was never needed.
+    assert [sorted(d.ring_version for d in s.peers.values() if d.role == "decode")
+            for s in cluster.senders] == [[1, 2], [1, 2]]
+    _clean(cluster)
+
+
+def test_a_second_resize_while_one_runs_is_refused_and_bad_sizes_too() -> None:
+    cluster = Cluster(mode="staged")
+    receiver = cluster.receivers[0]
+    hold = cluster.new_request(num_tokens=8)
+    cluster.fabric.inject(FaultRule(FaultAction.DELAY, lambda e: message_type(e)
+                                    == "staged_part", delay_s=0.3))
+    cluster.start(hold)
+    cluster.run(lambda: receiver.ring.live_regions == 1)
+    first = receiver.resize_ring(16384, deadline_s=5.0)
+    second = receiver.resize_ring(32768, deadline_s=5.0)
+    bad = receiver.resize_ring(1000, deadline_s=5.0)  # not a multiple of the alignment
+    cluster.step()
+    with pytest.raises(ResizeError, match="under way"):
+        second.result(0)
+    with pytest.raises(ResizeError):
+        bad.result(0)
+    cluster.run(lambda: first.done() and cluster.finished(hold.room))
+    assert first.result().capacity_bytes == 16384
+    assert cluster.states(hold.room) == SUCCEEDED
+
+
+def test_prefill_buffer_resize_under_a_stream() -> None:
+    cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2,
+                      staging_bytes=8192)
+    before = [cluster.new_request(num_tokens=16) for _ in range(6)]
+    for request in before:
+        _start_multipart(cluster, request)
+    cluster.step()
+    futures = [s.resize_buffer(4096, deadline_s=5.0) for s in cluster.senders]
+    during = [cluster.new_request(num_tokens=16) for _ in range(6)]
+    for request in during:
+        _start_multipart(cluster, request)
+    cluster.run(lambda: _all_done(cluster, before + during, futures))
+    _succeeded_and_exact(cluster, before + during)
+    for sender, future in zip(cluster.senders, futures, strict=True):
+        assert future.result().capacity_bytes == 4096 == sender.staging.capacity_bytes
+        assert sender.staging_version == 2 and sender.staging_region.size_bytes == 4096
+        assert sender.metrics.snapshot().staging_bytes == 4096
+    _clean(cluster)
+
+
+def test_100_requests_after_resizes_leave_every_map_at_baseline() -> None:
+    cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2, ring_bytes=8192)
+    baseline = cluster.counts()
+    for size in (4096, 16384):
+        futures = [r.resize_ring(size, deadline_s=1.0) for r in cluster.receivers]
+        futures += [s.resize_buffer(size, deadline_s=1.0) for s in cluster.senders]
+        cluster.run(lambda f=futures: all(x.done() for x in f))  # type: ignore[misc]
+        assert all(f.result().failed_requests == 0 for f in futures)
+    for _ in range(10):
+        batch = [cluster.new_request(num_tokens=12) for _ in range(10)]
+        for request in batch:
+            cluster.start(request)
+        cluster.run(lambda b=batch: _all_done(cluster, b, []))  # type: ignore[misc]
+        _succeeded_and_exact(cluster, batch)
+    _clean(cluster)
+    assert [{k: v for k, v in c.items() if k != "live_status"} for c in cluster.counts()] == [
+        {k: v for k, v in c.items() if k != "live_status"} for c in baseline]
+    assert all(r.ring_version == 3 for r in cluster.receivers)

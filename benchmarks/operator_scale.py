@@ -60,11 +60,31 @@ def apiserver_writes(handle: ControlPlaneHandle) -> float:
     return total
 
 
-def operator_writes(port: int) -> float:
+def operator_writes(port: int) -> dict[str, float]:
+    """The operator's `pd_operator_api_writes_total`, by `verb kind`."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pd_operator_api_writes_total{"))
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("pd_operator_api_writes_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+            key = f"{labels.get('verb', '?')} {labels.get('kind', '?')}"
+            found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def wait_for_stable_pods(core: k8s.CoreV1Api, *, quiet_s: float, timeout_s: float) -> float:
+    """Seconds until the number of pods in `default` has not changed for `quiet_s`."""
+    started = last_change = time.monotonic()
+    count = -1
+    while time.monotonic() - started < timeout_s:
+        now_count = len(core.list_namespaced_pod("default").items)
+        if now_count != count:
+            count, last_change = now_count, time.monotonic()
+        elif time.monotonic() - last_change >= quiet_s:
+            break
+        time.sleep(1.0)
+    return time.monotonic() - started
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -120,15 +140,22 @@ def main() -> int:
                 pending = {n for n in pending if not (n in expected and n in have)}
                 time.sleep(0.5)
             converge_s = time.monotonic() - started
-            time.sleep(5)  # let the last events settle before measuring idle
+            # The controller-manager keeps creating the StatefulSets' pods after that (and
+            # each new pod is a status change the operator must write): idle starts once the
+            # pod count has not moved for 10 s.
+            settle_s = wait_for_stable_pods(k8s.CoreV1Api(api), quiet_s=10.0, timeout_s=300.0)
             op_before, api_before = operator_writes(metrics_port), apiserver_writes(handle)
             time.sleep(args.idle_seconds)
             op_after, api_after = operator_writes(metrics_port), apiserver_writes(handle)
         result = {
             "pddeployments": args.count,
             "converge_seconds": round(converge_s, 2),
+            "pods_settled_after_seconds": round(settle_s, 2),
             "idle_seconds": args.idle_seconds,
-            "idle_operator_writes": op_after - op_before,
+            "idle_operator_writes": sum(op_after.values()) - sum(op_before.values()),
+            "idle_operator_writes_by_kind": {
+                key: value - op_before.get(key, 0.0) for key, value in sorted(op_after.items())
+                if value != op_before.get(key, 0.0)},
             "idle_apiserver_writes_all_clients": api_after - api_before,
             "operator_peak_rss_mib": round(peak_rss_mib(operator.pid), 1),
             "cpus": os.cpu_count(),

@@ -51,6 +51,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--saturation", type=float, default=16.0)
     p.add_argument("--decode-mode", choices=["auto", "staged", "contiguous"], default="auto",
                    help="send path decode asks for (auto: contiguous for TP 1 -> TP 1)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPU: replay the forward from per-layer CUDA graphs, so compute time "
+                        "is the GPU's, not the host's kernel launches (default: on for cuda)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for prefill compute (default: 1 on CPU, so the "
                         "transfer workers keep a core)")
@@ -93,10 +96,13 @@ def _run_pipeline(args: argparse.Namespace) -> int:
                                      min_groups=args.min_groups, max_groups=args.max_groups,
                                      saturation=args.saturation),
         decode_mode=args.decode_mode,
+        cuda_graphs=gpu if args.cuda_graphs is None else args.cuda_graphs and gpu,
     )
     print(f"bench pipeline: prefill {settings.device}, link {link}, model {preset} "
           f"{model}, dtype {settings.dtype}, page {settings.page_size}, "
-          f"repeats {settings.repeats}, torch threads {torch.get_num_threads()}")
+          f"repeats {settings.repeats}, torch threads {torch.get_num_threads()}, "
+          f"CUDA graphs {settings.cuda_graphs}, UCX_TLS "
+          f"{os.environ.get('UCX_TLS', '(UCX default)')}")
     json_path = args.json
     report = run_bench(settings, checkpoint=None if json_path is None
                        else lambda partial: write_json(partial, json_path))

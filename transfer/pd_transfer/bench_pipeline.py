@@ -22,6 +22,7 @@ Not a test: prints and writes numbers, asserts nothing about timings.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -34,8 +35,13 @@ import torch
 
 from pd_transfer._bench_peers import DecodeProcess, DecodeSpec, Link, PrefillPeer, kv_digest
 from pd_transfer.config import LayerPipelineConfig
-from pd_transfer.pipeline import LayerPipeline
-from pd_transfer.reference_model import ChunkForward, ModelConfig, ReferenceModel
+from pd_transfer.pipeline import GroupForward, LayerPipeline
+from pd_transfer.reference_model import (
+    ChunkForward,
+    GraphedChunkForward,
+    ModelConfig,
+    ReferenceModel,
+)
 
 __all__ = ["PRESETS", "BenchSettings", "run_bench"]
 
@@ -63,6 +69,9 @@ class BenchSettings:
     pipeline: LayerPipelineConfig
     decode_mode: str = "auto"
     seed: int = 0
+    # GPU: replay the forward from per-layer CUDA graphs (GraphedChunkForward), so C is the
+    # GPU's compute time rather than the host's kernel-launch time.
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -79,7 +88,7 @@ class _Run:
 class _GroupClock:
     """Wraps a ChunkForward and records each group's compute span (CUDA events on GPU)."""
 
-    def __init__(self, forward: ChunkForward, device: torch.device) -> None:
+    def __init__(self, forward: GroupForward, device: torch.device) -> None:
         self.forward = forward
         self.cuda = device.type == "cuda"
         self.host: list[tuple[float, float]] = []
@@ -129,6 +138,7 @@ class _Bench:
                                    page_size=settings.page_size, staging_bytes=64 << 20)
         self.prefill.connect(self.decode)
         self.rooms = 0
+        self._graphed: GraphedChunkForward | None = None  # of the current prompt length
 
     def close(self) -> None:
         self.prefill.close()
@@ -147,10 +157,21 @@ class _Bench:
         event.record()
         return origin, event
 
+    def forward(self, tokens: torch.Tensor) -> GroupForward:
+        """The prefill forward of ``tokens`` (graphed: captured once per prompt length)."""
+        if not self.s.cuda_graphs:
+            return ChunkForward(self.model, tokens, pools=(self.prefill.pool,),
+                                page_table=self.pages, start_pos=0)
+        n = tokens.numel()
+        if self._graphed is None or self._graphed.num_tokens != n:
+            self._graphed = None  # free the previous length's graphs and buffers first
+            self._graphed = GraphedChunkForward(self.model, n, pools=(self.prefill.pool,),
+                                                page_table=self.pages)
+        return self._graphed.load(tokens)
+
     def compute_alone(self, tokens: torch.Tensor) -> float:
         origin, _ = self._origin()
-        forward = ChunkForward(self.model, tokens, pools=(self.prefill.pool,),
-                               page_table=self.pages, start_pos=0)
+        forward = self.forward(tokens)
         forward(range(self.s.model.num_layers))
         self._sync()
         return time.monotonic() - origin
@@ -164,8 +185,7 @@ class _Bench:
         self.prefill.sender.register_request(room, pages, n).result(30.0)
         assert self.decode.ask("expect", room, pages, n) == "ok"
         self.prefill.wait_transferring(room)
-        forward = ChunkForward(self.model, tokens, pools=(self.prefill.pool,),
-                               page_table=self.pages, start_pos=0)
+        forward = self.forward(tokens)
         clock = _GroupClock(forward, self.device)
         config = self._config(mode)
         if mode == "transfer":
@@ -230,6 +250,8 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print,
         "pipeline": settings.pipeline.model_dump(),
         "group_size": settings.group_size,
         "repeats": settings.repeats,
+        "cuda_graphs": settings.cuda_graphs,
+        "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
         "clock": "time.monotonic (CLOCK_MONOTONIC, shared by both processes)",
         "verified": "SHA-256 of decode's pages equals prefill's after every transfer",
         "results": [],

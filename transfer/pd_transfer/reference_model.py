@@ -39,7 +39,7 @@ import torch.nn.functional as F  # noqa: N812 - the conventional name
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.plan import HeadRange, compute_local_heads
 
-__all__ = ["ChunkForward", "ModelConfig", "ReferenceModel"]
+__all__ = ["ChunkForward", "GraphedChunkForward", "ModelConfig", "ReferenceModel"]
 
 
 @dataclass(frozen=True)
@@ -352,6 +352,90 @@ class ChunkForward:
         if self.layers_done != self.model.config.num_layers:
             raise ValueError(f"ChunkForward: only {self.layers_done} layers ran")
         return self.model.logits(self.hidden[-1:])[0]
+
+
+class GraphedChunkForward:
+    """``ChunkForward`` replayed from one CUDA graph per layer (GPU only).
+
+    Same kernels, same results, same KV writes; what goes is the host's launch cost per
+    kernel (about 45 per layer), which otherwise dominates a small model's forward: the
+    host, not the GPU, would set the compute time a benchmark measures. Captured once for a
+    chunk geometry (token count, pools, page table, start position); ``load(token_ids)``
+    puts a chunk's tokens in, then it is called per layer range, in order, like
+    ``ChunkForward``. Layer ``i``'s graph reads layer ``i - 1``'s output buffer, so any
+    grouping of consecutive layers replays the same graphs. Captured in thread-local mode:
+    other threads (the transfer worker) may use CUDA meanwhile.
+    """
+
+    def __init__(
+        self,
+        model: ReferenceModel,
+        num_tokens: int,
+        *,
+        pools: Sequence[KVPool],
+        page_table: Sequence[int],
+        start_pos: int = 0,
+    ) -> None:
+        if model.device.type != "cuda":
+            raise ValueError(f"GraphedChunkForward needs a CUDA model, not {model.device}")
+        self.model = model
+        self.num_tokens = num_tokens
+        device = model.device
+        self._input = torch.zeros(num_tokens, model.config.hidden_size, dtype=model.dtype,
+                                  device=device)
+        page_size = pools[0].layout.page_size
+        # A graph holds raw addresses, not references: every tensor it reads must outlive
+        # it, so the slots and rotary tables are attributes, not locals.
+        self._slots = _token_slots(page_table, page_size, start_pos + num_tokens, device)
+        self._rotary = model._rope(torch.arange(start_pos, start_pos + num_tokens,
+                                                device=device))
+        self._pools = tuple(pools)
+
+        def run(index: int, hidden: torch.Tensor) -> torch.Tensor:
+            return model._layer(index, hidden, self._pools, self._slots, start_pos,
+                                *self._rotary)
+
+        layers = range(model.config.num_layers)
+        # Capture needs warmed-up libraries (cuBLAS handles, kernel selection): one eager
+        # pass on a side stream first, as torch.cuda.graph's documentation prescribes.
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            hidden = self._input
+            for index in layers:
+                hidden = run(index, hidden)
+        torch.cuda.current_stream(device).wait_stream(side)
+        memory = torch.cuda.graph_pool_handle()
+        self._graphs: list[torch.cuda.CUDAGraph] = []
+        self._outputs: list[torch.Tensor] = []  # keeps each layer's output buffer alive
+        hidden = self._input
+        for index in layers:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=memory, capture_error_mode="thread_local"):
+                hidden = run(index, hidden)
+            self._graphs.append(graph)
+            self._outputs.append(hidden)
+        self.layers_done = 0
+
+    def load(self, token_ids: torch.Tensor) -> GraphedChunkForward:
+        """Put a chunk's tokens in (their count must be the captured one); returns self."""
+        self._input.copy_(self.model.embed(token_ids))
+        self.layers_done = 0
+        return self
+
+    def __call__(self, layers: range) -> None:
+        if layers.start != self.layers_done:
+            raise ValueError(f"GraphedChunkForward: layers must run in order; "
+                             f"{self.layers_done} done, got {layers}")
+        for index in layers:
+            self._graphs[index].replay()
+        self.layers_done = layers.stop
+
+    def logits(self) -> torch.Tensor:
+        """The chunk's last-token ``[vocab]`` logits; every layer must have run."""
+        if self.layers_done != self.model.config.num_layers:
+            raise ValueError(f"GraphedChunkForward: only {self.layers_done} layers ran")
+        return self.model.logits(self._outputs[-1][-1:])[0]
 
 
 def _token_slots(

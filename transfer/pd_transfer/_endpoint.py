@@ -9,6 +9,12 @@ Per-request isolation (FAILURES #12): everything done on behalf of one request r
 ``_guard``; an exception fails that request with InternalError and the loop goes on.
 Peers are keyed by agent name, which carries an incarnation id; a peer that is unreachable
 is pruned at once and every request bound to it fails with PeerUnreachable (FAILURES #10).
+
+Staging resizes (decode ring, prefill buffer) share one lifecycle, here: ``_begin_resize``
+validates and records a ``PendingResize``; each ``_step_resize`` drains (the role stops
+handing out staging space while ``resizing``), fails the requests still holding space at
+the deadline (``_fail_staging_holders``), then swaps the memory (``_swap_staging``) and
+finishes the Future. The role hooks say what the staging memory is and how it is swapped.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pd_transfer.bootstrap import (
     GeometryDoc,
@@ -34,12 +40,13 @@ from pd_transfer.bootstrap import (
     fetch_document,
 )
 from pd_transfer.config import TimeoutsConfig
-from pd_transfer.errors import PeerUnreachable, RemoteProtocolError, TransportError
+from pd_transfer.errors import PeerUnreachable, RemoteProtocolError, ResizeError, TransportError
 from pd_transfer.layout import KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.plan import Parallelism, RankCoord
 from pd_transfer.protocol.lifecycle import RequestStatus, Role
 from pd_transfer.protocol.messages import Message, decode_message, encode_message
+from pd_transfer.ring import StagingRing
 from pd_transfer.transport.base import RegisteredRegion, Transport
 
 __all__ = ["Endpoint", "RankIdentity", "ResizeResult", "Timeouts"]
@@ -109,6 +116,7 @@ class Endpoint(abc.ABC):
     """Base of PrefillSender and DecodeReceiver (see module docstring)."""
 
     role: Role
+    staging_side: ClassVar[str]  # "ring" (decode) or "buffer" (prefill): what a resize swaps
 
     def __init__(
         self,
@@ -134,6 +142,7 @@ class Endpoint(abc.ABC):
         self._live_status: dict[str, RequestStatus] = {}
         self._finished_status: OrderedDict[str, RequestStatus] = OrderedDict()
         self._closed = False
+        self._resize: PendingResize | None = None
         self.kv_regions = tuple(
             transport.register(tensor, name=f"{transport.agent_name}/{part.value}")
             for part, tensor in zip(pool.layout.parts, pool.tensors(), strict=True)
@@ -191,6 +200,16 @@ class Endpoint(abc.ABC):
             ring_version=self._ring_version(),
             transport_metadata_b64=base64.b64encode(self.transport.local_metadata()).decode(),
         )
+
+    @property
+    def resizing(self) -> bool:
+        """A staging resize is under way (no staging space is handed out meanwhile)."""
+        return self._resize is not None
+
+    def _request_resize(self, new_bytes: int, deadline_s: float) -> Future[ResizeResult]:
+        done: Future[ResizeResult] = Future()
+        self.submit(lambda: self._begin_resize(new_bytes, deadline_s, done))
+        return done
 
     # Worker-facing -------------------------------------------------------------------------
 
@@ -279,6 +298,70 @@ class Endpoint(abc.ABC):
         with self._status_lock:
             return {"live_status": len(self._live_status)}
 
+    # Staging resizes (module docstring) ---------------------------------------------------
+
+    def _begin_resize(self, new_bytes: int, deadline_s: float,
+                      done: Future[ResizeResult]) -> None:
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            if self._resize is not None:
+                raise ResizeError(f"a resize to {self._resize.new_bytes} bytes is under way")
+            if deadline_s < 0:
+                raise ResizeError(f"deadline_s must be >= 0, got {deadline_s}")
+            StagingRing(new_bytes)  # validates the size (positive, aligned)
+        except (ResizeError, ValueError) as exc:
+            done.set_exception(exc if isinstance(exc, ResizeError) else ResizeError(str(exc)))
+            return
+        now = self.clock()
+        self._resize = PendingResize(new_bytes, now, now + deadline_s, done)
+        self.metrics.resize_started()
+        _log.info("resizing the staging %s: %d → %d bytes (deadline %.1f s)",
+                  self.staging_side, self._staging_pool().capacity_bytes, new_bytes, deadline_s)
+        self._step_resize()
+
+    def _step_resize(self) -> bool:
+        """Drain, then swap: True when the resize finished (either way) in this step."""
+        resize = self._resize
+        assert resize is not None
+        if self._staging_pool().live_regions and self.clock() >= resize.deadline:
+            resize.failed_requests += self._fail_staging_holders(
+                f"its staging space was still in use when the {self.staging_side} resize to "
+                f"{resize.new_bytes} bytes reached its deadline")
+        if self._staging_pool().live_regions:
+            return False
+        self._resize = None
+        try:
+            self._swap_staging(resize.new_bytes)
+        except Exception as exc:
+            _log.exception("staging %s resize failed; the old one stays in force",
+                           self.staging_side)
+            self._end_resize(resize, ResizeError(
+                f"resize to {resize.new_bytes} bytes failed: {type(exc).__name__}: {exc}"))
+        else:
+            self._end_resize(resize, None)
+        return True
+
+    def _cancel_resize(self, detail: str) -> None:
+        """Fail a resize under way (the endpoint is closing)."""
+        if self._resize is not None:
+            resize, self._resize = self._resize, None
+            self._end_resize(resize, ResizeError(f"resize to {resize.new_bytes} bytes: {detail}"))
+
+    def _end_resize(self, resize: PendingResize, error: Exception | None) -> None:
+        duration = self.clock() - resize.started
+        capacity, version = self._staging_pool().capacity_bytes, self._staging_version()
+        self.metrics.resize_finished(self.staging_side, ok=error is None, duration_s=duration,
+                                     staging_bytes=capacity, registration_version=version)
+        if error is not None:
+            resize.future.set_exception(error)
+            return
+        _log.info("staging %s resized to %d bytes (version %d) in %.3f s; %d requests failed "
+                  "ResizeDeadline", self.staging_side, capacity, version, duration,
+                  resize.failed_requests)
+        resize.future.set_result(ResizeResult(self.staging_side, capacity, version, duration,
+                                              resize.failed_requests))
+
     def _connect(self, document: RankDocument) -> str:
         name = self.transport.add_peer(document.transport_metadata)
         if name != document.agent_name:
@@ -315,3 +398,20 @@ class Endpoint(abc.ABC):
 
     @abc.abstractmethod
     def _abort_all(self, detail: str) -> None: ...
+
+    @abc.abstractmethod
+    def _staging_pool(self) -> StagingRing:
+        """The staging memory's allocator in force (decode: the ring; prefill: its buffer)."""
+
+    @abc.abstractmethod
+    def _staging_version(self) -> int:
+        """The registration version of the staging memory in force."""
+
+    @abc.abstractmethod
+    def _fail_staging_holders(self, detail: str) -> int:
+        """Fail (ResizeDeadline) every request still holding staging space; how many."""
+
+    @abc.abstractmethod
+    def _swap_staging(self, new_bytes: int) -> None:
+        """Register new staging memory of ``new_bytes`` in place of the drained one (on an
+        error the old one must stay registered and in force)."""

@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd_transfer._endpoint import Endpoint, PendingResize, RankIdentity, ResizeResult, Timeouts
+from pd_transfer._endpoint import Endpoint, RankIdentity, ResizeResult, Timeouts
 from pd_transfer._paths import PathMode, choose_path, compute_layout
 from pd_transfer.bootstrap import RankDocument
-from pd_transfer.errors import OversizedAllocation, ResizeError
+from pd_transfer.errors import OversizedAllocation
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.plan import TransferPlan, compute_transfer_topology
@@ -133,6 +133,7 @@ class DecodeReceiver(Endpoint):
     """One decode rank's receiving endpoint, with its staging ring (see module docstring)."""
 
     role = Role.DECODE
+    staging_side = "ring"
 
     def __init__(
         self,
@@ -164,7 +165,6 @@ class DecodeReceiver(Endpoint):
         # region, writer, expiry, ring version of the region
         self._quarantine: list[tuple[Region, str, float, int]] = []
         self._retired: dict[int, torch.Tensor] = {}  # old ring buffers quarantine still pins
-        self._resize: PendingResize | None = None
 
     # Engine API ----------------------------------------------------------------------------
 
@@ -193,13 +193,7 @@ class DecodeReceiver(Endpoint):
         ``ResizeError`` (one already under way, bad size, registration failed: the old ring
         stays in force). Requests whose regions are still live after ``deadline_s`` fail
         ResizeDeadline; no other request fails because of the resize."""
-        done: Future[ResizeResult] = Future()
-        self.submit(lambda: self._begin_resize(new_bytes, deadline_s, done))
-        return done
-
-    @property
-    def resizing(self) -> bool:
-        return self._resize is not None
+        return self._request_resize(new_bytes, deadline_s)
 
     def debug_counts(self) -> dict[str, int]:
         """Sizes of every per-request structure (FAILURES #11 tests compare to baseline)."""
@@ -490,8 +484,8 @@ class DecodeReceiver(Endpoint):
                         busy = True
             if busy:
                 self._check_complete(transfer)
-        if self._resize is not None:
-            return self._step_resize() or busy
+        if self._resize is not None and not self._step_resize():
+            return busy  # still draining: nothing is granted meanwhile
         return self._serve_queue() or busy
 
     def _serve_queue(self) -> bool:
@@ -635,9 +629,7 @@ class DecodeReceiver(Endpoint):
     def _abort_all(self, detail: str) -> None:
         for transfer in list(self._transfers.values()):
             self._fail(transfer, FailureReason.ABORTED, detail)
-        if self._resize is not None:
-            resize, self._resize = self._resize, None
-            self._end_resize(resize, ResizeError(f"resize to {resize.new_bytes} bytes: {detail}"))
+        self._cancel_resize(detail)
 
     def _drop_quarantined(self, entry: tuple[Region, str, float, int]) -> None:
         """Release a quarantined region: in the ring in force, or of a retired ring (whose
@@ -651,52 +643,21 @@ class DecodeReceiver(Endpoint):
 
     # Resize ----------------------------------------------------------------------------------
 
-    def _begin_resize(self, new_bytes: int, deadline_s: float,
-                      done: Future[ResizeResult]) -> None:
-        if not done.set_running_or_notify_cancel():
-            return
-        try:
-            if self._resize is not None:
-                raise ResizeError(f"a resize to {self._resize.new_bytes} bytes is under way")
-            if deadline_s < 0:
-                raise ResizeError(f"deadline_s must be >= 0, got {deadline_s}")
-            StagingRing(new_bytes)  # validates the size (positive, aligned)
-        except (ResizeError, ValueError) as exc:
-            done.set_exception(exc if isinstance(exc, ResizeError) else ResizeError(str(exc)))
-            return
-        now = self.clock()
-        self._resize = PendingResize(new_bytes, now, now + deadline_s, done)
-        self.metrics.resize_started()
-        _log.info("resizing the staging ring: %d → %d bytes (deadline %.1f s)",
-                  self.ring.capacity_bytes, new_bytes, deadline_s)
-        self._step_resize()
+    def _staging_pool(self) -> StagingRing:
+        return self.ring
 
-    def _step_resize(self) -> bool:
-        """Drain, then swap: True when the resize finished this step."""
-        resize = self._resize
-        assert resize is not None
-        if self.ring.live_regions and self.clock() >= resize.deadline:
-            for transfer in list(self._transfers.values()):
-                if any(w.grants or w.scattering for w in transfer.writers.values()):
-                    resize.failed_requests += 1
-                    self._fail(transfer, FailureReason.RESIZE_DEADLINE,
-                               f"its staging region was still live when the ring resize to "
-                               f"{resize.new_bytes} bytes reached its deadline")
-        if self.ring.live_regions:
-            return False
-        self._resize = None
-        try:
-            self._swap_ring(resize.new_bytes)
-        except Exception as exc:
-            _log.exception("staging ring resize failed; the old ring stays in force")
-            self._end_resize(resize, ResizeError(
-                f"resize to {resize.new_bytes} bytes failed: {type(exc).__name__}: {exc}"))
-        else:
-            self._end_resize(resize, None)
-        self._serve_queue()
-        return True
+    def _staging_version(self) -> int:
+        return self.ring_version
 
-    def _swap_ring(self, new_bytes: int) -> None:
+    def _fail_staging_holders(self, detail: str) -> int:
+        failed = 0
+        for transfer in list(self._transfers.values()):
+            if any(w.grants or w.scattering for w in transfer.writers.values()):
+                failed += 1
+                self._fail(transfer, FailureReason.RESIZE_DEADLINE, detail)
+        return failed
+
+    def _swap_staging(self, new_bytes: int) -> None:
         new_buffer = torch.zeros(new_bytes, dtype=torch.uint8, device=self.pool.device)
         old_buffer, old_region, version = self.ring_buffer, self.ring_region, self.ring_version
         name = f"{self.transport.agent_name}/ring-v{version + 1}"
@@ -716,21 +677,6 @@ class DecodeReceiver(Endpoint):
         for name_, document in list(self.peers.items()):
             if document.role == "prefill":
                 self.send(name_, update)
-
-    def _end_resize(self, resize: PendingResize, error: Exception | None) -> None:
-        duration = self.clock() - resize.started
-        self.metrics.resize_finished("ring", ok=error is None, duration_s=duration,
-                                     staging_bytes=self.ring.capacity_bytes,
-                                     registration_version=self.ring_version)
-        if error is not None:
-            resize.future.set_exception(error)
-            return
-        _log.info("staging ring resized to %d bytes (version %d) in %.3f s; %d requests "
-                  "failed ResizeDeadline", self.ring.capacity_bytes, self.ring_version,
-                  duration, resize.failed_requests)
-        resize.future.set_result(ResizeResult(
-            "ring", self.ring.capacity_bytes, self.ring_version, duration,
-            resize.failed_requests))
 
     def _ring_update(self) -> RingUpdate:
         region = self.ring_region

@@ -39,14 +39,13 @@ from typing import Protocol
 
 import torch
 
-from pd_transfer._endpoint import Endpoint, PendingResize, RankIdentity, ResizeResult, Timeouts
+from pd_transfer._endpoint import Endpoint, RankIdentity, ResizeResult, Timeouts
 from pd_transfer._paths import compute_contiguous_spans, compute_layout, compute_sliced_spans
 from pd_transfer.bootstrap import RankDocument, RegionDoc
 from pd_transfer.errors import (
     DescriptorError,
     OversizedAllocation,
     PeerUnreachable,
-    ResizeError,
     TransportError,
 )
 from pd_transfer.layout import KVLayout, KVPool
@@ -182,6 +181,7 @@ class PrefillSender(Endpoint):
     """One prefill rank's sending endpoint (see module docstring)."""
 
     role = Role.PREFILL
+    staging_side = "buffer"
 
     def __init__(
         self,
@@ -203,7 +203,6 @@ class PrefillSender(Endpoint):
         self.staging = StagingRing(staging_bytes)
         self.staging_version = 1
         self.metrics.set_staging(staging_bytes, self.staging_version)
-        self._resize: PendingResize | None = None
         self._stream: torch.cuda.Stream | None = None
         if pool.device.type == "cuda":
             self._stream = torch.cuda.Stream(pool.device)  # type: ignore[no-untyped-call]
@@ -244,13 +243,7 @@ class PrefillSender(Endpoint):
         """Re-size this rank's staging buffer to ``new_bytes`` without restarting (module
         docstring). The Future yields a ``ResizeResult`` or raises ``ResizeError`` (the old
         buffer then stays in force)."""
-        done: Future[ResizeResult] = Future()
-        self.submit(lambda: self._begin_resize(new_bytes, deadline_s, done))
-        return done
-
-    @property
-    def resizing(self) -> bool:
-        return self._resize is not None
+        return self._request_resize(new_bytes, deadline_s)
 
     def debug_counts(self) -> dict[str, int]:
         """Sizes of every per-request structure (FAILURES #11 tests compare to baseline)."""
@@ -759,9 +752,7 @@ class PrefillSender(Endpoint):
     def _abort_all(self, detail: str) -> None:
         for transfer in list(self._transfers.values()):
             self._fail(transfer, FailureReason.ABORTED, detail)
-        if self._resize is not None:
-            resize, self._resize = self._resize, None
-            self._end_resize(resize, ResizeError(f"resize to {resize.new_bytes} bytes: {detail}"))
+        self._cancel_resize(detail)
 
     # Decode ring updates and own-buffer resizes ------------------------------------------------
 
@@ -798,51 +789,21 @@ class PrefillSender(Endpoint):
         _log.info("decode %s re-registered its ring: %d bytes, version %d", peer,
                   message.size_bytes, message.ring_version)
 
-    def _begin_resize(self, new_bytes: int, deadline_s: float,
-                      done: Future[ResizeResult]) -> None:
-        if not done.set_running_or_notify_cancel():
-            return
-        try:
-            if self._resize is not None:
-                raise ResizeError(f"a resize to {self._resize.new_bytes} bytes is under way")
-            if deadline_s < 0:
-                raise ResizeError(f"deadline_s must be >= 0, got {deadline_s}")
-            StagingRing(new_bytes)  # validates the size (positive, aligned)
-        except (ResizeError, ValueError) as exc:
-            done.set_exception(exc if isinstance(exc, ResizeError) else ResizeError(str(exc)))
-            return
-        now = self.clock()
-        self._resize = PendingResize(new_bytes, now, now + deadline_s, done)
-        self.metrics.resize_started()
-        _log.info("resizing the prefill staging buffer: %d → %d bytes (deadline %.1f s)",
-                  self.staging.capacity_bytes, new_bytes, deadline_s)
-        self._step_resize()
+    def _staging_pool(self) -> StagingRing:
+        return self.staging
 
-    def _step_resize(self) -> bool:
-        """Drain the staging buffer, then swap it: True when the resize finished."""
-        resize = self._resize
-        assert resize is not None
-        if self.staging.live_regions and self.clock() >= resize.deadline:
-            for transfer in list(self._transfers.values()):
-                if self.staging.regions_of(transfer.room):
-                    resize.failed_requests += 1
-                    self._fail(transfer, FailureReason.RESIZE_DEADLINE,
-                               f"its parts still held staging space when the buffer resize to"
-                               f" {resize.new_bytes} bytes reached its deadline")
-        if self.staging.live_regions:
-            return False
-        self._resize = None
-        try:
-            self._swap_buffer(resize.new_bytes)
-        except Exception as exc:
-            _log.exception("staging buffer resize failed; the old buffer stays in force")
-            self._end_resize(resize, ResizeError(
-                f"resize to {resize.new_bytes} bytes failed: {type(exc).__name__}: {exc}"))
-        else:
-            self._end_resize(resize, None)
-        return True
+    def _staging_version(self) -> int:
+        return self.staging_version
 
-    def _swap_buffer(self, new_bytes: int) -> None:
+    def _fail_staging_holders(self, detail: str) -> int:
+        failed = 0
+        for transfer in list(self._transfers.values()):
+            if self.staging.regions_of(transfer.room):
+                failed += 1
+                self._fail(transfer, FailureReason.RESIZE_DEADLINE, detail)
+        return failed
+
+    def _swap_staging(self, new_bytes: int) -> None:
         new_buffer = torch.zeros(new_bytes, dtype=torch.uint8, device=self.pool.device)
         old_buffer, old_region = self.staging_buffer, self.staging_region
         self.transport.deregister(old_region)
@@ -855,18 +816,6 @@ class PrefillSender(Endpoint):
         self.staging_buffer, self.staging_region = new_buffer, region
         self.staging = StagingRing(new_bytes)
         self.staging_version += 1
-
-    def _end_resize(self, resize: PendingResize, error: Exception | None) -> None:
-        duration = self.clock() - resize.started
-        self.metrics.resize_finished("buffer", ok=error is None, duration_s=duration,
-                                     staging_bytes=self.staging.capacity_bytes,
-                                     registration_version=self.staging_version)
-        if error is not None:
-            resize.future.set_exception(error)
-            return
-        resize.future.set_result(ResizeResult(
-            "buffer", self.staging.capacity_bytes, self.staging_version, duration,
-            resize.failed_requests))
 
     def _topology(self, decode: Parallelism) -> TransferTopology:
         topology = self._topologies.get(decode)

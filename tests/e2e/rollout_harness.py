@@ -51,6 +51,7 @@ from pd_operator.devcluster.processes import (
 )
 from pd_transfer.agent.kube import KubeAgentClient
 from pd_transfer.load import Engines, LoadConfig, engines_from_agents, run_one
+from tests.polling import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION = "pd.serving.dev", "v1alpha1"
@@ -58,17 +59,6 @@ NAME = "rollout-reference"
 
 Obj = dict[str, Any]
 Size = tuple[int, int]
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.3)
-    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}; last: {last!r}")
 
 
 def body(namespace: str, *, analysis_s: int, max_unavailable: int) -> Obj:

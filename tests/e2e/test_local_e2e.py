@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -38,6 +37,7 @@ from pd_operator.workqueue import QueueTuning
 from pd_transfer.agent.kube import KubeAgentClient
 from pd_transfer.load import LoadConfig, LoadReport, engines_from_agents, run_load
 from tests.integration.operator_runner import kopf_runner
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(300)]
 
@@ -48,17 +48,6 @@ TCP_NAME = "tcp-only"
 WINDOW_S, STALE_S = 8, 10
 
 Obj = dict[str, Any]
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}; last seen: {last!r}")
 
 
 def body(namespace: str, name: str = NAME) -> Obj:

@@ -26,7 +26,8 @@ import pytest
 from kubernetes import client as k8s
 
 from pd_operator.devcluster import ControlPlaneHandle
-from tests.e2e.rollout_harness import NAME, LiveFleet, SizeFault, live_fleet, wait_for
+from tests.e2e.rollout_harness import NAME, LiveFleet, SizeFault, live_fleet
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(480)]
 

@@ -28,6 +28,8 @@ from pd_operator.devcluster import (
     find_toolchain,
     start_control_plane,
 )
+from pd_operator.kube import KubeClient
+from tests.integration.cluster import Cluster
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRDS_DIR = REPO_ROOT / "crds"
@@ -92,3 +94,19 @@ def namespace(kube_client: k8s.ApiClient) -> Iterator[str]:
         yield name
     finally:
         core.delete_namespace(name)
+
+
+@pytest.fixture
+def kube(control_plane: ControlPlaneHandle) -> Iterator[KubeClient]:
+    """The operator's own API client (`pd_operator.kube`), as admin."""
+    client = KubeClient(control_plane.api_client())
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def cluster(kube_client: k8s.ApiClient, kube: KubeClient, namespace: str) -> Cluster:
+    """Test-side reads and writes in the test's namespace."""
+    return Cluster(kube_client, kube, namespace)

@@ -24,7 +24,7 @@ from pd_operator.kube import KubeClient
 from pd_operator.reconcile import Reconciler
 from pd_transfer.agent.errors import RetryableAPIError
 from pd_transfer.agent.kube import KubeAgentClient
-from tests.integration.test_operator_reconcile import NAME, example_body
+from tests.integration.cluster import NAME, example_body
 from tests.kube_factories import make_agent
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(60)]

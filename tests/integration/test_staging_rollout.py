@@ -24,15 +24,15 @@ from kubernetes.client.exceptions import ApiException
 
 from pd_operator.build.names import agent_service_account
 from pd_operator.devcluster import ControlPlaneHandle
-from pd_operator.kube import KubeClient
 from pd_operator.rollout.executor import ANNOTATION_WRITTEN_AT
-from tests.integration.test_operator_reconcile import NAME, Cluster, wait_for
+from tests.integration.cluster import NAME, Cluster
 from tests.integration.test_transfer_health import (
     agent_api,
     reference_body,
     run_operator,
 )
 from tests.kube_factories import make_agent
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 
@@ -153,20 +153,6 @@ class SimAgent(threading.Thread):
             except ApiException as exc:  # recorded, asserted empty by the test
                 self.errors.append(f"{exc.status} {exc.reason}")
             self.stop_event.wait(TICK_S)
-
-
-@pytest.fixture
-def kube(control_plane: ControlPlaneHandle) -> Iterator[KubeClient]:
-    client = KubeClient(control_plane.api_client())
-    try:
-        yield client
-    finally:
-        client.close()
-
-
-@pytest.fixture
-def cluster(kube_client: k8s.ApiClient, kube: KubeClient, namespace: str) -> Cluster:
-    return Cluster(kube_client, kube, namespace)
 
 
 def rollout_body(namespace: str) -> Obj:

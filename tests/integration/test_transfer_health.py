@@ -24,11 +24,11 @@ from kubernetes.client.exceptions import ApiException
 from pd_operator import settings
 from pd_operator.build.names import TRANSFER_READY_CONDITION, agent_service_account
 from pd_operator.devcluster import ControlPlaneHandle, service_account_kubeconfig
-from pd_operator.kube import KubeClient
 from pd_operator.workqueue import QueueTuning
+from tests.integration.cluster import NAME, Cluster, example_body
 from tests.integration.operator_runner import kopf_runner
-from tests.integration.test_operator_reconcile import NAME, Cluster, example_body, wait_for
 from tests.kube_factories import make_agent
+from tests.polling import wait_for
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 
@@ -62,20 +62,6 @@ def run_operator(control_plane: ControlPlaneHandle, namespace: str,
     ))
     return kopf_runner(["run", "--standalone", "-m", "pd_operator.handlers",
                         "--namespace", namespace], timeout=60)
-
-
-@pytest.fixture
-def kube(control_plane: ControlPlaneHandle) -> Iterator[KubeClient]:
-    client = KubeClient(control_plane.api_client())
-    try:
-        yield client
-    finally:
-        client.close()
-
-
-@pytest.fixture
-def cluster(kube_client: k8s.ApiClient, kube: KubeClient, namespace: str) -> Cluster:
-    return Cluster(kube_client, kube, namespace)
 
 
 @pytest.fixture

@@ -1,0 +1,108 @@
+"""Test-side access to the local control plane for operator tests: the example
+PDDeployment, and `Cluster` (reads and writes through the admin client; pods marked Ready as
+a kubelet would, since there is none)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client as k8s
+
+from pd_operator.api import PDDeployment
+from pd_operator.build import Capabilities, build_children, child_key
+from pd_operator.kube import CHILD_KINDS, PDB, PODS, KubeClient
+from pd_operator.reconcile import first_difference
+
+__all__ = ["CAPS", "GROUP", "KINDS", "NAME", "PLURAL", "VERSION", "Cluster", "example_body"]
+
+REPO = Path(__file__).resolve().parents[2]
+GROUP, VERSION, PLURAL = "pd.serving.dev", "v1alpha1", "pddeployments"
+CAPS = Capabilities(pod_disruption_budgets=False)  # v1.20 serves no policy/v1
+KINDS = tuple(k for k in CHILD_KINDS if k != PDB)
+NAME = "llama-70b"
+
+Obj = dict[str, Any]
+
+
+def example_body(namespace: str) -> Obj:
+    body: Obj = yaml.safe_load((REPO / "examples" / "llama-70b.yaml").read_text())
+    body["metadata"]["namespace"] = namespace
+    return body
+
+
+class Cluster:
+    """Test-side reads and writes, through the admin client."""
+
+    def __init__(self, api: k8s.ApiClient, kube: KubeClient, namespace: str) -> None:
+        self.api, self.kube, self.ns = api, kube, namespace
+        self.objects = k8s.CustomObjectsApi(api)
+        self.core = k8s.CoreV1Api(api)
+        self.apps = k8s.AppsV1Api(api)
+
+    def create(self, body: Obj) -> Obj:
+        created: Obj = self.objects.create_namespaced_custom_object(
+            GROUP, VERSION, self.ns, PLURAL, body)
+        return created
+
+    def pdd(self, name: str = NAME) -> Obj:
+        got: Obj = self.objects.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL,
+                                                             name)
+        return got
+
+    def patch_spec(self, patch: Obj, name: str = NAME) -> None:
+        self.objects.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name,
+                                                    {"spec": patch})
+
+    def desired(self, name: str = NAME) -> list[Obj]:
+        return build_children(PDDeployment.model_validate(self.pdd(name)), CAPS)
+
+    def live(self, name: str = NAME) -> dict[tuple[str, str, str, str], Obj]:
+        selector = f"pd.serving.dev/deployment={name}"
+        return {child_key(o): o for o in self.kube.list_children(self.ns, selector, KINDS)}
+
+    def children_match(self, name: str = NAME) -> list[str]:
+        """Problems: children missing or differing from the builder's manifests."""
+        live = self.live(name)
+        problems = []
+        for want in self.desired(name):
+            have = live.get(child_key(want))
+            if have is None:
+                problems.append(f"missing {want['kind']}/{want['metadata']['name']}")
+                continue
+            diff = first_difference(want, have)
+            if diff is not None:
+                problems.append(f"{want['kind']}/{want['metadata']['name']} differs at {diff}")
+            if have["metadata"]["ownerReferences"] != want["metadata"]["ownerReferences"]:
+                problems.append(f"{want['kind']}/{want['metadata']['name']} owner refs differ")
+        return problems
+
+    def status(self, name: str = NAME) -> Obj:
+        return self.pdd(name).get("status") or {}
+
+    def condition(self, type_: str, name: str = NAME) -> Obj:
+        for c in self.status(name).get("conditions", []):
+            if c["type"] == type_:
+                return dict(c)
+        return {}
+
+    def pods(self, role: str | None = None) -> list[Obj]:
+        """Engine pods (the router's pods carry no role label)."""
+        selector = f"pd.serving.dev/deployment={NAME},pd.serving.dev/role" + \
+            (f"={role}" if role else "")
+        return self.kube.list_objects(PODS, self.ns, selector)
+
+    def mark_all_ready(self) -> None:
+        """Every pod of the PDDeployment, the router's included, becomes Running and Ready."""
+        for pod in self.kube.list_objects(PODS, self.ns, f"pd.serving.dev/deployment={NAME}"):
+            self.mark_ready(pod)
+
+    def mark_ready(self, pod: Mapping[str, Any]) -> None:
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        conditions = [{"type": t, "status": "True", "lastTransitionTime": now}
+                      for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]
+        self.core.patch_namespaced_pod_status(pod["metadata"]["name"], self.ns, {
+            "status": {"phase": "Running", "conditions": conditions}})

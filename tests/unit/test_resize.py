@@ -233,3 +233,23 @@ def test_100_requests_after_resizes_leave_every_map_at_baseline() -> None:
     assert [{k: v for k, v in c.items() if k != "live_status"} for c in cluster.counts()] == [
         {k: v for k, v in c.items() if k != "live_status"} for c in baseline]
     assert all(r.ring_version == 3 for r in cluster.receivers)
+
+
+def test_a_resize_to_the_size_in_force_changes_nothing() -> None:
+    """Guards against draining and re-registering a buffer whose size did not change (a
+    decode-pool rollout also writes the prefill pods, whose own buffer stays as it is)."""
+    cluster = Cluster(mode="staged")
+    receiver, sender = cluster.receivers[0], cluster.senders[0]
+    ring_before, buffer_before = receiver.ring_region, sender.staging_region
+    futures = [receiver.resize_ring(receiver.ring.capacity_bytes, deadline_s=1.0),
+               sender.resize_buffer(sender.staging.capacity_bytes, deadline_s=1.0)]
+    cluster.step()
+    assert [f.result(0) for f in futures] == [
+        ResizeResult("ring", receiver.ring.capacity_bytes, 1, 0.0, 0),
+        ResizeResult("buffer", sender.staging.capacity_bytes, 1, 0.0, 0)]
+    assert (receiver.ring_region, sender.staging_region) == (ring_before, buffer_before)
+    assert receiver.metrics.resizes.labels("ring", "succeeded")._value.get() == 0
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request)
+    cluster.run(lambda: cluster.finished(request.room))
+    _succeeded_and_exact(cluster, [request])

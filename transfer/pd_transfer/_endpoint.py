@@ -313,6 +313,12 @@ class Endpoint(abc.ABC):
         except (ResizeError, ValueError) as exc:
             done.set_exception(exc if isinstance(exc, ResizeError) else ResizeError(str(exc)))
             return
+        if new_bytes == self._staging_pool().capacity_bytes:
+            # Already in force (a spec change that moved only the other side's size): no
+            # drain, no re-registration, nothing for the peers to learn.
+            done.set_result(ResizeResult(self.staging_side, new_bytes, self._staging_version(),
+                                         0.0, 0))
+            return
         now = self.clock()
         self._resize = PendingResize(new_bytes, now, now + deadline_s, done)
         self.metrics.resize_started()

@@ -207,9 +207,10 @@ def test_failing_decode_pod_turns_transfer_health_false(deployment: Deployment) 
                     lambda: g if (g := deployment.gate(pod)).get("status") == "False" else None,
                     30)
     assert gate["reason"] == "TransferFailing"
-    events = deployment.core.list_namespaced_event(deployment.namespace).items
-    assert any(e.type == "Warning" and "TransferHealthy is False" in (e.message or "")
-               for e in events), [e.message for e in events]
+    # Events follow the status write and the gate patches: wait for it, do not race it.
+    wait_for("a Warning Event: TransferHealthy is False", lambda: any(
+        e.type == "Warning" and "TransferHealthy is False" in (e.message or "")
+        for e in deployment.core.list_namespaced_event(deployment.namespace).items), 15)
 
 
 def test_killed_engine_report_turns_stale(deployment: Deployment) -> None:

@@ -64,7 +64,7 @@ def test_grow_then_shrink_under_load_without_failures_or_restarts(fleet: LiveFle
         assert done["summary"] == f"{size[0]}MiB"
     assert fleet.pids() == pids, "a hot resize restarted an engine"
     assert fleet.max_resizing == MAX_UNAVAILABLE
-    reasons = [e["reason"] for e in fleet.events()]
+    reasons = [e["reason"] for e in fleet.events_with("StagingRolloutComplete", 2)]
     assert reasons.count("StagingRolloutStarted") == 2
     assert reasons.count("StagingRolloutComplete") == 2
     # Every pod's spec went START → GROWN → SHRUNK, each size exactly once.
@@ -96,7 +96,7 @@ def test_operator_killed_mid_rollout_continues_after_restart(fleet: LiveFleet) -
     assert window["failed"] == 0, window
     assert fleet.pids() == pids
     assert fleet.max_resizing == MAX_UNAVAILABLE
-    reasons = [e["reason"] for e in fleet.events()]
+    reasons = [e["reason"] for e in fleet.events_with("StagingRolloutComplete", 3)]
     assert reasons.count("StagingRolloutStarted") == 3  # the new operator did not start over
     assert reasons.count("StagingRolloutComplete") == 3
 
@@ -123,7 +123,8 @@ def test_a_size_that_hurts_rolls_back_and_traffic_recovers(fleet: LiveFleet) -> 
         assert fleet.in_force() == dict.fromkeys(PODS, START)
         assert fleet.max_resizing == MAX_UNAVAILABLE
         assert fleet.pids() == pids
-        warnings = {e["reason"]: e["message"] for e in fleet.events() if e["type"] == "Warning"}
+        warnings = {e["reason"]: e["message"] for e in fleet.events_with("StagingRolledBack")
+                    if e["type"] == "Warning"}
         assert bad in warnings["StagingRollbackStarted"]
         assert "rolled back" in warnings["StagingRolledBack"]
         # The others never took the size that hurt: the rollout stopped at the first batch.

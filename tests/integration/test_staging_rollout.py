@@ -220,6 +220,17 @@ class Harness:
         ours.sort(key=lambda e: int(e.metadata.resource_version))  # creation order
         return [{"type": e.type, "reason": e.reason, "message": e.message} for e in ours]
 
+    def events_with(self, reason: str, count: int = 1, timeout_s: float = 15.0) -> list[Obj]:
+        """The PDDeployment's Events once at least `count` of them have `reason`: the
+        operator emits Events only after the status write they follow, so a test that has
+        just seen the status must wait for them."""
+        def enough() -> list[Obj] | None:
+            events = self.events()
+            return events if sum(e["reason"] == reason for e in events) >= count else None
+
+        found: list[Obj] = wait_for(f"{count} {reason} Event(s)", enough, timeout_s)
+        return found
+
 
 @pytest.fixture
 def operator(control_plane: ControlPlaneHandle, namespace: str,
@@ -265,7 +276,7 @@ def test_grow_then_shrink_rolls_out_one_pod_at_a_time(
         print(f"rollout to {size}: {elapsed:.1f} s")
     assert fleet.fleet.max_resizing == 1
 
-    reasons = [e["reason"] for e in fleet.events()]
+    reasons = [e["reason"] for e in fleet.events_with("StagingRolloutComplete", 2)]
     assert reasons.count("StagingRolloutStarted") == 2
     assert reasons.count("StagingRolloutComplete") == 2
     assert reasons.count("StagingBatchResizing") == 8
@@ -305,7 +316,8 @@ def test_a_failing_first_batch_pauses_and_rolls_back(
     assert back["summary"] == "4096MiB RolledBack"
     # Only the failing pod was ever resized: the others never saw the new size.
     assert all(BIG not in a.specs_seen for n, a in fleet.agents.items() if n != bad)
-    warnings = {e["reason"]: e["message"] for e in fleet.events() if e["type"] == "Warning"}
+    warnings = {e["reason"]: e["message"] for e in fleet.events_with("StagingRolledBack")
+                if e["type"] == "Warning"}
     assert bad in warnings["StagingRollbackStarted"]
     assert "rolled back" in warnings["StagingRolledBack"]
 
@@ -338,7 +350,7 @@ def test_an_operator_restart_mid_rollout_continues_where_it_was(
         # Each pod's spec went OLD -> BIG exactly once, never back.
         assert agent.specs_seen == [OLD, BIG], (name, agent.specs_seen)
     assert fleet.fleet.max_resizing == 1
-    reasons = [e["reason"] for e in fleet.events()]
+    reasons = [e["reason"] for e in fleet.events_with("StagingRolloutComplete")]
     assert reasons.count("StagingRolloutStarted") == 1
     assert reasons.count("StagingRolloutComplete") == 1
 
@@ -356,5 +368,5 @@ def test_a_size_below_one_chunk_is_refused_and_pods_keep_theirs(
     assert "at least 640" in condition["message"]
     time.sleep(2)
     assert all(a.specs_seen == [OLD] for a in fleet.agents.values())
-    assert any(e["type"] == "Warning" and "at least 640" in e["message"]
-               for e in fleet.events())
+    wait_for("a Warning Event naming the minimum", lambda: any(
+        e["type"] == "Warning" and "at least 640" in e["message"] for e in fleet.events()), 15)

@@ -4,12 +4,12 @@ what was awaited and what was last seen."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 
-__all__ = ["wait_for"]
+__all__ = ["wait_for", "wait_for_events"]
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = 30.0,
@@ -24,3 +24,16 @@ def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = 30.0,
             return last
         time.sleep(interval_s)
     pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}; last seen: {last!r}")
+
+
+def wait_for_events(events: Callable[[], Sequence[dict[str, Any]]], reason: str,
+                    count: int = 1, timeout_s: float = 15.0) -> list[dict[str, Any]]:
+    """`events()` once at least `count` of them have `reason`. The operator emits Events
+    only after the status write they follow, so a test that has just seen the status must
+    wait for them rather than read them at once."""
+    def enough() -> list[dict[str, Any]] | None:
+        listed = list(events())
+        return listed if sum(e["reason"] == reason for e in listed) >= count else None
+
+    found: list[dict[str, Any]] = wait_for(f"{count} {reason} Event(s)", enough, timeout_s)
+    return found

@@ -51,7 +51,7 @@ from pd_operator.devcluster.processes import (
 )
 from pd_transfer.agent.kube import KubeAgentClient
 from pd_transfer.load import Engines, LoadConfig, engines_from_agents, run_one
-from tests.polling import wait_for
+from tests.polling import wait_for, wait_for_events
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION = "pd.serving.dev", "v1alpha1"
@@ -229,16 +229,9 @@ class LiveFleet:
         items.sort(key=lambda e: int(e.metadata.resource_version))
         return [{"type": e.type, "reason": e.reason, "message": e.message} for e in items]
 
-    def events_with(self, reason: str, count: int = 1, timeout_s: float = 15.0) -> list[Obj]:
-        """The PDDeployment's Events once at least `count` of them have `reason`: the
-        operator emits Events only after the status write they follow, so a test that has
-        just seen the status must wait for them."""
-        def enough() -> list[Obj] | None:
-            events = self.events()
-            return events if sum(e["reason"] == reason for e in events) >= count else None
-
-        found: list[Obj] = wait_for(f"{count} {reason} Event(s)", enough, timeout_s)
-        return found
+    def events_with(self, reason: str, count: int = 1) -> list[Obj]:
+        """`events()` once `count` of them have `reason` (`wait_for_events`)."""
+        return wait_for_events(self.events, reason, count)
 
     def engine_of(self, pod: str) -> str:
         """host:port of `pod`'s engine HTTP API, from its agent's report."""

@@ -32,7 +32,7 @@ from tests.integration.test_transfer_health import (
     run_operator,
 )
 from tests.kube_factories import make_agent
-from tests.polling import wait_for
+from tests.polling import wait_for, wait_for_events
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 
@@ -220,16 +220,9 @@ class Harness:
         ours.sort(key=lambda e: int(e.metadata.resource_version))  # creation order
         return [{"type": e.type, "reason": e.reason, "message": e.message} for e in ours]
 
-    def events_with(self, reason: str, count: int = 1, timeout_s: float = 15.0) -> list[Obj]:
-        """The PDDeployment's Events once at least `count` of them have `reason`: the
-        operator emits Events only after the status write they follow, so a test that has
-        just seen the status must wait for them."""
-        def enough() -> list[Obj] | None:
-            events = self.events()
-            return events if sum(e["reason"] == reason for e in events) >= count else None
-
-        found: list[Obj] = wait_for(f"{count} {reason} Event(s)", enough, timeout_s)
-        return found
+    def events_with(self, reason: str, count: int = 1) -> list[Obj]:
+        """`events()` once `count` of them have `reason` (`wait_for_events`)."""
+        return wait_for_events(self.events, reason, count)
 
 
 @pytest.fixture

@@ -359,8 +359,8 @@ def live_fleet(handle: ControlPlaneHandle, kube_client: k8s.ApiClient, work_dir:
                                 duration_s=3600, tokens=tokens, concurrency=concurrency,
                                 timeout_s=10.0, discover_s=2.0)
             threads = [threading.Thread(target=fleet.watch_resizes, daemon=True),
-                       threading.Thread(target=fleet.drive_load,
-                                        args=(_discover(sa, namespace), config), daemon=True)]
+                       threading.Thread(target=fleet.drive_load, daemon=True,
+                                        args=(discover_engines(sa, namespace, NAME), config))]
             for thread in threads:
                 thread.start()
             wait_for("TransferHealthy=True", lambda: fleet.condition("TransferHealthy")
@@ -385,13 +385,15 @@ def _sa_kubeconfig(handle: ControlPlaneHandle, namespace: str, work_dir: Path) -
         return None
 
 
-def _discover(kubeconfig: Path, namespace: str) -> Callable[[], Engines]:
+def discover_engines(kubeconfig: Path, namespace: str, name: str) -> Callable[[], Engines]:
+    """What the load calls to find a PDDeployment's engines: its TransferAgents' reported
+    endpoints, read with the agent ServiceAccount's token (`kubeconfig`), as a router would."""
     def discover() -> Engines:
         api = k8s_config.new_client_from_config(config_file=str(kubeconfig))
         client = KubeAgentClient(api)
         try:
             return engines_from_agents(client.list(namespace,
-                                                   f"pd.serving.dev/deployment={NAME}"))
+                                                   f"pd.serving.dev/deployment={name}"))
         finally:
             client.close()
     return discover

@@ -19,7 +19,7 @@ import json
 import random
 import threading
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,15 +27,14 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 
 from pd_operator import settings
 from pd_operator.devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.devcluster.kubelet import FakeKubelet
 from pd_operator.devcluster.processes import stop_process
 from pd_operator.workqueue import QueueTuning
-from pd_transfer.agent.kube import KubeAgentClient
 from pd_transfer.load import LoadConfig, LoadReport, engines_from_agents, run_load
+from tests.e2e.rollout_harness import discover_engines
 from tests.integration.operator_runner import kopf_runner
 from tests.polling import wait_for
 
@@ -90,18 +89,6 @@ class Deployment:
                      if c.type == "pd.serving.dev/transfer-ready"), {})
 
 
-def _discover(kubeconfig: Path, namespace: str, name: str) -> Callable[[], Any]:
-    def discover() -> Any:
-        api = k8s_config.new_client_from_config(config_file=str(kubeconfig))
-        client = KubeAgentClient(api)
-        try:
-            return engines_from_agents(client.list(namespace,
-                                                   f"pd.serving.dev/deployment={name}"))
-        finally:
-            client.close()
-    return discover
-
-
 @pytest.fixture(scope="module")
 def deployment(control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
@@ -134,7 +121,7 @@ def deployment(control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient,
                                 discover_s=2.0, progress_s=30.0)
 
             def drive() -> None:
-                result = run_load(config, _discover(sa_kubeconfig, namespace, NAME),
+                result = run_load(config, discover_engines(sa_kubeconfig, namespace, NAME),
                                   stop=load_stop)
                 report.__dict__.update(result.__dict__)
 

@@ -44,6 +44,19 @@ def other_namespace(kube_client: k8s.ApiClient) -> Iterator[str]:
         core.delete_namespace(name)
 
 
+def reconcile_example(control_plane: ControlPlaneHandle, admin: k8s.CustomObjectsApi,
+                      namespace: str) -> None:
+    """Create the example PDDeployment and reconcile it once, exactly as the operator would:
+    its agent ServiceAccount, Role and RoleBinding then exist."""
+    admin.create_namespaced_custom_object(GROUP, VERSION, namespace, "pddeployments",
+                                          example_body(namespace))
+    kube = KubeClient(control_plane.api_client())
+    try:
+        Reconciler(kube, Capabilities(pod_disruption_budgets=False)).reconcile(namespace, NAME)
+    finally:
+        kube.close()
+
+
 def forbidden(call: Callable[[], Any]) -> int:
     try:
         call()
@@ -58,13 +71,7 @@ def test_agent_service_account_writes_only_its_transferagents(
     """Guards against an agent identity that could edit the PDDeployment, read secrets, or
     reach another namespace (a compromised engine pod must not steer the deployment)."""
     admin = k8s.CustomObjectsApi(kube_client)
-    admin.create_namespaced_custom_object(GROUP, VERSION, namespace, "pddeployments",
-                                          example_body(namespace))
-    kube = KubeClient(control_plane.api_client())
-    try:
-        Reconciler(kube, Capabilities(pod_disruption_budgets=False)).reconcile(namespace, NAME)
-    finally:
-        kube.close()
+    reconcile_example(control_plane, admin, namespace)
     path = service_account_kubeconfig(control_plane, namespace, agent_service_account(NAME))
     api = k8s_config.new_client_from_config(config_file=str(path))
     try:
@@ -117,13 +124,7 @@ def test_agent_watch_delivers_its_own_spec_changes_only(
     """Guards the agent's spec watch (rollouts wait on it): with the agent's own token it
     sees the operator's spec change of its TransferAgent, and not a sibling's."""
     admin = k8s.CustomObjectsApi(kube_client)
-    admin.create_namespaced_custom_object(GROUP, VERSION, namespace, "pddeployments",
-                                          example_body(namespace))
-    kube = KubeClient(control_plane.api_client())
-    try:
-        Reconciler(kube, Capabilities(pod_disruption_budgets=False)).reconcile(namespace, NAME)
-    finally:
-        kube.close()
+    reconcile_example(control_plane, admin, namespace)
     for pod in (f"{NAME}-decode-0", f"{NAME}-decode-1"):
         body = make_agent(pod, deployment=NAME, namespace=namespace,
                           report_time=datetime.now(UTC))

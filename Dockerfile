@@ -18,6 +18,7 @@ WORKDIR /src
 COPY pyproject.toml ./
 COPY operator/ operator/
 COPY transfer/ transfer/
+COPY contract/ contract/
 # Base dependencies only: the wheel is installed without the `[transfer]` extra.
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip wheel --no-deps --wheel-dir /wheels . \

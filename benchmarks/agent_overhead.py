@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pd_operator.api.transferagent import AgentEndpoints, AgentStaging, PeerTransport
+from pd_contract.transferagent import AgentEndpoints, AgentStaging, PeerTransport
 from pd_transfer._bench_peers import DecodeProcess, DecodeSpec, PrefillPeer
 from pd_transfer.agent.identity import read_identity
 from pd_transfer.agent.report import ReportFacts

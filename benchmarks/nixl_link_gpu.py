@@ -2,7 +2,7 @@
 transport selection (not a test: prints and writes numbers, asserts nothing).
 
 The layer-pipeline benchmark needs two links on one host: NVLink (landing pool on a second
-GPU) and a NIC-class link (landing pool in pinned host memory, TESTBED.md). Which UCX
+GPU) and a NIC-class link (landing pool in pinned host memory, docs/testbed.md). Which UCX
 transports carry a GPU → remote-host WRITE decides its bandwidth (with only `lo` allowed,
 the default selection bounces it through TCP). This measures, for each `UCX_TLS` candidate
 and each landing kind, one `--mib` descriptor written from `cuda:0` (median of `--runs`,

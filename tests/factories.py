@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pd_operator.api import PDDeployment, PDDeploymentSpec
+from pd_operator.api import PDDeployment, PDDeploymentSpec, parse_pdd, parse_spec
 
 Body = dict[str, Any]
 
@@ -39,7 +39,7 @@ def make_spec_dict(**overrides: Any) -> Body:
 
 
 def make_spec(**overrides: Any) -> PDDeploymentSpec:
-    return PDDeploymentSpec.model_validate(make_spec_dict(**overrides))
+    return parse_spec({"spec": make_spec_dict(**overrides)})
 
 
 def make_pdd_body(name: str = "llama", namespace: str = "default", **overrides: Any) -> Body:
@@ -52,4 +52,4 @@ def make_pdd_body(name: str = "llama", namespace: str = "default", **overrides: 
 
 
 def make_pdd(name: str = "llama", namespace: str = "default", **overrides: Any) -> PDDeployment:
-    return PDDeployment.model_validate(make_pdd_body(name, namespace, **overrides))
+    return parse_pdd(make_pdd_body(name, namespace, **overrides))

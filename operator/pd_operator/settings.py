@@ -13,7 +13,7 @@ from typing import Any
 
 import kopf
 
-from pd_operator.api._base import GROUP, VERSION
+from pd_contract.api import GROUP, TRANSFERAGENT_PLURAL, VERSION
 from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER
 from pd_operator.workqueue import QueueTuning
 
@@ -40,7 +40,7 @@ CHILD_RESOURCES: tuple[tuple[str, str, str], ...] = (
 )
 
 # (group, version, plural) of TransferAgents: their events refresh their PDDeployment's status.
-TRANSFER_AGENT_RESOURCE: tuple[str, str, str] = (GROUP, VERSION, "transferagents")
+TRANSFER_AGENT_RESOURCE: tuple[str, str, str] = (GROUP, VERSION, TRANSFERAGENT_PLURAL)
 
 
 @dataclass(frozen=True)

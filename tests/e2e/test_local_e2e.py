@@ -6,10 +6,10 @@ staged transfers) is brought up once for the module; the tests then run in order
 1. steady load → every pod's TransferAgent reports moved bytes, status.transfer shows the
    totals and a watermark per pod, TransferHealthy=True;
 2. dropped grants on one decode pod → TransferHealthy=False naming it, its readiness gate
-   False, a Warning Event (FAILURES #20);
-3. that pod's engine killed → its report turns stale, the pod Unknown (FAILURES #22);
+   False, a Warning Event (docs/failure-modes.md #20);
+3. that pod's engine killed → its report turns stale, the pod Unknown (docs/failure-modes.md #22);
 4. a second deployment forced onto TCP with RDMA required → TransportVerified=False
-   (FAILURES #21).
+   (docs/failure-modes.md #21).
 Budget: about 3 minutes on 2 cores, dominated by process start-up and the health windows.
 """
 

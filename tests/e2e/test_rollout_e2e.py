@@ -1,5 +1,5 @@
 """Staging rollouts end to end on this machine, with real engines under steady load
-(FAILURES.md 25): control plane + operator (its own process) + fake kubelet + reference
+(docs/failure-modes.md #25): control plane + operator (its own process) + fake kubelet + reference
 engines (real processes, real NIXL over loopback) whose agents resize their staging pools in
 place.
 

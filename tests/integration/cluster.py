@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from kubernetes import client as k8s
 
-from pd_operator.api import PDDeployment
+from pd_operator.api import parse_pdd
 from pd_operator.build import Capabilities, build_children, child_key
 from pd_operator.kube import CHILD_KINDS, PDB, PODS, KubeClient
 from pd_operator.reconcile import first_difference
@@ -58,7 +58,7 @@ class Cluster:
                                                     {"spec": patch})
 
     def desired(self, name: str = NAME) -> list[Obj]:
-        return build_children(PDDeployment.model_validate(self.pdd(name)), CAPS)
+        return build_children(parse_pdd(self.pdd(name)), CAPS)
 
     def live(self, name: str = NAME) -> dict[tuple[str, str, str, str], Obj]:
         selector = f"pd.serving.dev/deployment={name}"

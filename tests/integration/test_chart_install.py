@@ -31,7 +31,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config import kube_config
 
 from pd_operator import settings
-from pd_operator.api import PDDeployment
+from pd_operator.api import parse_pdd
 from pd_operator.build.capabilities import Capabilities
 from pd_operator.build.children import build_children, child_key
 from pd_operator.devcluster import ControlPlaneHandle, helm_path, service_account_kubeconfig
@@ -158,7 +158,7 @@ def example_pdd(namespace: str) -> dict[str, Any]:
 def expected_children(body: dict[str, Any]) -> set[tuple[str, str, str, str]]:
     """Identities of the children the builders make; the 1.20 server has no policy/v1, so
     no PodDisruptionBudgets."""
-    pdd = PDDeployment.model_validate({**body, "metadata": {**body["metadata"], "uid": "x"}})
+    pdd = parse_pdd({**body, "metadata": {**body["metadata"], "uid": "x"}})
     return {child_key(c) for c in build_children(pdd, Capabilities(pod_disruption_budgets=False))}
 
 

@@ -156,7 +156,8 @@ def test_metadata_exchange_names_both_agents(local: NixlTransport, peer: Peer) -
 def test_scattered_write_is_one_request_and_notification_follows_data(
     local: NixlTransport, peer: Peer, source: tuple[torch.Tensor, RegisteredRegion]
 ) -> None:
-    """Guards FAILURES #9: when the notification is observed, every byte is already there."""
+    """Guards docs/failure-modes.md #9: when the notification is observed, every byte is already
+    there."""
     tensor, region = source
     count, size, stride = 256, 2 * KIB, 4 * KIB  # 256 spans, every other 2 KiB of the source
     local_spans = [(region.base_address + i * stride, size) for i in range(count)]
@@ -197,7 +198,8 @@ def test_control_messages_flow_both_ways(local: NixlTransport, peer: Peer) -> No
 def test_out_of_bounds_descriptor_is_rejected_before_posting(
     local: NixlTransport, peer: Peer, source: tuple[torch.Tensor, RegisteredRegion]
 ) -> None:
-    """Guards FAILURES #15 on the real path: nothing is posted, the peer sees nothing."""
+    """Guards docs/failure-modes.md #15 on the real path: nothing is posted, the peer sees
+    nothing."""
     _, region = source
     before = local.stats.snapshot()
     past_end = peer.region.end_address - KIB // 2  # last 512 bytes in, 512 bytes out
@@ -229,7 +231,8 @@ def test_region_the_peer_never_registered_is_refused_by_nixl(
 def test_killed_peer_surfaces_as_unreachable_within_a_deadline(
     local: NixlTransport, source: tuple[torch.Tensor, RegisteredRegion]
 ) -> None:
-    """Guards FAILURES #19: a SIGKILLed peer is an error within seconds, never a hang."""
+    """Guards docs/failure-modes.md #19: a SIGKILLed peer is an error within seconds, never a
+    hang."""
     _, region = source
     victim = start_peer(local, f"victim-{os.getpid()}")
     spans = ([(region.base_address, 64 * KIB)], [(victim.region.base_address, 64 * KIB)])

@@ -73,7 +73,8 @@ def test_children_pods_and_status_follow_the_pddeployment(operator: KopfRunner,
                                                            cluster: Cluster) -> None:
     """Children equal the builders' manifests, pods get exact names, status counts the
     current revision only and turns Ready when the pods are; a steady state writes nothing.
-    Guards against a status computed from the spec instead of the pods (FAILURES 20)."""
+    Guards against a status computed from the spec instead of the pods (docs/failure-modes.md
+    #20)."""
     cluster.create(example_body(cluster.ns))
     wait_for("every child to equal the builder's manifest", lambda: not cluster.children_match())
     names = wait_for("4 engine pods", lambda: sorted(p["metadata"]["name"] for p in cluster.pods())
@@ -123,7 +124,8 @@ def test_children_pods_and_status_follow_the_pddeployment(operator: KopfRunner,
 def test_edited_deleted_and_scaled_children_are_restored(operator: KopfRunner,
                                                          cluster: Cluster) -> None:
     """Hand edits are undone, a deleted child comes back, and the scale subresource drives
-    the decode StatefulSet. Guards against create-only reconciles (STYLE anti-pattern 1)."""
+    the decode StatefulSet. Guards against create-only reconciles (a deleted or hand-edited child
+    must be restored)."""
     cluster.create(example_body(cluster.ns))
     wait_for("children", lambda: not cluster.children_match())
     sts_name = f"{NAME}-prefill"
@@ -156,7 +158,7 @@ def test_edited_deleted_and_scaled_children_are_restored(operator: KopfRunner,
 def test_old_revision_pods_never_count_as_ready_or_updated(operator: KopfRunner,
                                                            cluster: Cluster) -> None:
     """After an image change, Ready old pods count neither as updated nor as ready.
-    Guards against readiness taken from the previous revision (FAILURES 20)."""
+    Guards against readiness taken from the previous revision (docs/failure-modes.md #20)."""
     cluster.create(example_body(cluster.ns))
     wait_for("4 pods", lambda: len(cluster.pods()) == 4)
     cluster.mark_all_ready()
@@ -189,7 +191,8 @@ def test_old_revision_pods_never_count_as_ready_or_updated(operator: KopfRunner,
 def test_invalid_spec_is_reported_and_creates_nothing(operator: KopfRunner,
                                                       cluster: Cluster) -> None:
     """A spec only the operator can reject (no CEL on 1.20) gets SpecValid=False naming the
-    field, a Warning Event, and no child at all (FAILURES 23: nothing half-created)."""
+    field, a Warning Event, and no child at all (docs/failure-modes.md #23: nothing
+    half-created)."""
     body = example_body(cluster.ns)
     body["spec"]["prefill"]["parallelism"] = {"tensor": 3}  # 8 KV heads over 3 ranks
     cluster.create(body)
@@ -216,7 +219,7 @@ def test_operator_killed_mid_reconcile_converges_after_restart(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A reconcile that dies right after its first apply (as a killed process would) leaves
     one child and no status; a fresh operator converges to every child and a full status
-    (FAILURES 24)."""
+    (docs/failure-modes.md #24)."""
 
     class Killed(Exception):
         pass

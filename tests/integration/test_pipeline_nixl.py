@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from pd_contract.config import LayerPipelineConfig
 from pd_transfer._bench_peers import DecodeProcess, DecodeSpec, PrefillPeer, kv_digest
-from pd_transfer.config import LayerPipelineConfig
 from pd_transfer.layout import KVPool
 from pd_transfer.pipeline import LayerPipeline, compute_chunk_plan
 from pd_transfer.reference_model import ChunkForward, ModelConfig, ReferenceModel

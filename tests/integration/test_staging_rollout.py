@@ -1,5 +1,5 @@
 """Staging pool rollouts against a real API server, with the operator in-process and simulated
-agents (FAILURES.md 25).
+agents (docs/failure-modes.md #25).
 
 Each engine pod's agent is a `SimAgent` thread that behaves as the in-pod agent does, through
 the per-PDDeployment agent ServiceAccount's token: it creates its TransferAgent with the

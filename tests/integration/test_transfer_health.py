@@ -153,7 +153,7 @@ def test_reports_aggregate_and_a_failing_decode_pod_turns_health_false(
         operator: KopfRunner, control_plane: ControlPlaneHandle, cluster: Cluster) -> None:
     """Bytes and watermarks of every pod reach status.transfer; one decode pod failing turns
     TransferHealthy False with its reason and name, its gate False and a Warning Event.
-    Guards against FAILURES 20: every pod Ready while transfers fail."""
+    Guards against docs/failure-modes.md #20: every pod Ready while transfers fail."""
     agents = start_fleet(control_plane, cluster)
     pods = sorted(agents.pods)
     wait_for("TransferHealthy=True",
@@ -196,8 +196,9 @@ def test_reports_aggregate_and_a_failing_decode_pod_turns_health_false(
 def test_silent_agent_turns_unknown_and_tcp_fallback_is_caught(
         operator: KopfRunner, control_plane: ControlPlaneHandle, cluster: Cluster) -> None:
     """A pod whose agent stops reporting becomes Unknown after staleAfterSeconds (its gate
-    False ReportStale), never stale-healthy (FAILURES 22); a pod reporting tcp while RDMA
-    is required turns TransportVerified False naming it (FAILURES 21)."""
+    False ReportStale), never stale-healthy (docs/failure-modes.md #22); a pod reporting tcp while
+    RDMA
+    is required turns TransportVerified False naming it (docs/failure-modes.md #21)."""
     agents = start_fleet(control_plane, cluster)
     wait_for("TransferHealthy=True",
              lambda: cluster.condition("TransferHealthy").get("status") == "True")

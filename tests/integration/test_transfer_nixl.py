@@ -1,6 +1,6 @@
 """The transfer protocol over real NIXL (UCX on lo) between rank processes: bit-exact KV for
 every acceptance topology, dtype, page size and path; a killed decode rank surfaces as an
-error within a bound (FAILURES #13, #14, #19).
+error within a bound (docs/failure-modes.md #13, #14, #19).
 
 Each group of rank processes is started once and reused for several cases (modes, prompt
 lengths); geometries are small so the module stays within a few minutes on 2 cores.
@@ -66,7 +66,8 @@ def test_decode_kv_is_bit_exact_for_every_topology_and_path(
 
 
 def test_killed_decode_rank_fails_prefill_requests_within_a_bound() -> None:
-    """FAILURES #19: the decode process dies after asking for the KV, before it lands."""
+    """docs/failure-modes.md #19: the decode process dies after asking for the KV, before it
+    lands."""
     config = SelftestConfig(**{**SMALL, "prefill_tp": 1, "decode_tp": 1, "kv_heads": 2,
                                "tokens": 64, "timeout_s": 10.0})
     group = SelftestGroup(config)

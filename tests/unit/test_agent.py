@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pd_operator.api.transferagent import AgentEndpoints, AgentStaging, PeerTransport
+from pd_contract.transferagent import AgentEndpoints, AgentStaging, PeerTransport
 from pd_transfer.agent.errors import IdentityError, PermanentAPIError, RetryableAPIError
 from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.report import (

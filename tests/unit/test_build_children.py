@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pd_operator.api import PDDeployment
+from pd_operator.api import PDDeployment, parse_pdd
 from pd_operator.build import Capabilities, build_children, child_key
 from pd_operator.build.config import build_transfer_config
 from pd_operator.build.meta import desired_hash
@@ -345,7 +345,7 @@ def test_vllm_command() -> None:
 @pytest.mark.parametrize("version", ["1.29", "1.32"])
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_children_pass_strict_kubernetes_schema(example: Any, version: str) -> None:
-    pdd = PDDeployment.model_validate(yaml.safe_load(example.read_text()))
+    pdd = parse_pdd(yaml.safe_load(example.read_text()))
     pdd.metadata.namespace = "default"
     pdd.metadata.uid = "uid-1"
     for child in build_children(pdd, Capabilities()):

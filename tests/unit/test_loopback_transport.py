@@ -73,7 +73,7 @@ def test_loopback_satisfies_the_transport_protocol(pair: Pair) -> None:
 
 
 def test_many_descriptors_land_bit_exact_and_notification_follows_data(pair: Pair) -> None:
-    """Guards FAILURES #9: the notification is the proof of arrival, never earlier."""
+    """Guards docs/failure-modes.md #9: the notification is the proof of arrival, never earlier."""
     local, remote = pair.spans(32, KIB, 2 * KIB)
     handle = pair.prefill.write("decode-0", local, remote, [pair.dst_region], b"req-1")
     # Posted, not yet progressed: nothing landed and nothing was announced.
@@ -114,7 +114,7 @@ def test_control_messages_flow_both_ways_in_order(pair: Pair) -> None:
 def test_out_of_bounds_descriptor_is_rejected_before_posting(
     pair: Pair, local_offset: int, remote_offset: int, length: int
 ) -> None:
-    """Guards FAILURES #15: no read or write outside registered/granted memory."""
+    """Guards docs/failure-modes.md #15: no read or write outside registered/granted memory."""
     local = [
         (pair.src_region.base_address, KIB),
         (pair.src_region.base_address + local_offset, length),
@@ -219,7 +219,7 @@ def test_release_of_a_pending_transfer_aborts_it(pair: Pair, clock: ManualClock)
 def test_killed_peer_is_unreachable_and_its_inflight_transfer_fails(
     pair: Pair, clock: ManualClock
 ) -> None:
-    """Guards FAILURES #19: a dead peer surfaces as an error, not a hang."""
+    """Guards docs/failure-modes.md #19: a dead peer surfaces as an error, not a hang."""
     pair.fabric.inject(FaultRule(FaultAction.DELAY, delay_s=1.0))
     inflight = pair.write()
     pair.fabric.kill("decode-0")
@@ -234,7 +234,7 @@ def test_killed_peer_is_unreachable_and_its_inflight_transfer_fails(
 
 
 def test_restarted_peer_is_a_new_incarnation(pair: Pair) -> None:
-    """Guards FAILURES #10: stale metadata never reaches a restarted process."""
+    """Guards docs/failure-modes.md #10: stale metadata never reaches a restarted process."""
     pair.fabric.kill("decode-0")
     reborn = pair.fabric.create("decode-0")
     with pytest.raises(PeerUnreachable, match="incarnation"):

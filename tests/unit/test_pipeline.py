@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from pd_transfer.config import LayerPipelineConfig
+from pd_contract.config import LayerPipelineConfig
 from pd_transfer.pipeline import (
     ChunkPlan,
     LayerPipeline,
@@ -233,7 +233,7 @@ def no_device_sync(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("no_device_sync")
 def test_short_prompt_takes_the_plain_path_with_no_added_work() -> None:
-    """FAILURES #17: below min_tokens one forward call, one part of every layer
+    """docs/failure-modes.md #17: below min_tokens one forward call, one part of every layer
     (layers=None), no event on CPU, no synchronisation: exactly compute-then-transfer."""
     sink = RecordingSink()
     forward = CountingForward(sink)

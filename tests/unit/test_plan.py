@@ -42,7 +42,8 @@ def slices_of(total: int, p: int, d: int, attention: Attention = Attention.MHA) 
 
 
 def test_replicated_heads_use_integer_division_not_modulo() -> None:
-    """Guards FAILURES #13: with tp=4, H=2, modulo gives ranks heads 0,1,0,1 (wrong KV)."""
+    """Guards docs/failure-modes.md #13: with tp=4, H=2, modulo gives ranks heads 0,1,0,1 (wrong
+    KV)."""
     # tp > H: rank r holds head r // (tp // H) = r // 2
     assert [compute_local_heads(2, 4, r) for r in range(4)] == [
         HeadRange(0, 1), HeadRange(0, 1), HeadRange(1, 1), HeadRange(1, 1),
@@ -192,7 +193,7 @@ def test_layer_plan_prefill_pp_to_decode_pp() -> None:
 
 
 def test_sender_ids_are_unique_over_the_pp_tp_grid() -> None:
-    """Guards FAILURES #14: a TP rank alone repeats across stages."""
+    """Guards docs/failure-modes.md #14: a TP rank alone repeats across stages."""
     grid = Parallelism(tp=4, pp=3)
     ids = [compute_sender_id(RankCoord(s, r), grid) for s in range(3) for r in range(4)]
     assert ids == list(range(12))  # pp_rank * 4 + tp_rank

@@ -1,5 +1,6 @@
 """The request lifecycle table: every legal transition, every illegal one refused with the
-state unchanged, and release exactly once on either terminal path (FAILURES #4, #11)."""
+state unchanged, and release exactly once on either terminal path (docs/failure-modes.md #4,
+#11)."""
 
 from __future__ import annotations
 

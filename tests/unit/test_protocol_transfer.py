@@ -2,7 +2,7 @@
 
 Deterministic (one manual clock, endpoints stepped by hand, no threads) and bounded: every
 run has a round limit, so a hang fails the test instead of stalling it. Needs neither NIXL
-nor a GPU. Each test names the FAILURES.md item it guards.
+nor a GPU. Each test names the failure mode in docs/failure-modes.md it guards.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ SUCCEEDED = {State.SUCCEEDED}
 def test_decode_pages_equal_the_prefill_source_bit_exactly(
     topology: dict[str, int], mode: str
 ) -> None:
-    """FAILURES #13, #14: right heads, right layers, every topology and path."""
+    """docs/failure-modes.md #13, #14: right heads, right layers, every topology and path."""
     cluster = Cluster(mode=mode, **topology)  # type: ignore[arg-type]
     request = cluster.new_request(num_tokens=13)  # not a multiple of the page size (4)
     cluster.start(request)
@@ -53,7 +53,7 @@ def test_decode_pages_equal_the_prefill_source_bit_exactly(
 
 
 def test_staging_sends_one_alloc_request_per_part_and_writer() -> None:
-    """FAILURES #1: a flag read the wrong way once skipped every staging request.
+    """docs/failure-modes.md #1: a flag read the wrong way once skipped every staging request.
     2 → 4 with 4 heads: 4 (prefill rank, decode rank) pairs; 3 parts each → 12."""
     cluster = Cluster(prefill_tp=2, decode_tp=4, kv_heads=4, mode="staged")
     request = cluster.new_request(num_tokens=24)  # 6 pages
@@ -70,7 +70,8 @@ def test_staging_sends_one_alloc_request_per_part_and_writer() -> None:
 
 
 def test_out_of_order_notifications_complete_by_resources_not_a_last_flag() -> None:
-    """FAILURES #8: the last part's notification arrives first; decode must still finish."""
+    """docs/failure-modes.md #8: the last part's notification arrives first; decode must still
+    finish."""
     cluster = Cluster(mode="staged")
     request = cluster.new_request(num_tokens=16)
     first = cluster.fabric.inject(FaultRule(
@@ -112,7 +113,7 @@ DROP_OUTCOMES: dict[str, tuple[set[State], set[FailureReason | None]]] = {
 def test_a_dropped_message_recovers_or_fails_with_its_reason_within_the_deadline(
     message: str,
 ) -> None:
-    """FAILURES #3: a lost message never leaves a worker waiting forever."""
+    """docs/failure-modes.md #3: a lost message never leaves a worker waiting forever."""
     cluster = Cluster(mode=_flow(message))  # type: ignore[arg-type]
     rule = cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type(message)))
     request = cluster.new_request(num_tokens=10)
@@ -200,7 +201,8 @@ def _assert_clean_after_grace(cluster: Cluster) -> None:
 
 
 def test_a_chunk_larger_than_the_ring_fails_only_its_request() -> None:
-    """FAILURES #6: OversizedChunk naming the pool size needed; the worker lives on, the
+    """docs/failure-modes.md #6: OversizedChunk naming the pool size needed; the worker lives on,
+    the
     next small request succeeds, nothing leaks."""
     cluster = Cluster(mode="staged", ring_bytes=4096)
     big = cluster.new_request(num_tokens=128)  # 2 layers x 2 x 128 tokens x 2 heads x 8 B
@@ -219,7 +221,7 @@ def test_a_chunk_larger_than_the_ring_fails_only_its_request() -> None:
 
 
 def test_abort_mid_transfer_then_100_requests_through_the_same_ring() -> None:
-    """FAILURES #4: an aborted request must not pin the ring."""
+    """docs/failure-modes.md #4: an aborted request must not pin the ring."""
     cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2,
                       ring_bytes=8192)
     hold = cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type("staged_part"),
@@ -243,7 +245,7 @@ def test_abort_mid_transfer_then_100_requests_through_the_same_ring() -> None:
 
 
 def test_a_stalled_writer_is_failed_by_the_watchdog_and_the_ring_is_not_pinned() -> None:
-    """FAILURES #16: a writer granted a region that never writes it."""
+    """docs/failure-modes.md #16: a writer granted a region that never writes it."""
     cluster = Cluster(mode="staged", ring_bytes=4096)
     cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type("grant", "alloc_request"),
                                     remaining=0))
@@ -263,7 +265,7 @@ def test_a_stalled_writer_is_failed_by_the_watchdog_and_the_ring_is_not_pinned()
 
 
 def test_an_exception_inside_one_request_fails_only_that_request() -> None:
-    """FAILURES #12: the worker keeps serving; the other requests succeed."""
+    """docs/failure-modes.md #12: the worker keeps serving; the other requests succeed."""
 
     class ExplodingEvent:
         def query(self) -> bool:
@@ -284,7 +286,7 @@ def test_an_exception_inside_one_request_fails_only_that_request() -> None:
 
 
 def test_request_kv_before_prefill_registered_is_buffered() -> None:
-    """FAILURES #2: decode asks first; prefill registers a few rounds later."""
+    """docs/failure-modes.md #2: decode asks first; prefill registers a few rounds later."""
     cluster = Cluster(mode="staged")
     request = cluster.new_request(num_tokens=8)
     cluster.receivers[0].expect(request.room, request.dst_pages, request.num_tokens)
@@ -298,7 +300,7 @@ def test_request_kv_before_prefill_registered_is_buffered() -> None:
 
 
 def test_prefill_kv_hold_has_a_lease() -> None:
-    """FAILURES #18: no decode ever asks → LeaseExpired, the KV released."""
+    """docs/failure-modes.md #18: no decode ever asks → LeaseExpired, the KV released."""
     cluster = Cluster(mode="staged")
     request = cluster.new_request(num_tokens=8)
     cluster.senders[0].register_request(request.room, request.src_pages, request.num_tokens)
@@ -309,7 +311,7 @@ def test_prefill_kv_hold_has_a_lease() -> None:
 
 
 def test_a_dead_decode_peer_fails_prefill_requests_with_peer_unreachable() -> None:
-    """FAILURES #10, #19: the peer is pruned; its requests fail fast, no hang."""
+    """docs/failure-modes.md #10, #19: the peer is pruned; its requests fail fast, no hang."""
     cluster = Cluster(mode="staged")
     request = cluster.new_request(num_tokens=8)
     cluster.start(request, send=False)
@@ -328,7 +330,8 @@ def test_a_dead_decode_peer_fails_prefill_requests_with_peer_unreachable() -> No
 
 
 def test_hostile_messages_are_rejected_counted_and_change_nothing() -> None:
-    """FAILURES #15: a stranger, a wrong writer, a grant never asked for, a notification
+    """docs/failure-modes.md #15: a stranger, a wrong writer, a grant never asked for, a
+    notification
     for an unknown room: each rejected by reason; the live request is unaffected."""
     cluster = Cluster(mode="staged")
     receiver, sender = cluster.receivers[0], cluster.senders[0]
@@ -368,7 +371,8 @@ def test_hostile_messages_are_rejected_counted_and_change_nothing() -> None:
 
 
 def test_a_grant_outside_the_ring_is_refused_before_anything_is_posted() -> None:
-    """A peer can never make us write outside the region it registered (FAILURES #15)."""
+    """A peer can never make us write outside the region it registered (docs/failure-modes.md
+    #15)."""
     cluster = Cluster(mode="staged", ring_bytes=4096)
     sender, receiver = cluster.senders[0], cluster.receivers[0]
     cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type("grant")))
@@ -403,7 +407,8 @@ def test_request_kv_naming_pages_outside_the_decode_pool_is_a_violation() -> Non
 
 
 def test_10k_requests_with_failures_and_aborts_leave_every_map_at_baseline() -> None:
-    """FAILURES #11: per-request state is released on every path, not only on success."""
+    """docs/failure-modes.md #11: per-request state is released on every path, not only on
+    success."""
     cluster = Cluster(mode="staged", kv_heads=1, layers=1, head_dim=2, page_size=1,
                       num_pages=256, ring_bytes=2048, tick_s=0.1)
     baseline = cluster.counts()

@@ -1,7 +1,8 @@
 """Hot resize of the staging pools (decode ring, prefill buffer) over the loopback transport.
 
 Deterministic (manual clock, endpoints stepped by hand) and bounded (round limits). Guards
-FAILURES #25 (in-flight requests on a resizing pod finish or fail cleanly), #4/#11 (nothing
+docs/failure-modes.md #25 (in-flight requests on a resizing pod finish or fail cleanly), #4/#11
+(nothing
 leaks across a resize) and #15 (a write with a stale registration is refused).
 """
 
@@ -153,7 +154,8 @@ def test_a_staged_part_of_a_stale_registration_is_rejected_for_its_request_only(
 
 
 def test_a_lost_ring_update_is_sent_again_and_the_next_request_succeeds() -> None:
-    """Guards FAILURES #3 for the resize protocol: a lost RingUpdate must not leave a writer
+    """Guards docs/failure-modes.md #3 for the resize protocol: a lost RingUpdate must not leave a
+    writer
     holding grants it can never use (a stall until TransferTimeout). The writer re-sends its
     AllocRequest after grantSeconds; decode answers a duplicate with the RingUpdate again."""
     cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2)

@@ -29,7 +29,8 @@ def test_empty_ring_accepts_exactly_its_capacity_then_nothing() -> None:
 
 
 def test_wrapped_cursor_resets_when_the_ring_empties() -> None:
-    """Guards FAILURES #5: after a wrap, an empty ring must still take a full-size chunk."""
+    """Guards docs/failure-modes.md #5: after a wrap, an empty ring must still take a full-size
+    chunk."""
     ring = StagingRing(1024, alignment_bytes=256)
     first = ring.allocate("a", 768)  # [0, 768)
     second = ring.allocate("b", 256)  # [768, 1024)
@@ -55,7 +56,7 @@ def test_allocation_follows_the_cursor_then_wraps() -> None:
 
 
 def test_oversized_allocation_names_the_needed_mib_and_changes_nothing() -> None:
-    """Guards FAILURES #6: a chunk larger than the ring fails only its own request."""
+    """Guards docs/failure-modes.md #6: a chunk larger than the ring fails only its own request."""
     ring = StagingRing(4 * MiB)
     held = ring.allocate("small", 1000)
     before = (ring.used_bytes, ring.live_regions, ring.owners(), ring.high_water_bytes)
@@ -82,7 +83,7 @@ def test_double_free_is_a_reported_no_op() -> None:
 
 
 def test_free_owner_releases_exactly_that_owners_regions_once() -> None:
-    """Guards FAILURES #4: an aborted request's regions must all come back, once."""
+    """Guards docs/failure-modes.md #4: an aborted request's regions must all come back, once."""
     ring = StagingRing(8192)
     mine = [ring.allocate("req-1", 1000) for _ in range(3)]
     other = ring.allocate("req-2", 1000)
@@ -101,7 +102,8 @@ def test_free_owner_releases_exactly_that_owners_regions_once() -> None:
 
 
 def test_quarantined_region_is_not_reused_until_released() -> None:
-    """Guards FAILURES #16: a region a late write may land in must not be handed out."""
+    """Guards docs/failure-modes.md #16: a region a late write may land in must not be handed
+    out."""
     ring = StagingRing(1024, alignment_bytes=256)
     stuck = ring.allocate("slow", 512)
     assert stuck is not None

@@ -7,8 +7,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pd_operator.api.spec import StagingRollout
-from pd_operator.api.status import RolloutPhase, StagingRolloutStatus
+from pd_operator.api.spec import StagingRollout, TransferHealthPolicy
+from pd_operator.api.status import RolloutMode, RolloutPhase, StagingRolloutStatus
 from pd_operator.kube import KubeClient
 from pd_operator.rollout import RolloutDecision, SpecWrite, StagingTarget
 from pd_operator.rollout.executor import (
@@ -18,12 +18,14 @@ from pd_operator.rollout.executor import (
     RolloutExecutor,
     RolloutStep,
     applied_stamps,
-    observe_fleet,
     parse_stamp,
     plan_step,
     recheck_seconds,
+    rollout_pods,
     staging_apply,
 )
+from pd_operator.rollout.planner import PodRollout
+from pd_operator.status import FleetObservation, observe_fleet
 from tests.factories import make_spec
 from tests.kube_factories import make_agent
 
@@ -59,6 +61,14 @@ def agent(name: str, role: str, *, spec: StagingTarget = OLD, reported: StagingT
 FLEET = [pod("p-0", "prefill"), pod("d-0", "decode")]
 
 
+def observe(pods: list[Obj], agents: list[Obj]) -> FleetObservation:
+    return observe_fleet(pods, agents, T0, health=TransferHealthPolicy())
+
+
+def observed_pods(pods: list[Obj], agents: list[Obj]) -> list[PodRollout]:
+    return rollout_pods(observe(pods, agents))
+
+
 def test_stamps_parse_and_bad_ones_count_as_absent() -> None:
     good = agent("d-0", "decode", annotations={ANNOTATION_WRITTEN_AT: "2024-05-01T12:00:05Z"})
     assert parse_stamp(good, ANNOTATION_WRITTEN_AT) == T0 + timedelta(seconds=5)
@@ -67,7 +77,7 @@ def test_stamps_parse_and_bad_ones_count_as_absent() -> None:
     assert parse_stamp(bad, ANNOTATION_WRITTEN_AT) is None
 
 
-def test_observe_fleet_pairs_pods_with_their_agents_and_skips_the_rest() -> None:
+def test_rollout_pods_pair_pods_with_their_agents_and_skips_the_rest() -> None:
     written = T0 - timedelta(seconds=30)
     agents = [
         agent("d-0", "decode", spec=BIG, since=T0 - timedelta(seconds=50),
@@ -75,7 +85,7 @@ def test_observe_fleet_pairs_pods_with_their_agents_and_skips_the_rest() -> None
         agent("stray", "decode"),  # no such pod
     ]
     pods = [*FLEET, {"metadata": {"name": "router", "uid": "r", "labels": {}}}]
-    observed = observe_fleet(pods, agents)
+    observed = observed_pods(pods, agents)
     assert [p.name for p in observed] == ["d-0"]  # p-0 has no TransferAgent yet
     d0 = observed[0]
     assert (d0.spec, d0.reported) == (BIG, OLD)
@@ -85,9 +95,9 @@ def test_observe_fleet_pairs_pods_with_their_agents_and_skips_the_rest() -> None
 
 def test_applied_at_falls_back_to_the_stamp_and_ignores_a_predecessors_report() -> None:
     stamped = {ANNOTATION_APPLIED_AT: "2024-05-01T11:59:00Z"}
-    mine = observe_fleet(FLEET[1:], [agent("d-0", "decode", annotations=stamped)])[0]
+    mine = observed_pods(FLEET[1:], [agent("d-0", "decode", annotations=stamped)])[0]
     assert mine.applied_at == T0 - timedelta(minutes=1)
-    theirs = observe_fleet(FLEET[1:], [agent("d-0", "decode", uid="old-uid",
+    theirs = observed_pods(FLEET[1:], [agent("d-0", "decode", uid="old-uid",
                                              since=T0 - timedelta(hours=1))])[0]
     assert theirs.reported is None and theirs.applied_at is None
 
@@ -106,10 +116,12 @@ def test_staging_apply_owns_only_the_size_and_the_stamps() -> None:
 
 
 def decision(phase: RolloutPhase, *, writes: tuple[SpecWrite, ...] = (),
-             applied_now: tuple[str, ...] = (), to: int | None = 6144) -> RolloutDecision:
+             applied_now: tuple[str, ...] = (), to: int | None = 6144,
+             mode: RolloutMode | None = RolloutMode.FORWARD) -> RolloutDecision:
     status = StagingRolloutStatus(phase=phase, from_decode_pool_mib=4096,
                                   to_decode_pool_mib=to, from_prefill_buffer_mib=4096,
-                                  to_prefill_buffer_mib=4096 if to else None)
+                                  to_prefill_buffer_mib=4096 if to else None,
+                                  mode=mode if to else None)
     return RolloutDecision(status, writes, (), applied_now)
 
 
@@ -129,22 +141,25 @@ def test_applied_stamps_only_while_progressing_and_only_where_the_agent_is_silen
         assert applied_stamps(decision(phase, applied_now=every), agents) == ()
 
 
-def step(phase: RolloutPhase, pods: list[Any], to: int | None = 6144) -> RolloutStep:
-    return RolloutStep(decision(phase, to=to), tuple(pods), {}, (), T0)
+def step(phase: RolloutPhase, pods: list[Any], to: int | None = 6144,
+         mode: RolloutMode = RolloutMode.FORWARD) -> RolloutStep:
+    return RolloutStep(decision(phase, to=to, mode=mode), tuple(pods), {}, (), T0)
 
 
 def test_recheck_comes_back_when_the_earliest_analysis_ends_at_most_5s_away() -> None:
-    fleet = observe_fleet(FLEET, [
+    fleet = observed_pods(FLEET, [
         agent("p-0", "prefill", since=T0 - timedelta(hours=1)),
         agent("d-0", "decode", spec=BIG, reported=BIG, since=T0 - timedelta(seconds=8)),
     ])
     assert recheck_seconds(step(RolloutPhase.PROGRESSING, fleet), POLICY) == 3.0
     long = StagingRollout(max_unavailable=1, analysis_seconds=60)
     assert recheck_seconds(step(RolloutPhase.PROGRESSING, fleet), long) == MAX_RECHECK_S
-    assert recheck_seconds(step(RolloutPhase.PAUSED, fleet), POLICY) == 3.0  # rolling back
-    held = StagingRollout(max_unavailable=1, auto_rollback=False)
-    assert recheck_seconds(step(RolloutPhase.PAUSED, fleet), held) is None
-    assert recheck_seconds(step(RolloutPhase.PAUSED, fleet, to=None), POLICY) is None
+    rolling_back = step(RolloutPhase.PAUSED, fleet, mode=RolloutMode.ROLLBACK)
+    assert recheck_seconds(rolling_back, POLICY) == 3.0
+    held = step(RolloutPhase.PAUSED, fleet, mode=RolloutMode.HOLD)
+    assert recheck_seconds(held, POLICY) is None
+    refused = step(RolloutPhase.PAUSED, fleet, to=None, mode=RolloutMode.ROLLBACK)
+    assert recheck_seconds(refused, POLICY) is None
     for phase in (RolloutPhase.IDLE, RolloutPhase.COMPLETE, RolloutPhase.ROLLED_BACK):
         assert recheck_seconds(step(phase, fleet), POLICY) is None
 
@@ -159,11 +174,11 @@ def spec_with(size: StagingTarget) -> Any:
 def test_plan_step_in_steady_state_writes_nothing() -> None:
     agents = [agent("p-0", "prefill", since=T0 - timedelta(hours=1)),
               agent("d-0", "decode", since=T0 - timedelta(hours=1))]
-    planned = plan_step(spec_with(OLD), StagingRolloutStatus(), FLEET, agents, T0)
+    planned = plan_step(spec_with(OLD), StagingRolloutStatus(), observe(FLEET, agents))
     assert planned is not None
     assert planned.decision.status.phase is RolloutPhase.IDLE
     assert planned.decision.writes == () and planned.stamp_applied == ()
-    again = plan_step(spec_with(OLD), planned.decision.status, FLEET, agents, T0)
+    again = plan_step(spec_with(OLD), planned.decision.status, observe(FLEET, agents))
     assert again is not None and again.decision == planned.decision
 
 
@@ -172,7 +187,7 @@ def test_plan_step_starts_with_the_decode_ring_when_the_pool_grows() -> None:
               agent("d-0", "decode", since=T0 - timedelta(hours=1))]
     previous = StagingRolloutStatus(phase=RolloutPhase.IDLE, to_decode_pool_mib=4096,
                                     to_prefill_buffer_mib=4096)
-    planned = plan_step(spec_with(BIG), previous, FLEET, agents, T0)
+    planned = plan_step(spec_with(BIG), previous, observe(FLEET, agents))
     assert planned is not None
     assert planned.decision.status.phase is RolloutPhase.PROGRESSING
     assert planned.decision.writes == (SpecWrite("d-0", BIG),)
@@ -181,7 +196,7 @@ def test_plan_step_starts_with_the_decode_ring_when_the_pool_grows() -> None:
 
 def test_plan_step_is_none_without_staging() -> None:
     spec = make_spec(transfer={"staging": {"mode": "Never"}})
-    assert plan_step(spec, StagingRolloutStatus(), FLEET, [], T0) is None
+    assert plan_step(spec, StagingRolloutStatus(), observe(FLEET, [])) is None
 
 
 class Recorder(KubeClient):
@@ -197,7 +212,7 @@ def test_execute_writes_sizes_then_stamps_and_skips_missing_agents() -> None:
     written_at = {ANNOTATION_WRITTEN_AT: "2024-05-01T11:00:00Z"}
     agents = {"p-0": agent("p-0", "prefill", annotations=written_at),
               "d-0": agent("d-0", "decode")}
-    pods = tuple(observe_fleet(FLEET, list(agents.values())))
+    pods = tuple(observed_pods(FLEET, list(agents.values())))
     planned = RolloutStep(
         decision(RolloutPhase.PROGRESSING,
                  writes=(SpecWrite("d-0", BIG), SpecWrite("gone", BIG))),

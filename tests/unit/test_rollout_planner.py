@@ -13,14 +13,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from pd_operator.api.spec import StagingRollout
-from pd_operator.api.status import RolloutPhase, StagingRolloutStatus
-from pd_operator.api.transferagent import (
-    AgentStaging,
-    Role,
-    TransferAgentSpec,
-    TransferAgentStatus,
-    WindowCounts,
+from pd_contract.transferagent import Role
+from pd_operator.api.spec import StagingRollout, TransferHealthPolicy
+from pd_operator.api.status import (
+    RollbackReason,
+    RolloutMode,
+    RolloutPhase,
+    StagingRolloutStatus,
 )
 from pd_operator.rollout import (
     PodHealth,
@@ -32,7 +31,9 @@ from pd_operator.rollout import (
     observe_pod,
     plan_rollout,
 )
+from pd_operator.status import PodObservation, ReportState, observe_fleet
 from tests.factories import make_spec
+from tests.kube_factories import make_agent, make_pod
 
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 TICK = timedelta(seconds=30)
@@ -417,18 +418,25 @@ def test_first_pods_get_the_desired_size_without_a_rollout() -> None:
 
 
 def test_report_of_a_previous_incarnation_is_ignored() -> None:
-    """`observe_pod` drops a report whose podUID is not the pod's: a StatefulSet pod recreated
-    under the same name must not inherit its predecessor's size or health."""
-    spec = TransferAgentSpec(pd_deployment="llama", role=Role.DECODE,
-                             staging=AgentStaging(decode_pool_mib=6144, prefill_buffer_mib=2048))
-    status = TransferAgentStatus(
-        pod_uid="old", staging=AgentStaging(decode_pool_mib=6144, prefill_buffer_mib=2048),
-        window=WindowCounts(seconds=60, transfers=10, failures=0), healthy=True,
-        report_time=T0)
-    mine = observe_pod("decode-0", Role.DECODE, "old", spec, status)
-    theirs = observe_pod("decode-0", Role.DECODE, "new", spec, status)
+    """`observe_pod` takes its report from the fleet observation, whose one incarnation rule
+    drops a report whose podUID is not the pod's: a StatefulSet pod recreated under the same
+    name must not inherit its predecessor's size or health, in the rollout as in the status."""
+    agent = make_agent("decode-0", role="decode", pod_uid="old", report_time=T0,
+                       window=(10, 0), staging_mib=(BIG.decode_pool_mib,
+                                                    BIG.prefill_buffer_mib))
+    agent["spec"]["staging"] = BIG.to_agent().to_wire()
+
+    def pod(uid: str) -> PodObservation:
+        (observed,) = observe_fleet([make_pod("decode-0", role="decode", uid=uid)], [agent], T0,
+                                    health=TransferHealthPolicy()).pods
+        return observed
+
+    mine = observe_pod(pod("old"))
+    theirs = observe_pod(pod("new"))
     assert mine.reported == BIG and mine.health.transfers == 10
     assert theirs == replace(mine, uid="new", reported=None, health=PodHealth())
+    assert (pod("old").verdict.state, pod("new").verdict.state) == (
+        ReportState.HEALTHY, ReportState.MISSING)
 
 
 @pytest.mark.parametrize("seed", range(0, 300, 30))
@@ -461,3 +469,28 @@ def test_random_histories_keep_both_invariants_and_settle(seed: int) -> None:
         fleet.run(desired, pol, until={RolloutPhase.COMPLETE, RolloutPhase.IDLE,
                                        RolloutPhase.ROLLED_BACK, RolloutPhase.PAUSED},
                   max_steps=80)
+
+
+def test_a_stopped_rollout_is_read_back_from_its_fields_never_its_message() -> None:
+    """Mode and rollback reason come back from their own status fields: a message edited by
+    anyone changes neither the next step nor the reason it names; a held rollout rolls back
+    once autoRollback is turned on. Guards against state recovered by parsing a sentence."""
+    fleet = Fleet.at(OLD)
+    held_policy = policy(1, auto_rollback=False)
+    fleet.step(BIG, held_policy)
+    fleet.tick()
+    fleet.pods["decode-0"].failures = 5
+    held = fleet.step(BIG, held_policy)
+    reason = "decode-0: transfer failure ratio 0.050 (5/100) is above maxFailureRatio 0.01"
+    assert (held.status.phase, held.status.mode) == (RolloutPhase.PAUSED, RolloutMode.HOLD)
+    assert held.status.rollback_reason is RollbackReason.FAILURE_RATIO
+    assert held.status.rollback_message == reason
+    fleet.status = held.status.model_copy(update={"message": "someone wrote here"})
+    fleet.tick()
+    again = fleet.step(BIG, held_policy)
+    assert (again.writes, again.status.message) == ((), held.status.message)
+    fleet.status = again.status.model_copy(update={"message": ""})
+    final = fleet.run(BIG, policy(1), until={RolloutPhase.ROLLED_BACK})
+    assert final.status.mode is RolloutMode.ROLLBACK
+    assert final.status.message == f"{reason}; rolled back to {OLD}"
+    assert all(p.spec == OLD for p in fleet.pods.values())

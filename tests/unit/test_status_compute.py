@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from pd_operator.api import ConditionStatus, PDDeploymentStatus, Phase
+from pd_operator.api import ConditionStatus, PDDeploymentStatus, Phase, Role
+from pd_operator.api.spec import TransferHealthPolicy
 from pd_operator.api.status import RoleStatus, StagingRolloutStatus, TransferStatus
 from pd_operator.status import (
     NOT_READY_DEADLINE,
@@ -14,6 +15,7 @@ from pd_operator.status import (
     RoleObservation,
     compute_status,
     find_condition,
+    observe_fleet,
 )
 from tests.factories import make_pdd
 from tests.kube_factories import make_pod, make_pods, make_router_deployment
@@ -24,9 +26,13 @@ SEL_D = "pd.serving.dev/deployment=llama,pd.serving.dev/role=decode"
 
 
 def observed(prefill_pods=(), decode_pods=(), *, desired=2, revision="rev1", **kw) -> Observed:
+    fleet = observe_fleet([*prefill_pods, *decode_pods], [], NOW,
+                          health=TransferHealthPolicy(),
+                          revisions={Role.PREFILL: revision, Role.DECODE: revision})
     return Observed(
-        prefill=RoleObservation(desired, revision, SEL_P, list(prefill_pods)),
-        decode=RoleObservation(desired, revision, SEL_D, list(decode_pods)),
+        prefill=RoleObservation(desired, revision, SEL_P),
+        decode=RoleObservation(desired, revision, SEL_D),
+        fleet=fleet,
         **kw,
     )
 
@@ -63,7 +69,8 @@ def test_all_ready_pods_of_current_revision_make_ready() -> None:
 
 
 def test_old_revision_pods_never_count_as_ready_or_updated() -> None:
-    """Guards against FAILURES 20: Ready pods of the previous revision reported as ready.
+    """Guards against docs/failure-modes.md #20: Ready pods of the previous revision reported as
+    ready.
     prefill: 2 old Ready pods + 1 new not-ready pod -> replicas 3, updated 1, ready 0."""
     prefill = [*make_pods("prefill", 2, template_hash="old", ready=2),
                make_pod("llama-prefill-2", template_hash="new")]

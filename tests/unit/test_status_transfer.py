@@ -18,14 +18,15 @@ from pd_operator.api.status import (
 )
 from pd_operator.reconcile import transfer_gate_changes
 from pd_operator.status import (
+    FleetObservation,
     Observed,
+    PodReport,
     ReportState,
     RoleObservation,
-    compute_pod_reports,
     compute_status,
     compute_transfer_status,
     find_condition,
-    next_stale_in,
+    observe_fleet,
 )
 from pd_operator.status.transfer import TransportClass, classify_transport
 from tests.factories import make_pdd, make_spec
@@ -52,6 +53,22 @@ def fleet() -> list[dict[str, Any]]:
             make_pod("llama-decode-1", role="decode", ready=True)]
 
 
+def observe(s: PDDeploymentSpec, pods: list[dict[str, Any]], agents: list[dict[str, Any]],
+            now: datetime = NOW) -> FleetObservation:
+    return observe_fleet(pods, agents, now, health=s.transfer.health)
+
+
+def transfer_status(s: PDDeploymentSpec, pods: list[dict[str, Any]],
+                    agents: list[dict[str, Any]], now: datetime = NOW,
+                    ) -> tuple[TransferStatus, list[Condition]]:
+    return compute_transfer_status(s, observe(s, pods, agents, now))
+
+
+def pod_reports(s: PDDeploymentSpec, pods: list[dict[str, Any]], agents: list[dict[str, Any]],
+                now: datetime = NOW) -> tuple[PodReport, ...]:
+    return observe(s, pods, agents, now).reports
+
+
 def healthy_agents(**decode1: Any) -> list[dict[str, Any]]:
     return [
         make_agent("llama-prefill-0", role="prefill", report_time=FRESH, window=(100, 0),
@@ -73,7 +90,7 @@ def cond(conditions: list[Condition], type_: str) -> Condition:
 
 
 def test_healthy_fleet_gives_the_whole_transfer_status_and_true_conditions() -> None:
-    got, conditions = compute_transfer_status(spec(), fleet(), healthy_agents(), NOW)
+    got, conditions = transfer_status(spec(), fleet(), healthy_agents(), NOW)
     watermark = {"pool_mib": 4096, "used_mib": 1024.0, "high_water_mib": 2048.0,
                  "report_time": FRESH}
     assert got == TransferStatus(
@@ -106,14 +123,15 @@ def test_healthy_fleet_gives_the_whole_transfer_status_and_true_conditions() -> 
     ]
     assert all(c.last_transition_time == NOW for c in conditions)
     # invariant: every pod's gate is True exactly when its report is Healthy
-    reports = compute_pod_reports(spec(), fleet(), healthy_agents(), NOW)
+    reports = pod_reports(spec(), fleet(), healthy_agents(), NOW)
     assert [(r.pod, r.state) for r in reports] == [
         ("llama-decode-0", ReportState.HEALTHY), ("llama-decode-1", ReportState.HEALTHY),
         ("llama-prefill-0", ReportState.HEALTHY)]
 
 
 def test_one_failing_pod_turns_transfer_healthy_false_with_its_top_reason_and_name() -> None:
-    """Guards against FAILURES 20: all pods Ready while transfers fail must not look healthy.
+    """Guards against docs/failure-modes.md #20: all pods Ready while transfers fail must not look
+    healthy.
     Window: 100 + 60 + 40 transfers, 30 failures (all on decode-1) -> 30/200 = 15% > 5%."""
     agents = healthy_agents(window=(40, 30), healthy=False,
                             window_reasons={"GrantTimeout": 25, "TransferTimeout": 5},
@@ -122,14 +140,14 @@ def test_one_failing_pod_turns_transfer_healthy_false_with_its_top_reason_and_na
                                  "time": "2024-05-01T11:59:50Z"},
                                 {"pod": "llama-decode-1", "reason": "TransferTimeout",
                                  "time": "2024-05-01T11:59:58Z"}])
-    got, conditions = compute_transfer_status(spec(), fleet(), agents, NOW)
+    got, conditions = transfer_status(spec(), fleet(), agents, NOW)
     healthy = cond(conditions, "TransferHealthy")
     assert (healthy.status, healthy.reason) == (ConditionStatus.FALSE, "GrantTimeout")
     assert "llama-decode-1" in healthy.message and "llama-decode-0:" not in healthy.message
     assert got.failure_ratio == 0.15 and got.summary == "Failing 15%"
     assert [(f.reason, f.time.second) for f in got.recent_failures] == [
         ("TransferTimeout", 58), ("GrantTimeout", 50)]  # newest first
-    reports = {r.pod: r for r in compute_pod_reports(spec(), fleet(), agents, NOW)}
+    reports = {r.pod: r for r in pod_reports(spec(), fleet(), agents, NOW)}
     assert reports["llama-decode-1"].gate()[:2] == (ConditionStatus.FALSE, "TransferFailing")
     assert reports["llama-decode-0"].gate()[:2] == (ConditionStatus.TRUE, "TransferHealthy")
 
@@ -144,9 +162,9 @@ def test_ready_is_false_while_transfers_fail_for_gated_pods_only() -> None:
     agents = healthy_agents(window=(40, 30), healthy=False)
 
     def observed(gate: bool) -> Observed:
-        return Observed(prefill=RoleObservation(1, "rev1", "p", pods[:1]),
-                        decode=RoleObservation(2, "rev1", "d", pods[1:]),
-                        agents=agents, transfer_gate=gate)
+        return Observed(prefill=RoleObservation(1, "rev1", "p"),
+                        decode=RoleObservation(2, "rev1", "d"),
+                        fleet=observe(spec(), pods, agents), transfer_gate=gate)
 
     gated = compute_status(pdd, observed(True), NOW)
     assert (cond(gated.conditions, "Ready").status, cond(gated.conditions, "Ready").reason) \
@@ -157,23 +175,23 @@ def test_ready_is_false_while_transfers_fail_for_gated_pods_only() -> None:
 
 
 def test_stale_report_makes_the_pod_unknown_never_healthy() -> None:
-    """Guards against FAILURES 22: a report that stopped arriving reads as healthy forever.
+    """Guards against docs/failure-modes.md #22: a report that stopped arriving reads as healthy
+    forever.
     staleAfterSeconds defaults to 60: a 61 s old report is stale, a 60 s old one is not."""
     agents = healthy_agents(report_time=NOW - timedelta(seconds=61))
-    got, conditions = compute_transfer_status(spec(), fleet(), agents, NOW)
+    got, conditions = transfer_status(spec(), fleet(), agents, NOW)
     healthy = cond(conditions, "TransferHealthy")
     assert (healthy.status, healthy.reason) == (ConditionStatus.UNKNOWN, "ReportsStale")
     assert "llama-decode-1" in healthy.message
     assert got.stale_pods == ["llama-decode-1"] and got.reporting_pods == 2
     assert got.summary == "Unknown"
-    reports = {r.pod: r for r in compute_pod_reports(spec(), fleet(), agents, NOW)}
+    reports = {r.pod: r for r in pod_reports(spec(), fleet(), agents, NOW)}
     assert reports["llama-decode-1"].gate()[:2] == (ConditionStatus.FALSE, "ReportStale")
     at_limit = healthy_agents(report_time=NOW - timedelta(seconds=60))
-    _, conditions = compute_transfer_status(spec(), fleet(), at_limit, NOW)
+    _, conditions = transfer_status(spec(), fleet(), at_limit, NOW)
     assert cond(conditions, "TransferHealthy").status is ConditionStatus.TRUE
     # the reconcile comes back when the first fresh report turns stale: FRESH + 60 s - NOW
-    assert next_stale_in(spec(), compute_pod_reports(spec(), fleet(), healthy_agents(), NOW),
-                         NOW) == 55.0
+    assert observe(spec(), fleet(), healthy_agents()).next_stale_in() == 55.0
 
 
 def test_report_of_an_old_incarnation_is_ignored() -> None:
@@ -181,14 +199,14 @@ def test_report_of_an_old_incarnation_is_ignored() -> None:
     pods = [make_pod("llama-decode-0", role="decode", uid="new-uid")]
     agents = [make_agent("llama-decode-0", report_time=FRESH, pod_uid="old-uid",
                          window=(50, 0), totals=(MIB, 50, 0))]
-    got, conditions = compute_transfer_status(spec(), pods, agents, NOW)
+    got, conditions = transfer_status(spec(), pods, agents, NOW)
     assert got == TransferStatus(summary="NoReports")
     healthy = cond(conditions, "TransferHealthy")
     assert (healthy.status, healthy.reason) == (ConditionStatus.UNKNOWN, "NoReports")
-    (report,) = compute_pod_reports(spec(), pods, agents, NOW)
+    (report,) = pod_reports(spec(), pods, agents, NOW)
     assert report.state is ReportState.MISSING and "earlier incarnation" in report.detail
     # and an agent of a pod that no longer exists is not counted at all
-    assert compute_transfer_status(spec(), [], agents, NOW)[0] == TransferStatus(
+    assert transfer_status(spec(), [], agents, NOW)[0] == TransferStatus(
         summary="NoReports")
 
 
@@ -196,16 +214,16 @@ def test_malformed_agent_is_reported_not_crashed_on() -> None:
     pods = [make_pod("llama-decode-0", role="decode")]
     agent = make_agent("llama-decode-0", report_time=FRESH)
     agent["status"]["window"]["transfers"] = -3
-    _, conditions = compute_transfer_status(spec(), pods, [agent], NOW)
+    _, conditions = transfer_status(spec(), pods, [agent], NOW)
     healthy = cond(conditions, "TransferHealthy")
     assert (healthy.status, healthy.reason) == (ConditionStatus.UNKNOWN, "ReportInvalid")
     assert "status.window.transfers" in healthy.message
 
 
 def test_tcp_with_rdma_required_is_a_silent_fallback_naming_the_pod() -> None:
-    """Guards against FAILURES 21: RDMA configured, TCP used, nobody notices."""
+    """Guards against docs/failure-modes.md #21: RDMA configured, TCP used, nobody notices."""
     agents = healthy_agents(transports=[("llama-prefill-0", "tcp"), ("x", "rc")])
-    _, conditions = compute_transfer_status(spec(), fleet(), agents, NOW)
+    _, conditions = transfer_status(spec(), fleet(), agents, NOW)
     verified = cond(conditions, "TransportVerified")
     assert (verified.status, verified.reason) == (ConditionStatus.FALSE, "TCPFallback")
     assert "llama-decode-1 uses tcp" in verified.message
@@ -218,7 +236,7 @@ def test_tcp_with_rdma_required_is_a_silent_fallback_naming_the_pod() -> None:
 
 def test_rdma_not_required_accepts_tcp() -> None:
     agents = healthy_agents(transports=[("llama-prefill-0", "tcp")])
-    _, conditions = compute_transfer_status(
+    _, conditions = transfer_status(
         spec(network={"rdma": {"required": False}}), fleet(), agents, NOW)
     verified = cond(conditions, "TransportVerified")
     assert (verified.status, verified.reason) == (ConditionStatus.TRUE, "NotRequired")
@@ -226,19 +244,19 @@ def test_rdma_not_required_accepts_tcp() -> None:
 
 def test_no_transport_seen_is_unknown() -> None:
     agents = [make_agent("llama-decode-0", report_time=FRESH)]
-    _, conditions = compute_transfer_status(spec(), fleet()[1:2], agents, NOW)
+    _, conditions = transfer_status(spec(), fleet()[1:2], agents, NOW)
     verified = cond(conditions, "TransportVerified")
     assert (verified.status, verified.reason) == (ConditionStatus.UNKNOWN, "NoTransportSeen")
 
 
 def test_staging_resizing_mismatch_near_capacity_and_not_in_use() -> None:
-    _, conditions = compute_transfer_status(spec(), fleet(), healthy_agents(resizing=True),
+    _, conditions = transfer_status(spec(), fleet(), healthy_agents(resizing=True),
                                             NOW)
     pool = cond(conditions, "StagingPoolReady")
     assert (pool.status, pool.reason) == (ConditionStatus.FALSE, "Resizing")
     assert "llama-decode-1" in pool.message
 
-    _, conditions = compute_transfer_status(spec(), fleet(),
+    _, conditions = transfer_status(spec(), fleet(),
                                             healthy_agents(staging_mib=(3072, 2048)), NOW)
     pool = cond(conditions, "StagingPoolReady")
     assert (pool.status, pool.reason) == (ConditionStatus.FALSE, "SizeMismatch")
@@ -248,18 +266,18 @@ def test_staging_resizing_mismatch_near_capacity_and_not_in_use() -> None:
     # per-rank high water = 7600 x 4096 / 8192 = 3800 MiB; x 1.25 = 4750 MiB;
     # rounded up to 256 MiB: ceil(4750 / 256) = 19 (18 x 256 = 4608 < 4750) -> 4864 MiB.
     full = {**RING, "usedBytes": 7600 * MIB, "highWaterBytes": 7600 * MIB}
-    got, conditions = compute_transfer_status(spec(), fleet(), healthy_agents(ring=full), NOW)
+    got, conditions = transfer_status(spec(), fleet(), healthy_agents(ring=full), NOW)
     pool = cond(conditions, "StagingPoolReady")
     assert (pool.status, pool.reason) == (ConditionStatus.TRUE, "NearCapacity")
     assert got.recommended_decode_pool_mib == 4864
     assert "decodePoolMiB: 4864" in pool.message and "llama-decode-1" in pool.message
 
     waiting = {**RING, "pendingGrants": 2}
-    _, conditions = compute_transfer_status(spec(), fleet(), healthy_agents(ring=waiting), NOW)
+    _, conditions = transfer_status(spec(), fleet(), healthy_agents(ring=waiting), NOW)
     assert cond(conditions, "StagingPoolReady").reason == "NearCapacity"
 
     unstaged = make_spec()  # prefill TP1 == decode TP1: Auto does not stage
-    got, conditions = compute_transfer_status(unstaged, fleet(), healthy_agents(), NOW)
+    got, conditions = transfer_status(unstaged, fleet(), healthy_agents(), NOW)
     pool = cond(conditions, "StagingPoolReady")
     assert (pool.status, pool.reason) == (ConditionStatus.TRUE, "NotInUse")
     assert got.recommended_decode_pool_mib is None
@@ -276,13 +294,13 @@ def test_recommended_pool_arithmetic() -> None:
     pods = fleet()[1:]
     agents = [make_agent("llama-decode-0", report_time=FRESH, ring=with_high_water(5000)),
               make_agent("llama-decode-1", report_time=FRESH, ring=with_high_water(600))]
-    got, _ = compute_transfer_status(spec(), pods, agents, NOW)
+    got, _ = transfer_status(spec(), pods, agents, NOW)
     assert got.recommended_decode_pool_mib == 3328
-    got, _ = compute_transfer_status(spec(), pods[1:], agents[1:], NOW)
+    got, _ = transfer_status(spec(), pods[1:], agents[1:], NOW)
     assert got.recommended_decode_pool_mib == 1280
     # no occupancy observed yet: no evidence, no recommendation
     idle = [make_agent("llama-decode-0", report_time=FRESH, ring={**RING, "highWaterBytes": 0})]
-    assert compute_transfer_status(spec(), pods[:1], idle, NOW)[0] \
+    assert transfer_status(spec(), pods[:1], idle, NOW)[0] \
         .recommended_decode_pool_mib is None
 
 
@@ -293,8 +311,7 @@ def test_gate_changes_only_when_status_or_reason_changes() -> None:
             make_pod("llama-decode-1", role="decode", gated=True),
             make_pod("llama-prefill-0", role="prefill")]  # no gate: left alone
     agents = healthy_agents(window=(40, 30), healthy=False)
-    reports = compute_pod_reports(spec(), pods, agents, NOW)
-    changes = {c.pod: c for c in transfer_gate_changes(pods, reports, NOW)}
+    changes = {c.pod: c for c in transfer_gate_changes(observe(spec(), pods, agents))}
     assert sorted(changes) == ["llama-decode-0", "llama-decode-1"]
     assert changes["llama-decode-1"].condition["reason"] == "TransferFailing"
     assert changes["llama-decode-1"].announce and changes["llama-decode-1"].bad_news
@@ -302,11 +319,11 @@ def test_gate_changes_only_when_status_or_reason_changes() -> None:
 
     for pod in pods[:2]:
         pod["status"]["conditions"].append(dict(changes[pod["metadata"]["name"]].condition))
-    assert transfer_gate_changes(pods, reports, NOW + timedelta(seconds=5)) == []
+    later = NOW + timedelta(seconds=5)
+    assert transfer_gate_changes(observe(spec(), pods, agents, later)) == []
 
     later = NOW + timedelta(seconds=30)
-    recovered = compute_pod_reports(spec(), pods, healthy_agents(), NOW)
-    (change,) = transfer_gate_changes(pods, recovered, later)
+    (change,) = transfer_gate_changes(observe(spec(), pods, healthy_agents(), later))
     assert change.pod == "llama-decode-1" and change.announce and not change.bad_news
     assert change.condition["status"] == "True"
     assert change.condition["lastTransitionTime"] == "2024-05-01T12:00:30Z"

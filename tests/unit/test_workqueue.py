@@ -27,7 +27,7 @@ def test_backoff_doubles_and_is_capped() -> None:
 
 
 def test_conflict_is_retried_soon_without_counting_as_failure() -> None:
-    """Guards against FAILURES 24: a 409 from a stale status write must converge."""
+    """Guards against docs/failure-modes.md #24: a 409 from a stale status write must converge."""
     calls: list[int] = []
 
     async def work(key: str, failures: int) -> bool:

@@ -9,7 +9,7 @@ prefill compute and decode arrival on one axis.
 
 Pinned-host link (``link="pinned-host"``): decode's landing pool is pinned host memory and
 a copy to the decode GPU follows completion, to emulate a NIC-class link on one host
-(TESTBED.md). Bit-exactness is checked with SHA-256 over (layer, token, head) bytes.
+(docs/testbed.md). Bit-exactness is checked with SHA-256 over (layer, token, head) bytes.
 """
 
 from __future__ import annotations

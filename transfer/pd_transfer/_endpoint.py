@@ -5,10 +5,17 @@ An endpoint is driven by exactly one thread (its ``Worker``, or a unit test call
 threads talk to it only through ``submit`` (a command queue, answered by a Future) and
 read published ``RequestStatus`` snapshots under a lock.
 
-Per-request isolation (FAILURES #12): everything done on behalf of one request runs under
+Per-request isolation (docs/failure-modes.md #12): everything done on behalf of one request runs
+under
 ``_guard``; an exception fails that request with InternalError and the loop goes on.
 Peers are keyed by agent name, which carries an incarnation id; a peer that is unreachable
-is pruned at once and every request bound to it fails with PeerUnreachable (FAILURES #10).
+is pruned at once and every request bound to it fails with PeerUnreachable (docs/failure-modes.md
+#10).
+
+A request on either side is a ``Transfer`` (room, lifecycle, bytes, status); admitting one
+(``_check_new``, ``_admit``) and ending one (``_fail`` tells its peers first, ``_violation``,
+``_failer``, ``_abort``, ``_apply``) is done here for both. Its parts change state only
+through ``part_machine`` (protocol/parts.py), whose refusals go to the metrics.
 
 Staging resizes (decode ring, prefill buffer) share one lifecycle, here: ``_begin_resize``
 validates and records a ``PendingResize``; each ``_step_resize`` drains (the role stops
@@ -30,8 +37,15 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
+from pd_contract.config import TimeoutsConfig
+from pd_contract.defaults import (
+    BOOTSTRAP_SECONDS,
+    GRANT_SECONDS,
+    KV_LEASE_SECONDS,
+    TRANSFER_SECONDS,
+)
 from pd_transfer.bootstrap import (
     GeometryDoc,
     RankDocument,
@@ -39,32 +53,33 @@ from pd_transfer.bootstrap import (
     check_compatible,
     fetch_document,
 )
-from pd_transfer.config import TimeoutsConfig
 from pd_transfer.errors import PeerUnreachable, RemoteProtocolError, ResizeError, TransportError
 from pd_transfer.layout import KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.plan import Parallelism, RankCoord
-from pd_transfer.protocol.lifecycle import RequestStatus, Role
-from pd_transfer.protocol.messages import Message, decode_message, encode_message
+from pd_transfer.protocol.lifecycle import Event, FailureReason, Lifecycle, RequestStatus, Role
+from pd_transfer.protocol.messages import Abort, Message, decode_message, encode_message
+from pd_transfer.protocol.parts import PartMachine
 from pd_transfer.ring import StagingRing
 from pd_transfer.transport.base import RegisteredRegion, Transport
 
-__all__ = ["Endpoint", "RankIdentity", "ResizeResult", "Timeouts"]
+__all__ = ["Endpoint", "RankIdentity", "ResizeResult", "Timeouts", "Transfer"]
 
 _log = logging.getLogger("pd_transfer")
 T = TypeVar("T")
-FINISHED_STATUSES = 16384  # bound on terminal statuses kept for polling (FAILURES #11)
+TransferT = TypeVar("TransferT", bound="Transfer")
+FINISHED_STATUSES = 16384  # bound on terminal statuses kept for polling (docs/failure-modes.md #11)
 
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Every wait of the protocol has one of these deadlines (FAILURES #3)."""
+    """Every wait of the protocol has one of these deadlines (docs/failure-modes.md #3)."""
 
-    bootstrap_s: float = 30.0  # decode: until every writer rank is known and asked
-    grant_s: float = 1.0  # re-send an unanswered AllocRequest / RequestKV after this
+    bootstrap_s: float = BOOTSTRAP_SECONDS  # decode: until every writer rank is known and asked
+    grant_s: float = GRANT_SECONDS  # re-send an unanswered AllocRequest / RequestKV after this
     grant_retries: int = 5  # unanswered re-sends before GrantTimeout
-    transfer_s: float = 60.0  # a request, from Transferring to a terminal state
-    kv_lease_s: float = 120.0  # prefill: hold KV at most this long without a RequestKV
+    transfer_s: float = TRANSFER_SECONDS  # a request, from Transferring to a terminal state
+    kv_lease_s: float = KV_LEASE_SECONDS  # prefill: hold KV at most this long without a RequestKV
     stall_s: float = 10.0  # decode: a granted region unwritten this long → StalledWriter
     quarantine_grace_s: float = 30.0  # keep a stalled writer's region this long
 
@@ -112,7 +127,30 @@ class RankIdentity:
     geometry: GeometryDoc
 
 
-class Endpoint(abc.ABC):
+class Transfer(abc.ABC):
+    """What every request has on either side: its room, lifecycle, bytes and status."""
+
+    role: ClassVar[Role]
+
+    def __init__(self, room: str, created: float, release: Callable[[], None]) -> None:
+        self.room = room
+        self.created = created
+        self.transfer_deadline = float("inf")
+        self.bytes = 0
+        self.lifecycle = Lifecycle(release)  # ``release`` runs once, on the terminal state
+
+    @abc.abstractmethod
+    def bound_peers(self) -> list[str]:
+        """The peers this request is bound to (told with an Abort when it fails)."""
+
+    def status(self, now: float) -> RequestStatus:
+        return RequestStatus(
+            self.room, self.role, self.lifecycle.state, self.lifecycle.reason,
+            self.lifecycle.detail, self.bytes, now - self.created,
+        )
+
+
+class Endpoint(abc.ABC, Generic[TransferT]):
     """Base of PrefillSender and DecodeReceiver (see module docstring)."""
 
     role: Role
@@ -143,6 +181,8 @@ class Endpoint(abc.ABC):
         self._finished_status: OrderedDict[str, RequestStatus] = OrderedDict()
         self._closed = False
         self._resize: PendingResize | None = None
+        self._transfers: dict[str, TransferT] = {}  # live requests by room
+        self.part_machine = PartMachine(self.metrics.part_transition_refused)
         self.kv_regions = tuple(
             transport.register(tensor, name=f"{transport.agent_name}/{part.value}")
             for part, tensor in zip(pool.layout.parts, pool.tensors(), strict=True)
@@ -250,7 +290,7 @@ class Endpoint(abc.ABC):
     # Shared helpers --------------------------------------------------------------------------
 
     def reject(self, reason: str, detail: str) -> None:
-        """Count a refused peer message (FAILURES #15); it is never acted on."""
+        """Count a refused peer message (docs/failure-modes.md #15); it is never acted on."""
         _log.debug("rejected message (%s): %s", reason, detail)
         self.metrics.message_rejected(reason)
 
@@ -267,7 +307,7 @@ class Endpoint(abc.ABC):
         return True
 
     def prune_peer(self, peer: str, detail: str) -> None:
-        """Forget ``peer`` and fail every request bound to it (FAILURES #10, #19)."""
+        """Forget ``peer`` and fail every request bound to it (docs/failure-modes.md #10, #19)."""
         if self.peers.pop(peer, None) is None:
             return
         _log.warning("pruning peer %s: %s", peer, detail)
@@ -297,6 +337,67 @@ class Endpoint(abc.ABC):
     def status_counts(self) -> dict[str, int]:
         with self._status_lock:
             return {"live_status": len(self._live_status)}
+
+    # Requests: admission and endings (both sides) ------------------------------------------
+
+    def _check_new(self, room: str, pages: list[int], num_tokens: int, known_as: str) -> None:
+        """Refuse (ValueError) a new request: its room is live already (``known_as``: how the
+        engine gave it), or its pages cannot hold its tokens in this rank's pool."""
+        layout = self.pool.layout
+        if room in self._transfers:
+            raise ValueError(f"room {room!r} is already {known_as}")
+        if not pages or num_tokens <= 0 or num_tokens > len(pages) * layout.page_size:
+            raise ValueError(f"room {room!r}: {num_tokens} tokens do not fit {len(pages)} pages")
+        if min(pages) < 0 or max(pages) >= layout.num_pages or len(set(pages)) != len(pages):
+            raise ValueError(
+                f"room {room!r}: page ids must be distinct, in [0, {layout.num_pages})")
+
+    def _admit(self, transfer: TransferT) -> None:
+        self._transfers[transfer.room] = transfer
+        self.metrics.request_started()
+        self.publish(transfer.status(self.clock()))
+
+    def _abort(self, room: str, detail: str) -> None:
+        transfer = self._transfers.get(room)
+        if transfer is not None:
+            self._fail(transfer, FailureReason.ABORTED, detail)
+
+    def _abort_all(self, detail: str) -> None:
+        for transfer in list(self._transfers.values()):
+            self._fail(transfer, FailureReason.ABORTED, detail)
+        self._cancel_resize(detail)
+
+    def _failer(self, transfer: TransferT) -> Callable[[str], None]:
+        """What ``guard`` calls when processing ``transfer`` raised: fail only it."""
+        return lambda detail: self._fail(transfer, FailureReason.INTERNAL_ERROR, detail)
+
+    def _violation(self, transfer: TransferT, peer: str, detail: str) -> None:
+        """``peer`` broke the protocol for ``transfer``: count it, fail only that request."""
+        self.reject("protocol_violation", f"{peer}: {detail}")
+        self._fail(transfer, FailureReason.PROTOCOL_VIOLATION, f"{peer}: {detail}")
+
+    def _fail(
+        self, transfer: TransferT, reason: FailureReason, detail: str,
+        *, skip_peer: str | None = None, notify: bool = True,
+    ) -> None:
+        """Fail ``transfer`` (once): its live peers but ``skip_peer`` get an Abort first,
+        unless ``notify`` is False."""
+        if transfer.lifecycle.finished:
+            return
+        if notify:
+            for peer in transfer.bound_peers():
+                if peer != skip_peer and peer in self.peers:
+                    self.send(peer, Abort(room=transfer.room, reason=reason.value,
+                                          detail=detail[:1024]))
+        self._apply(transfer, Event.FAIL, reason, detail)
+
+    def _apply(self, transfer: TransferT, event: Event, reason: FailureReason | None = None,
+               detail: str = "") -> None:
+        transfer.lifecycle.apply(event, reason, detail)
+        now = self.clock()
+        self.publish(transfer.status(now))
+        if transfer.lifecycle.finished:
+            self.metrics.request_finished(transfer.room, reason, detail, now - transfer.created)
 
     # Staging resizes (module docstring) ---------------------------------------------------
 
@@ -347,6 +448,15 @@ class Endpoint(abc.ABC):
         else:
             self._end_resize(resize, None)
         return True
+
+    def _fail_staging_holders(self, detail: str) -> int:
+        """Fail (ResizeDeadline) every request still holding staging space; how many."""
+        failed = 0
+        for transfer in list(self._transfers.values()):
+            if self._holds_staging(transfer):
+                failed += 1
+                self._fail(transfer, FailureReason.RESIZE_DEADLINE, detail)
+        return failed
 
     def _cancel_resize(self, detail: str) -> None:
         """Fail a resize under way (the endpoint is closing)."""
@@ -403,9 +513,6 @@ class Endpoint(abc.ABC):
     def _on_peer_lost(self, peer: str, detail: str) -> None: ...
 
     @abc.abstractmethod
-    def _abort_all(self, detail: str) -> None: ...
-
-    @abc.abstractmethod
     def _staging_pool(self) -> StagingRing:
         """The staging memory's allocator in force (decode: the ring; prefill: its buffer)."""
 
@@ -414,8 +521,8 @@ class Endpoint(abc.ABC):
         """The registration version of the staging memory in force."""
 
     @abc.abstractmethod
-    def _fail_staging_holders(self, detail: str) -> int:
-        """Fail (ResizeDeadline) every request still holding staging space; how many."""
+    def _holds_staging(self, transfer: TransferT) -> bool:
+        """``transfer`` holds staging space (a resize waits for it, or fails it)."""
 
     @abc.abstractmethod
     def _swap_staging(self, new_bytes: int) -> None:

@@ -67,9 +67,9 @@ def _run_pipeline(args: argparse.Namespace) -> int:
 
     import torch  # noqa: PLC0415
 
+    from pd_contract.config import LayerPipelineConfig  # noqa: PLC0415
     from pd_transfer._bench_peers import Link  # noqa: PLC0415
     from pd_transfer.bench_pipeline import PRESETS, BenchSettings, run_bench, write_json  # noqa: PLC0415
-    from pd_transfer.config import LayerPipelineConfig  # noqa: PLC0415
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     gpu = args.device.startswith("cuda")

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from pd_contract.config import LayerPipelineConfig
 from pd_transfer._bench_peers import DecodeProcess, DecodeSpec, Link, PrefillPeer, kv_digest
-from pd_transfer.config import LayerPipelineConfig
 from pd_transfer.pipeline import GroupForward, LayerPipeline
 from pd_transfer.reference_model import (
     ChunkForward,

@@ -1,6 +1,6 @@
 """How ranks find each other: a per-process HTTP endpoint serving the rank's document.
 
-A rank registers its memory with the transport FIRST, then publishes (FAILURES #2): its
+A rank registers its memory with the transport FIRST, then publishes (docs/failure-modes.md #2): its
 role, instance, rank coordinates and parallelism, its KV geometry and local layout, the
 registered regions peers may write into (K and V pools, the staging ring with its
 registration version) and its transport metadata (base64). A peer fetches the document

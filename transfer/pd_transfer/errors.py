@@ -7,7 +7,7 @@ Hierarchy (add new families as direct children of ``TransferError``, next to
     ├── PlanError                   a topology/layout cannot be planned (fix the config)
     ├── RingError                   the staging ring's bookkeeping is inconsistent
     │   └── OversizedAllocation     a chunk larger than the whole ring: fail only that
-    │                               request (FAILURES #6)
+    │                               request (docs/failure-modes.md #6)
     ├── TransportError              the data/control path below the protocol failed
     │   ├── PeerUnreachable         peer unknown, removed, dead or disconnected:
     │   │                           fail its requests, prune it, wait for new metadata
@@ -118,7 +118,7 @@ class DescriptorError(TransportError):
 class DescriptorOutOfBounds(DescriptorError):
     """A descriptor is not inside one registered region; nothing was posted.
 
-    Guards FAILURES #15: a peer can never make us read or write outside memory that
+    Guards docs/failure-modes.md #15: a peer can never make us read or write outside memory that
     was registered (locally) or granted (remotely).
     """
 

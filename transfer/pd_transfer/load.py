@@ -31,6 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd_contract.names import LABEL_DEPLOYMENT
+
 __all__ = ["Engines", "LoadConfig", "LoadReport", "add_load_parser", "discover", "run_load"]
 
 _HTTP_SLACK_S = 10.0
@@ -98,8 +100,7 @@ def discover(namespace: str, deployment: str) -> Engines:
 
     client = KubeAgentClient.from_environment()
     try:
-        return engines_from_agents(client.list(namespace,
-                                               f"pd.serving.dev/deployment={deployment}"))
+        return engines_from_agents(client.list(namespace, f"{LABEL_DEPLOYMENT}={deployment}"))
     finally:
         client.close()
 

@@ -15,11 +15,12 @@ import time
 from collections import Counter as _Tally
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pd_transfer.protocol.lifecycle import FailureReason, Role
+from pd_transfer.protocol.parts import PartEvent, PartState
 from pd_transfer.ring import StagingRing
 
 __all__ = ["RecentFailure", "RingWatermark", "TransferMetrics", "TransferSnapshot"]
@@ -64,6 +65,8 @@ class TransferSnapshot:
     registration_version: int = 0
     staging_since_unix_s: float | None = None
     resizing: bool = False
+    # Part events the part-state table refused, by "State:event" (a bug on this side).
+    refused_transitions: dict[str, int] = field(default_factory=dict)
 
 
 class TransferMetrics:
@@ -105,6 +108,10 @@ class TransferMetrics:
             "re-registration)", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
             registry=r,
         )
+        self.refused_transitions = Counter(
+            "pd_transfer_refused_part_transitions", "Part events refused by the part-state "
+            "table (protocol/parts.py), by state and event", ["state", "event"], registry=r,
+        )
         self._ring: StagingRing | None = None
         self._ring_gauges = False
         self._staging_bytes = 0
@@ -119,6 +126,7 @@ class TransferMetrics:
         self._bytes = 0
         self._failures_by_reason: _Tally[str] = _Tally()
         self._rejected_by_reason: _Tally[str] = _Tally()
+        self._refused_transitions: _Tally[str] = _Tally()
         self._recent: deque[RecentFailure] = deque(maxlen=RECENT_FAILURES)
 
     def attach_ring(self, ring: StagingRing) -> None:
@@ -200,6 +208,12 @@ class TransferMetrics:
         with self._lock:
             self._rejected_by_reason[reason] += 1
 
+    def part_transition_refused(self, state: PartState, event: PartEvent) -> None:
+        """The part-state table refused ``event`` in ``state`` (the state stayed)."""
+        self.refused_transitions.labels(state.value, event.value).inc()
+        with self._lock:
+            self._refused_transitions[f"{state.value}:{event.value}"] += 1
+
     def write_posted(self, path: str, descriptors: int) -> None:
         self.writes_posted.labels(path).inc()
         self.descriptors.labels(path).inc(descriptors)
@@ -237,4 +251,5 @@ class TransferMetrics:
                 registration_version=self._registration_version,
                 staging_since_unix_s=self._staging_since,
                 resizing=self._resizing,
+                refused_transitions=dict(self._refused_transitions),
             )

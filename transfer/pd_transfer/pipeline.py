@@ -10,7 +10,8 @@ Group count (``compute_layer_groups``), for ``L`` layers and a chunk of ``n`` to
 
 1. Plain path: the pipeline is disabled, or ``n < min_tokens`` → ONE group, all layers.
    The driver then runs the forward once, records at most one ready event (GPU only: the
-   same event compute-then-transfer needs) and posts one part: no added work (FAILURES #17:
+   same event compute-then-transfer needs) and posts one part: no added work (docs/failure-modes.md
+   #17:
    a public layer pipeline was 18% slower at 256 tokens because short prompts paid for it).
 2. Fixed: ``group_size`` is set → groups of ``group_size`` layers (the last one shorter when
    ``L`` is not a multiple), no progressive first group: a fixed size is a fixed size.
@@ -66,7 +67,7 @@ from typing import Protocol
 
 import torch
 
-from pd_transfer.config import LayerPipelineConfig
+from pd_contract.config import LayerPipelineConfig
 
 __all__ = [
     "ChunkPlan",

@@ -5,14 +5,16 @@ Engine API (any thread; calls return Futures resolved on the worker thread):
 until ``finished``; ``abort(room)``. The pages may be read once the status is Succeeded.
 
 One ``ReceiveTransfer`` per request owns all of its state: per expected writer (a prefill
-rank, by sender id) its plan and path, its final part count once known, the parts whose
-notification arrived, its granted ring regions and queued allocations. Completion is
-decided by resources, never by an ``is_last`` flag (FAILURES #8): every writer reported
-its final count, every part's notification arrived and was scattered, and the request
-holds no ring region and no queued allocation. Only a WRITE's notification (StagedPart /
-PartDone) counts a part as arrived (FAILURES #9).
+rank, by sender id) its plan and path, its final part count once known, and its parts,
+each in one ``PartState`` (Queued, Granted, Scattering, Arrived: protocol/parts.py; a
+granted part holds its ring region). Completion is decided by resources, never by an
+``is_last`` flag (docs/failure-modes.md #8): every writer reported its final count, that
+many parts are Arrived (notification arrived, scattered), and none is Queued, Granted or
+Scattering. Only a WRITE's notification (StagedPart /
+PartDone) counts a part as arrived (docs/failure-modes.md #9).
 
-The ring (FAILURES #4-#7, #16): regions are granted per (room, writer, part), re-granted
+The ring (docs/failure-modes.md #4-#7, #16): regions are granted per (room, writer, part),
+re-granted
 identically to a re-sent AllocRequest, queued FIFO when the ring is full (the writer gets a
 Watermark), refused for good when larger than the ring (GrantRefused; only that request
 fails, OversizedChunk). A region granted but unwritten for ``stall_s`` fails its request
@@ -42,35 +44,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd_transfer._endpoint import Endpoint, RankIdentity, ResizeResult, Timeouts
+from pd_transfer._endpoint import Endpoint, RankIdentity, ResizeResult, Timeouts, Transfer
 from pd_transfer._paths import PathMode, choose_path, compute_layout
 from pd_transfer.bootstrap import RankDocument
 from pd_transfer.errors import OversizedAllocation
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.plan import TransferPlan, compute_transfer_topology
-from pd_transfer.protocol.lifecycle import (
-    Event,
-    FailureReason,
-    Lifecycle,
-    RequestStatus,
-    Role,
-    State,
-)
-from pd_transfer.protocol.messages import (
-    Abort,
-    AllocRequest,
-    Grant,
-    GrantRefused,
-    Message,
-    PartDone,
-    Release,
-    RequestKV,
-    RingUpdate,
-    StagedPart,
-    Watermark,
-    compute_runs,
-)
+from pd_transfer.protocol import messages as wire
+from pd_transfer.protocol.lifecycle import Event, FailureReason, Role, State
+from pd_transfer.protocol.parts import Part, PartEvent, PartState, Quarantined
 from pd_transfer.ring import Region, StagingRing
 from pd_transfer.staging import scatter, staged_chunk_bytes
 from pd_transfer.transport.base import RegisteredRegion, Transport
@@ -78,6 +61,16 @@ from pd_transfer.transport.base import RegisteredRegion, Transport
 __all__ = ["DecodeReceiver"]
 
 _log = logging.getLogger("pd_transfer")
+
+
+@dataclass(kw_only=True, eq=False)
+class _InPart(Part):
+    """One part coming from one writer (``region``: its granted ring region)."""
+
+    side: Role = Role.DECODE
+    granted_at: float = 0.0
+    ring_version: int = 0  # of the ring its region was granted in
+    scattered: torch.cuda.Event | None = None  # CUDA: fires when its scatter has finished
 
 
 @dataclass
@@ -91,14 +84,24 @@ class _Writer:
     asked_at: float
     heard: bool = False
     final: int | None = None
-    arrived: set[int] = field(default_factory=set)
-    grants: dict[int, tuple[Region, float]] = field(default_factory=dict)  # part → granted_at
-    pending: dict[int, int] = field(default_factory=dict)  # part → size, queued for space
-    scattering: dict[int, tuple[Region, torch.cuda.Event]] = field(default_factory=dict)
+    parts: dict[int, _InPart] = field(default_factory=dict)  # every part a message named
+
+    def part(self, index: int) -> _InPart:
+        """Part ``index``; an Unseen one (not kept until it takes an event) if none yet."""
+        part = self.parts.get(index)
+        return part if part is not None else _InPart(index=index)
+
+    def in_state(self, *states: PartState) -> list[_InPart]:
+        return [p for p in self.parts.values() if p.state in states]
+
+    def arrived(self) -> list[int]:
+        return sorted(p.index for p in self.in_state(PartState.ARRIVED))
 
 
-class ReceiveTransfer:
+class ReceiveTransfer(Transfer):
     """All state of one request on one decode rank (see module docstring)."""
+
+    role = Role.DECODE
 
     def __init__(
         self,
@@ -110,43 +113,37 @@ class ReceiveTransfer:
         instance: str | None,
         mode: PathMode,
     ) -> None:
-        self.room = room
+        super().__init__(room, receiver.clock(), lambda: receiver._release(self))
         self.dst_pages = dst_pages
         self.num_tokens = num_tokens
         self.instance = instance
         self.mode = mode
-        self.created = receiver.clock()
         self.bootstrap_deadline = self.created + receiver.timeouts.bootstrap_s
-        self.transfer_deadline = float("inf")
         self.writers: dict[int, _Writer] = {}
-        self.bytes = 0
-        self.lifecycle = Lifecycle(lambda: receiver._release(self))
 
-    def status(self, now: float) -> RequestStatus:
-        return RequestStatus(
-            self.room, Role.DECODE, self.lifecycle.state, self.lifecycle.reason,
-            self.lifecycle.detail, self.bytes, now - self.created,
-        )
+    def bound_peers(self) -> list[str]:
+        return [writer.peer for writer in self.writers.values()]
 
 
-class DecodeReceiver(Endpoint):
+@dataclass(frozen=True)
+class _Queued:
+    """An AllocRequest waiting for ring space (served first in, first out)."""
+
+    transfer: ReceiveTransfer
+    writer: _Writer
+    part: _InPart
+
+
+class DecodeReceiver(Endpoint[ReceiveTransfer]):
     """One decode rank's receiving endpoint, with its staging ring (see module docstring)."""
 
     role = Role.DECODE
     staging_side = "ring"
 
-    def __init__(
-        self,
-        transport: Transport,
-        pool: KVPool,
-        identity: RankIdentity,
-        *,
-        ring_bytes: int,
-        mode: PathMode = "auto",
-        timeouts: Timeouts | None = None,
-        metrics: TransferMetrics | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, transport: Transport, pool: KVPool, identity: RankIdentity, *,
+                 ring_bytes: int, mode: PathMode = "auto", timeouts: Timeouts | None = None,
+                 metrics: TransferMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(transport, pool, identity, timeouts=timeouts, metrics=metrics,
                          clock=clock)
         self.mode: PathMode = mode
@@ -160,10 +157,8 @@ class DecodeReceiver(Endpoint):
         self._stream: torch.cuda.Stream | None = None
         if pool.device.type == "cuda":
             self._stream = torch.cuda.Stream(pool.device)  # type: ignore[no-untyped-call]
-        self._transfers: dict[str, ReceiveTransfer] = {}
-        self._queue: collections.deque[tuple[str, int, int]] = collections.deque()
-        # region, writer, expiry, ring version of the region
-        self._quarantine: list[tuple[Region, str, float, int]] = []
+        self._queue: collections.deque[_Queued] = collections.deque()
+        self._quarantine: list[Quarantined] = []
         self._retired: dict[int, torch.Tensor] = {}  # old ring buffers quarantine still pins
 
     # Engine API ----------------------------------------------------------------------------
@@ -196,7 +191,8 @@ class DecodeReceiver(Endpoint):
         return self._request_resize(new_bytes, deadline_s)
 
     def debug_counts(self) -> dict[str, int]:
-        """Sizes of every per-request structure (FAILURES #11 tests compare to baseline)."""
+        """Sizes of every per-request structure (docs/failure-modes.md #11 tests compare to
+        baseline)."""
         return {
             "transfers": len(self._transfers),
             "queued_allocations": len(self._queue),
@@ -213,26 +209,12 @@ class DecodeReceiver(Endpoint):
         self, room: str, pages: list[int], num_tokens: int, instance: str | None,
         mode: PathMode,
     ) -> None:
-        layout = self.pool.layout
-        if room in self._transfers:
-            raise ValueError(f"room {room!r} is already expected")
-        if not pages or num_tokens <= 0 or num_tokens > len(pages) * layout.page_size:
-            raise ValueError(f"room {room!r}: {num_tokens} tokens do not fit {len(pages)} pages")
-        if min(pages) < 0 or max(pages) >= layout.num_pages or len(set(pages)) != len(pages):
-            raise ValueError(
-                f"room {room!r}: page ids must be distinct, in [0, {layout.num_pages})")
+        self._check_new(room, pages, num_tokens, "expected")
         transfer = ReceiveTransfer(self, room, dst_pages=pages, num_tokens=num_tokens,
                                    instance=instance, mode=mode)
-        self._transfers[room] = transfer
-        self.metrics.request_started()
-        self.publish(transfer.status(self.clock()))
+        self._admit(transfer)
         with self.guard(self._failer(transfer)):
             self._bootstrap(transfer)
-
-    def _abort(self, room: str, detail: str) -> None:
-        transfer = self._transfers.get(room)
-        if transfer is not None:
-            self._fail(transfer, FailureReason.ABORTED, detail)
 
     def _bootstrap(self, transfer: ReceiveTransfer) -> None:
         """Find every writer rank, send each a RequestKV; waits (no-op) while one is unknown."""
@@ -267,10 +249,10 @@ class DecodeReceiver(Endpoint):
 
     def _ask(self, transfer: ReceiveTransfer, writer: _Writer) -> None:
         writer.asked_at = self.clock()
-        self.send(writer.peer, RequestKV(
+        self.send(writer.peer, wire.RequestKV(
             room=transfer.room, decode_pp_rank=self.identity.coord.pp_rank,
             decode_tp_rank=self.identity.coord.tp_rank,
-            dst_page_runs=compute_runs(transfer.dst_pages), num_tokens=transfer.num_tokens,
+            dst_page_runs=wire.compute_runs(transfer.dst_pages), num_tokens=transfer.num_tokens,
             path=writer.path,  # type: ignore[arg-type]
             ring_version=self.ring_version,
         ))
@@ -285,23 +267,23 @@ class DecodeReceiver(Endpoint):
 
     # Messages ------------------------------------------------------------------------------
 
-    def _on_message(self, peer: str, message: Message) -> None:
-        if isinstance(message, RequestKV | Grant | GrantRefused | Release | Watermark
-                      | RingUpdate):
+    def _on_message(self, peer: str, message: wire.Message) -> None:
+        if isinstance(message, wire.RequestKV | wire.Grant | wire.GrantRefused | wire.Release
+                      | wire.Watermark | wire.RingUpdate):
             self.reject("wrong_direction", f"{message.type} from {peer} to a decode rank")
             return
         transfer = self._transfers.get(message.room)
         if transfer is None:
             self._on_unknown_room(peer, message)
             return
-        sender_id = None if isinstance(message, Abort) else message.sender_id
+        sender_id = None if isinstance(message, wire.Abort) else message.sender_id
         writer = transfer.writers.get(sender_id) if sender_id is not None else None
         if sender_id is not None and (writer is None or writer.peer != peer):
             self.reject("sender_mismatch", f"{peer} is not writer {sender_id} of "
                         f"{transfer.room!r}")
             return
         with self.guard(self._failer(transfer)):
-            if isinstance(message, Abort):
+            if isinstance(message, wire.Abort):
                 if any(w.peer == peer for w in transfer.writers.values()):
                     self._fail(transfer, FailureReason.ABORTED_BY_PEER,
                                f"prefill {peer}: {message.reason}: {message.detail}",
@@ -311,93 +293,116 @@ class DecodeReceiver(Endpoint):
                 return
             assert writer is not None
             writer.heard = True
-            if isinstance(message, AllocRequest):
+            if isinstance(message, wire.AllocRequest):
                 self._on_alloc(transfer, writer, message)
-            elif isinstance(message, StagedPart):
+            elif isinstance(message, wire.StagedPart):
                 self._on_staged(transfer, writer, message)
-            elif isinstance(message, PartDone):
+            elif isinstance(message, wire.PartDone):
                 self._on_part_done(transfer, writer, message)
             else:
                 self._set_final(transfer, writer, message.final_parts)
             self._check_complete(transfer)
 
-    def _on_unknown_room(self, peer: str, message: Message) -> None:
-        if isinstance(message, StagedPart):  # a late write into a quarantined region?
+    def _on_unknown_room(self, peer: str, message: wire.Message) -> None:
+        if isinstance(message, wire.StagedPart):  # a late write into a quarantined region?
             for entry in self._quarantine:
-                region, writer, _, version = entry
-                if (writer, region.offset_bytes, region.size_bytes, version) == (
-                        peer, message.ring_offset, message.size_bytes, message.ring_version):
+                if entry.matches(peer, message.ring_offset, message.size_bytes,
+                                 message.ring_version):
                     self._drop_quarantined(entry)
                     break
-        if isinstance(message, AllocRequest) and peer in self.peers:
-            self.send(peer, Abort(room=message.room, reason="AbortedByPeer",
-                                  detail="decode does not expect this room (finished or failed)"))
+        if isinstance(message, wire.AllocRequest) and peer in self.peers:
+            self.send(peer, wire.Abort(room=message.room, reason="AbortedByPeer", detail="decode "
+                                       "does not expect this room (finished or failed)"))
         room = getattr(message, "room", None)
         self.reject("unknown_room", f"{message.type} for {room!r} from {peer}")
 
-    def _on_alloc(self, transfer: ReceiveTransfer, writer: _Writer, msg: AllocRequest) -> None:
+    def _on_alloc(
+        self, transfer: ReceiveTransfer, writer: _Writer, msg: wire.AllocRequest
+    ) -> None:
         if writer.path != "staged":
             self.reject("wrong_path", f"AllocRequest on the {writer.path} path")
             return
-        if msg.part in writer.arrived:
+        part = writer.part(msg.part)
+        if part.state is PartState.ARRIVED:
             self.reject("duplicate", f"AllocRequest for delivered part {msg.part}")
             return
-        granted = writer.grants.get(msg.part)
-        if granted is not None:  # a re-sent request: the same grant again (idempotent)
+        if part.state is PartState.GRANTED:  # a re-sent request: the same grant again
             if self.ring_version > 1:  # the writer may have missed the RingUpdate it needs
                 self.send(writer.peer, self._ring_update())
-            self.send(writer.peer, self._grant(transfer, writer, msg.part, granted[0]))
+            self.send(writer.peer, self._grant(transfer, writer, part))
             return
-        if msg.part in writer.pending or msg.part in writer.scattering:
+        if part.state in (PartState.QUEUED, PartState.SCATTERING):
             self.send(writer.peer, self._watermark(transfer, writer, msg.part))
             return
         if writer.final is not None and msg.part >= writer.final:
-            self._violation(transfer, writer, f"part {msg.part} beyond final {writer.final}")
+            self._violation(transfer, writer.peer, f"part {msg.part} beyond final {writer.final}")
             return
         most = staged_chunk_bytes(self.pool.layout, writer.plan.layers.count,
                                   len(transfer.dst_pages), writer.plan.heads.num_heads)
         if msg.size_bytes > most:
-            self._violation(transfer, writer, f"AllocRequest of {msg.size_bytes} bytes; the "
-                            f"whole request is at most {most}")
+            self._violation(transfer, writer.peer, f"AllocRequest of {msg.size_bytes} bytes; "
+                            f"the whole request is at most {most}")
             return
+        part.size_bytes = msg.size_bytes
         if self._resize is not None:  # no new grants while a resize drains the ring
-            writer.pending[msg.part] = msg.size_bytes
-            self._queue.append((transfer.room, msg.sender_id, msg.part))
-            self.metrics.set_pending_allocations(len(self._queue))
-            self.send(writer.peer, self._watermark(transfer, writer, msg.part))
+            self._enqueue(transfer, writer, part)
             return
         try:
             region = self.ring.allocate(transfer.room, msg.size_bytes)
         except OversizedAllocation as exc:
-            self.send(writer.peer, GrantRefused(
-                room=transfer.room, part=msg.part, sender_id=msg.sender_id,
-                needed_bytes=msg.size_bytes, capacity_bytes=self.ring.capacity_bytes))
-            self._fail(transfer, FailureReason.OVERSIZED_CHUNK, str(exc), skip_peer=writer.peer)
+            self._refuse(transfer, writer, part, exc)
             return
         if region is None:
-            writer.pending[msg.part] = msg.size_bytes
-            self._queue.append((transfer.room, msg.sender_id, msg.part))
-            self.metrics.set_pending_allocations(len(self._queue))
-            self.send(writer.peer, self._watermark(transfer, writer, msg.part))
+            self._enqueue(transfer, writer, part)
             return
-        writer.grants[msg.part] = (region, self.clock())
-        self.send(writer.peer, self._grant(transfer, writer, msg.part, region))
+        self._give(transfer, writer, part, region)
 
-    def _on_staged(self, transfer: ReceiveTransfer, writer: _Writer, msg: StagedPart) -> None:
-        if msg.part in writer.arrived or msg.part in writer.scattering:
+    def _give(self, transfer: ReceiveTransfer, writer: _Writer, part: _InPart,
+              region: Region) -> None:
+        """Grant ``region`` to ``part`` and tell its writer."""
+        part.region, part.granted_at, part.ring_version = region, self.clock(), self.ring_version
+        self._move(writer, part, PartEvent.GRANT)
+        self.send(writer.peer, self._grant(transfer, writer, part))
+
+    def _enqueue(self, transfer: ReceiveTransfer, writer: _Writer, part: _InPart) -> None:
+        """No ring space for ``part`` now: queue it (FIFO), tell its writer it waits."""
+        self._move(writer, part, PartEvent.QUEUE)
+        self._queue.append(_Queued(transfer, writer, part))
+        self.metrics.set_pending_allocations(len(self._queue))
+        self.send(writer.peer, self._watermark(transfer, writer, part.index))
+
+    def _refuse(self, transfer: ReceiveTransfer, writer: _Writer, part: _InPart,
+                exc: OversizedAllocation) -> None:
+        """``part`` can never fit the ring: GrantRefused, and only its request fails."""
+        self._move(writer, part, PartEvent.REFUSE)
+        self.send(writer.peer, wire.GrantRefused(
+            room=transfer.room, part=part.index, sender_id=writer.plan.sender_id,
+            needed_bytes=part.size_bytes, capacity_bytes=self.ring.capacity_bytes))
+        self._fail(transfer, FailureReason.OVERSIZED_CHUNK, str(exc), skip_peer=writer.peer)
+
+    def _move(self, writer: _Writer, part: _InPart, event: PartEvent) -> None:
+        """``event`` for ``part`` through the part-state table; the writer keeps the part."""
+        self.part_machine.apply(part, event)
+        writer.parts[part.index] = part
+
+    def _on_staged(
+        self, transfer: ReceiveTransfer, writer: _Writer, msg: wire.StagedPart
+    ) -> None:
+        part = writer.part(msg.part)
+        if part.state in (PartState.SCATTERING, PartState.ARRIVED):
             self.reject("duplicate", f"notification for part {msg.part} again")
             return
         if msg.ring_version != self.ring_version:  # every live grant is of the current ring
             self.reject("stale_registration", f"part {msg.part}: ring version "
                         f"{msg.ring_version}, the ring in force is {self.ring_version}")
-            self._violation(transfer, writer, f"StagedPart for ring version {msg.ring_version}"
-                            f" (in force: {self.ring_version})")
+            self._violation(transfer, writer.peer, f"StagedPart for ring version "
+                            f"{msg.ring_version} (in force: {self.ring_version})")
             return
-        granted = writer.grants.get(msg.part)
-        if granted is None:
-            self._violation(transfer, writer, f"notification for part {msg.part}, never granted")
+        region = part.region
+        if part.state is not PartState.GRANTED or region is None:
+            self._violation(transfer, writer.peer,
+                            f"notification for part {msg.part}, never granted")
             return
-        region = granted[0]
         plan = writer.plan
         layers = range(msg.layer_start, msg.layer_stop)
         pages = range(msg.page_start, msg.page_start + msg.page_count)
@@ -409,13 +414,13 @@ class DecodeReceiver(Endpoint):
             self.reject("region_mismatch", f"part {msg.part}: [{msg.ring_offset}, "
                         f"+{msg.size_bytes}) layers {layers} pages {pages}; granted "
                         f"[{region.offset_bytes}, +{region.size_bytes}), {expected} expected")
-            self._violation(transfer, writer, "notification does not match its grant")
+            self._violation(transfer, writer.peer, "notification does not match its grant")
             return
         if msg.final_parts is not None:
             self._set_final(transfer, writer, msg.final_parts)
             if transfer.lifecycle.finished:
                 return
-        del writer.grants[msg.part]
+        self.part_machine.apply(part, PartEvent.LAND)
         view = self.ring_buffer[region.offset_bytes : region.offset_bytes + region.size_bytes]
         local_layers = [g - plan.layers.start + plan.dst_layer_start for g in layers]
         dst_pages = transfer.dst_pages[pages.start : pages.stop]
@@ -424,48 +429,53 @@ class DecodeReceiver(Endpoint):
             with torch.cuda.stream(self._stream):
                 scatter(view, self.pool, local_layers, dst_pages,
                         head_start=plan.heads.dst_head_offset, num_heads=plan.heads.num_heads)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(self._stream)
-            writer.scattering[msg.part] = (region, event)
+                part.scattered = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                part.scattered.record(self._stream)
         else:
             scatter(view, self.pool, local_layers, dst_pages,
                     head_start=plan.heads.dst_head_offset, num_heads=plan.heads.num_heads)
-            self._landed(transfer, writer, msg.part, region)
+            self._landed(transfer, part)
 
-    def _landed(
-        self, transfer: ReceiveTransfer, writer: _Writer, part: int, region: Region
-    ) -> None:
+    def _landed(self, transfer: ReceiveTransfer, part: _InPart) -> None:
+        region, part.region = part.region, None
+        assert region is not None
         self.ring.free(region)
-        writer.arrived.add(part)
+        self.part_machine.apply(part, PartEvent.SCATTERED)
         transfer.bytes += region.size_bytes
         self.metrics.bytes_moved("staged", region.size_bytes)
 
-    def _on_part_done(self, transfer: ReceiveTransfer, writer: _Writer, msg: PartDone) -> None:
+    def _on_part_done(
+        self, transfer: ReceiveTransfer, writer: _Writer, msg: wire.PartDone
+    ) -> None:
         if writer.path == "staged":
-            self._violation(transfer, writer, "PartDone on the staged path")
+            self._violation(transfer, writer.peer, "PartDone on the staged path")
             return
-        if msg.part in writer.arrived:
+        part = writer.part(msg.part)
+        if part.state is PartState.ARRIVED:
             self.reject("duplicate", f"notification for part {msg.part} again")
             return
         if msg.final_parts is not None:
             self._set_final(transfer, writer, msg.final_parts)
-        writer.arrived.add(msg.part)
+        self._move(writer, part, PartEvent.NOTIFY)
 
     def _set_final(self, transfer: ReceiveTransfer, writer: _Writer, final: int) -> None:
-        if (writer.final not in (None, final)) or any(p >= final for p in writer.arrived):
-            self._violation(transfer, writer, f"final part count {final} conflicts with "
-                            f"{writer.final} / arrived {sorted(writer.arrived)[-3:]}")
+        arrived = writer.arrived()
+        if (writer.final not in (None, final)) or any(p >= final for p in arrived):
+            self._violation(transfer, writer.peer, f"final part count {final} conflicts with "
+                            f"{writer.final} / arrived {arrived[-3:]}")
             return
         writer.final = final
 
-    def _grant(self, transfer: ReceiveTransfer, writer: _Writer, part: int,
-               region: Region) -> Grant:
-        return Grant(room=transfer.room, part=part, sender_id=writer.plan.sender_id,
-                     ring_offset=region.offset_bytes, size_bytes=region.size_bytes,
-                     ring_version=self.ring_version)
+    def _grant(self, transfer: ReceiveTransfer, writer: _Writer, part: _InPart) -> wire.Grant:
+        assert part.region is not None
+        return wire.Grant(room=transfer.room, part=part.index, sender_id=writer.plan.sender_id,
+                          ring_offset=part.region.offset_bytes, size_bytes=part.region.size_bytes,
+                          ring_version=self.ring_version)
 
-    def _watermark(self, transfer: ReceiveTransfer, writer: _Writer, part: int) -> Watermark:
-        return Watermark(
+    def _watermark(
+        self, transfer: ReceiveTransfer, writer: _Writer, part: int
+    ) -> wire.Watermark:
+        return wire.Watermark(
             used_bytes=self.ring.used_bytes, capacity_bytes=self.ring.capacity_bytes,
             largest_free_bytes=self.ring.largest_free_extent_bytes,
             pending_allocations=len(self._queue), room=transfer.room, part=part,
@@ -476,14 +486,15 @@ class DecodeReceiver(Endpoint):
     def _progress(self) -> bool:
         busy = False
         for transfer in list(self._transfers.values()):
-            for writer in list(transfer.writers.values()):
-                for part, (region, event) in list(writer.scattering.items()):
-                    if event.query():  # type: ignore[no-untyped-call]
-                        del writer.scattering[part]
-                        self._landed(transfer, writer, part, region)
-                        busy = True
-            if busy:
-                self._check_complete(transfer)
+            with self.guard(self._failer(transfer)):
+                for writer in list(transfer.writers.values()):
+                    for part in writer.in_state(PartState.SCATTERING):
+                        event = part.scattered
+                        if event is not None and event.query():  # type: ignore[no-untyped-call]
+                            self._landed(transfer, part)
+                            busy = True
+                if busy:
+                    self._check_complete(transfer)
         if self._resize is not None and not self._step_resize():
             return busy  # still draining: nothing is granted meanwhile
         return self._serve_queue() or busy
@@ -494,36 +505,26 @@ class DecodeReceiver(Endpoint):
         is under way."""
         served = False
         while self._queue and self._resize is None:
-            room, sender_id, part = self._queue[0]
-            transfer = self._transfers.get(room)
-            writer = transfer.writers.get(sender_id) if transfer is not None else None
-            if transfer is None or writer is None or part not in writer.pending:
-                self._queue.popleft()
-                continue
+            queued = self._queue[0]
             try:
-                region = self.ring.allocate(room, writer.pending[part])
+                region = self.ring.allocate(queued.transfer.room, queued.part.size_bytes)
             except OversizedAllocation as exc:  # queued before a shrink: it no longer fits
                 self._queue.popleft()
-                size = writer.pending.pop(part)
-                self.send(writer.peer, GrantRefused(
-                    room=room, part=part, sender_id=sender_id, needed_bytes=size,
-                    capacity_bytes=self.ring.capacity_bytes))
-                self._fail(transfer, FailureReason.OVERSIZED_CHUNK, str(exc),
-                           skip_peer=writer.peer)
+                with self.guard(self._failer(queued.transfer)):
+                    self._refuse(queued.transfer, queued.writer, queued.part, exc)
                 served = True
                 continue
             if region is None:
                 break
             self._queue.popleft()
-            del writer.pending[part]
-            writer.grants[part] = (region, self.clock())
-            self.send(writer.peer, self._grant(transfer, writer, part, region))
+            with self.guard(self._failer(queued.transfer)):
+                self._give(queued.transfer, queued.writer, queued.part, region)
             served = True
         self.metrics.set_pending_allocations(len(self._queue))
         return served
 
     def _check_deadlines(self, now: float) -> None:
-        for entry in [e for e in self._quarantine if e[2] <= now]:
+        for entry in [e for e in self._quarantine if e.expiry <= now]:
             self._drop_quarantined(entry)
         for transfer in list(self._transfers.values()):
             with self.guard(self._failer(transfer)):
@@ -540,15 +541,15 @@ class DecodeReceiver(Endpoint):
         if state is not State.TRANSFERRING:
             return
         if now >= transfer.transfer_deadline:
-            missing = {w.plan.sender_id: (w.final, len(w.arrived))
+            missing = {w.plan.sender_id: (w.final, len(w.arrived()))
                        for w in transfer.writers.values()}
             self._fail(transfer, FailureReason.TRANSFER_TIMEOUT,
                        f"not complete within {self.timeouts.transfer_s} s; writers "
                        f"(final, arrived): {missing}")
             return
         for writer in transfer.writers.values():
-            stalled = [p for p, (_, at) in writer.grants.items()
-                       if now - at >= self.timeouts.stall_s]
+            stalled = [p.index for p in writer.in_state(PartState.GRANTED)
+                       if now - p.granted_at >= self.timeouts.stall_s]
             if stalled:
                 self._fail(transfer, FailureReason.STALLED_WRITER,
                            f"writer {writer.peer} left parts {stalled} granted but unwritten "
@@ -561,8 +562,8 @@ class DecodeReceiver(Endpoint):
         if transfer.lifecycle.state is not State.TRANSFERRING:
             return
         for writer in transfer.writers.values():
-            if (writer.final is None or len(writer.arrived) != writer.final or writer.grants
-                    or writer.pending or writer.scattering):
+            if writer.final is None or len(writer.arrived()) != writer.final or writer.in_state(
+                    PartState.QUEUED, PartState.GRANTED, PartState.SCATTERING):
                 return
         slots = len(transfer.dst_pages) * self.pool.layout.page_size
         for writer in transfer.writers.values():
@@ -571,74 +572,44 @@ class DecodeReceiver(Endpoint):
                 self.metrics.bytes_moved(writer.path, writer.plan.bytes_per_token * slots)
         self._apply(transfer, Event.COMPLETE)
         for writer in transfer.writers.values():
-            self.send(writer.peer, Release(room=transfer.room))
-
-    def _failer(self, transfer: ReceiveTransfer) -> Callable[[str], None]:
-        """What ``guard`` calls when processing ``transfer`` raised: fail only it."""
-        return lambda detail: self._fail(transfer, FailureReason.INTERNAL_ERROR, detail)
-
-    def _violation(self, transfer: ReceiveTransfer, writer: _Writer, detail: str) -> None:
-        self.reject("protocol_violation", f"{writer.peer}: {detail}")
-        self._fail(transfer, FailureReason.PROTOCOL_VIOLATION, f"{writer.peer}: {detail}")
-
-    def _fail(
-        self, transfer: ReceiveTransfer, reason: FailureReason, detail: str,
-        *, skip_peer: str | None = None, notify: bool = True,
-    ) -> None:
-        if transfer.lifecycle.finished:
-            return
-        if notify:
-            for writer in transfer.writers.values():
-                if writer.peer != skip_peer and writer.peer in self.peers:
-                    self.send(writer.peer, Abort(room=transfer.room, reason=reason.value,
-                                                 detail=detail[:1024]))
-        self._apply(transfer, Event.FAIL, reason, detail)
-
-    def _apply(self, transfer: ReceiveTransfer, event: Event,
-               reason: FailureReason | None = None, detail: str = "") -> None:
-        transfer.lifecycle.apply(event, reason, detail)
-        now = self.clock()
-        self.publish(transfer.status(now))
-        if transfer.lifecycle.finished:
-            self.metrics.request_finished(transfer.room, reason, detail, now - transfer.created)
+            self.send(writer.peer, wire.Release(room=transfer.room))
 
     def _release(self, transfer: ReceiveTransfer) -> None:
         """Terminal: free or quarantine every region, drop queued allocations. Runs once."""
         self._transfers.pop(transfer.room, None)
+        if any(q.transfer is transfer for q in self._queue):
+            self._queue = collections.deque(q for q in self._queue if q.transfer is not transfer)
         expiry = self.clock() + self.timeouts.quarantine_grace_s
         for writer in transfer.writers.values():
-            for region, event in writer.scattering.values():
-                event.synchronize()  # this one event, not the device: the scatter reads it
-                self.ring.free(region)
-            for region, _ in writer.grants.values():
-                if writer.peer in self.peers and self.ring.quarantine(region):
-                    self._quarantine.append((region, writer.peer, expiry, self.ring_version))
-            writer.grants.clear()
-            writer.scattering.clear()
-            writer.pending.clear()
+            for part in writer.in_state(PartState.SCATTERING):
+                if part.scattered is not None:
+                    part.scattered.synchronize()  # this event, not the device: the scatter reads
+                if part.region is not None:
+                    self.ring.free(part.region)
+            for part in writer.in_state(PartState.GRANTED):
+                assert part.region is not None
+                if writer.peer in self.peers and self.ring.quarantine(part.region):
+                    self._quarantine.append(
+                        Quarantined(part.region, writer.peer, expiry, part.ring_version))
+            writer.parts.clear()
         self.ring.free_owner(transfer.room)
         self._serve_queue()
 
     def _on_peer_lost(self, peer: str, detail: str) -> None:
-        for entry in [e for e in self._quarantine if e[1] == peer]:
+        for entry in [e for e in self._quarantine if e.writer == peer]:
             self._drop_quarantined(entry)  # a dead writer writes nothing more
         for transfer in list(self._transfers.values()):
             if any(w.peer == peer for w in transfer.writers.values()):
                 self._fail(transfer, FailureReason.PEER_UNREACHABLE, detail, skip_peer=peer)
 
-    def _abort_all(self, detail: str) -> None:
-        for transfer in list(self._transfers.values()):
-            self._fail(transfer, FailureReason.ABORTED, detail)
-        self._cancel_resize(detail)
-
-    def _drop_quarantined(self, entry: tuple[Region, str, float, int]) -> None:
+    def _drop_quarantined(self, entry: Quarantined) -> None:
         """Release a quarantined region: in the ring in force, or of a retired ring (whose
         buffer is freed once none of its regions may still be written)."""
         self._quarantine.remove(entry)
-        version = entry[3]
+        version = entry.ring_version
         if version == self.ring_version:
-            self.ring.release_quarantined(entry[0])
-        elif all(e[3] != version for e in self._quarantine):
+            self.ring.release_quarantined(entry.region)
+        elif all(e.ring_version != version for e in self._quarantine):
             self._retired.pop(version, None)
 
     # Resize ----------------------------------------------------------------------------------
@@ -649,13 +620,9 @@ class DecodeReceiver(Endpoint):
     def _staging_version(self) -> int:
         return self.ring_version
 
-    def _fail_staging_holders(self, detail: str) -> int:
-        failed = 0
-        for transfer in list(self._transfers.values()):
-            if any(w.grants or w.scattering for w in transfer.writers.values()):
-                failed += 1
-                self._fail(transfer, FailureReason.RESIZE_DEADLINE, detail)
-        return failed
+    def _holds_staging(self, transfer: ReceiveTransfer) -> bool:
+        return any(w.in_state(PartState.GRANTED, PartState.SCATTERING)
+                   for w in transfer.writers.values())
 
     def _swap_staging(self, new_bytes: int) -> None:
         new_buffer = torch.zeros(new_bytes, dtype=torch.uint8, device=self.pool.device)
@@ -667,7 +634,7 @@ class DecodeReceiver(Endpoint):
         except Exception:
             self.ring_region = self.transport.register(old_buffer, name=old_region.name)
             raise
-        if any(e[3] == version for e in self._quarantine):
+        if any(e.ring_version == version for e in self._quarantine):
             self._retired[version] = old_buffer  # a late write may still land in it
         self.ring_buffer, self.ring_region = new_buffer, region
         self.ring = StagingRing(new_bytes)
@@ -678,9 +645,9 @@ class DecodeReceiver(Endpoint):
             if document.role == "prefill":
                 self.send(name_, update)
 
-    def _ring_update(self) -> RingUpdate:
+    def _ring_update(self) -> wire.RingUpdate:
         region = self.ring_region
-        return RingUpdate(
+        return wire.RingUpdate(
             ring_version=self.ring_version, name=region.name, base_address=region.base_address,
             size_bytes=region.size_bytes, kind=region.kind.value, device_id=region.device_id,
             transport_metadata_b64=base64.b64encode(self.transport.local_metadata()).decode())

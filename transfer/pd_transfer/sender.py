@@ -8,14 +8,16 @@ status is finished (either way): nothing reads them after that.
 
 One ``SendTransfer`` per request owns all of its state: the parts the engine gave, one
 ``_Stream`` per decode rank that sent a ``RequestKV`` (its plan, path, destination pages and
-the parts in flight to it: staging region, grant, WRITE handle). A request SUCCEEDS when
+the parts in flight to it, each in one ``PartState`` of protocol/parts.py with its staging
+region, grant and WRITE handle). A request SUCCEEDS when
 every decode rank it serves has sent RequestKV, the last part was given, every WRITE is
 DONE and every decode rank sent ``Release`` (it scattered everything). Deadlines: no
-RequestKV within ``kv_lease_s`` → LeaseExpired (the KV hold has a lease, FAILURES #18);
+RequestKV within ``kv_lease_s`` → LeaseExpired (the KV hold has a lease, docs/failure-modes.md #18);
 ``transfer_s`` from the first RequestKV → TransferTimeout; an AllocRequest is re-sent every
 ``grant_s`` and after ``grant_retries`` unanswered re-sends → GrantTimeout.
 
-A RequestKV for a room not registered yet is buffered until ``bootstrap_s`` (FAILURES #2).
+A RequestKV for a room not registered yet is buffered until ``bootstrap_s`` (docs/failure-modes.md
+#2).
 
 Decode ring resizes: a ``RingUpdate`` from a decode peer replaces that peer's ring region,
 registration version and transport metadata (kept per peer, so decode peers with different
@@ -29,7 +31,6 @@ staging buffer: no new gather starts, parts holding staging space finish until t
 from __future__ import annotations
 
 import base64
-import enum
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from pd_transfer._endpoint import Endpoint, RankIdentity, ResizeResult, Timeouts
+from pd_transfer._endpoint import Endpoint, RankIdentity, ResizeResult, Timeouts, Transfer
 from pd_transfer._paths import compute_contiguous_spans, compute_layout, compute_sliced_spans
 from pd_transfer.bootstrap import RankDocument, RegionDoc
 from pd_transfer.errors import (
@@ -58,31 +59,10 @@ from pd_transfer.plan import (
     compute_stage_layers,
     compute_transfer_topology,
 )
-from pd_transfer.protocol.lifecycle import (
-    Event,
-    FailureReason,
-    Lifecycle,
-    RequestStatus,
-    Role,
-    State,
-)
-from pd_transfer.protocol.messages import (
-    Abort,
-    AllocRequest,
-    Finish,
-    Grant,
-    GrantRefused,
-    Message,
-    PartDone,
-    Release,
-    RequestKV,
-    RingUpdate,
-    StagedPart,
-    Watermark,
-    encode_message,
-    expand_runs,
-)
-from pd_transfer.ring import Region, StagingRing
+from pd_transfer.protocol import messages as wire
+from pd_transfer.protocol.lifecycle import Event, FailureReason, Role, State
+from pd_transfer.protocol.parts import Part, PartEvent, PartState
+from pd_transfer.ring import StagingRing
 from pd_transfer.staging import gather, staged_chunk_bytes
 from pd_transfer.transport.base import RegisteredRegion, TransferHandle, TransferState, Transport
 
@@ -98,13 +78,6 @@ class ReadyEvent(Protocol):
     def query(self) -> bool: ...
 
 
-class _Stage(enum.Enum):
-    WAIT_READY = "wait_ready"  # the engine's ready_event has not fired
-    WAIT_STAGING = "wait_staging"  # staged: waiting for prefill staging buffer space
-    WAIT_GRANT = "wait_grant"  # staged: AllocRequest sent, no Grant yet
-    WRITING = "writing"  # the WRITE is posted
-
-
 @dataclass(frozen=True)
 class _PartSpec:
     """A part the engine gave: request pages ``pages`` x global layers ``layers``."""
@@ -115,19 +88,17 @@ class _PartSpec:
     ready: ReadyEvent | None
 
 
-@dataclass
-class _OutPart:
-    """One part on its way to one decode rank."""
+@dataclass(kw_only=True, eq=False)
+class _OutPart(Part):
+    """One part on its way to one decode rank (numbered per decode rank; ``region``: its
+    space in the staging buffer, staged path only)."""
 
-    index: int  # numbered per decode rank: 0, 1, ...
+    side: Role = Role.PREFILL
     spec: _PartSpec
     layers: LayerRange  # spec.layers within the plan's layers
     final: int | None  # final part count, attached to the writer's last part
-    size_bytes: int = 0
-    stage: _Stage = _Stage.WAIT_READY
-    staging: Region | None = None
     gathered: torch.cuda.Event | None = None
-    grant: Grant | None = None
+    grant: wire.Grant | None = None
     alloc_sent_at: float = 0.0
     retries: int = 0
     handle: TransferHandle | None = None
@@ -150,50 +121,38 @@ class _Stream:
     out: dict[int, _OutPart] = field(default_factory=dict)
 
 
-class SendTransfer:
+class SendTransfer(Transfer):
     """All state of one request on one prefill rank (see module docstring)."""
+
+    role = Role.PREFILL
 
     def __init__(
         self, sender: PrefillSender, room: str, src_pages: list[int], num_tokens: int
     ) -> None:
-        self.room = room
+        super().__init__(room, sender.clock(), lambda: sender._release(self))
         self.src_pages = src_pages
         self.num_tokens = num_tokens
-        self.created = sender.clock()
         self.lease_deadline = self.created + sender.timeouts.kv_lease_s
-        self.transfer_deadline = float("inf")
         self.specs: list[_PartSpec] = []
         self.last_given = False
         self.instance: str | None = None
         self.expected: frozenset[tuple[int, int]] | None = None  # decode (pp, tp) coords
         self.streams: dict[str, _Stream] = {}
-        self.bytes = 0
-        self.lifecycle = Lifecycle(lambda: sender._release(self))
 
-    def status(self, now: float) -> RequestStatus:
-        return RequestStatus(
-            self.room, Role.PREFILL, self.lifecycle.state, self.lifecycle.reason,
-            self.lifecycle.detail, self.bytes, now - self.created,
-        )
+    def bound_peers(self) -> list[str]:
+        return [stream.peer for stream in self.streams.values()]
 
 
-class PrefillSender(Endpoint):
+class PrefillSender(Endpoint[SendTransfer]):
     """One prefill rank's sending endpoint (see module docstring)."""
 
     role = Role.PREFILL
     staging_side = "buffer"
 
-    def __init__(
-        self,
-        transport: Transport,
-        pool: KVPool,
-        identity: RankIdentity,
-        *,
-        staging_bytes: int,
-        timeouts: Timeouts | None = None,
-        metrics: TransferMetrics | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, transport: Transport, pool: KVPool, identity: RankIdentity, *,
+                 staging_bytes: int, timeouts: Timeouts | None = None,
+                 metrics: TransferMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(transport, pool, identity, timeouts=timeouts, metrics=metrics,
                          clock=clock)
         self.staging_buffer = torch.zeros(staging_bytes, dtype=torch.uint8, device=pool.device)
@@ -210,9 +169,8 @@ class PrefillSender(Endpoint):
             identity.geometry.num_layers, identity.parallelism.pp, identity.coord.pp_rank
         )
         self._topologies: dict[Parallelism, TransferTopology] = {}
-        self._transfers: dict[str, SendTransfer] = {}
-        self._early: dict[str, list[tuple[str, RequestKV, float]]] = {}
-        self.alloc_requests_sent = 0  # first sends only (FAILURES #1 counts these)
+        self._early: dict[str, list[tuple[str, wire.RequestKV, float]]] = {}
+        self.alloc_requests_sent = 0  # first sends only (docs/failure-modes.md #1 counts these)
 
     # Engine API ----------------------------------------------------------------------------
 
@@ -246,7 +204,8 @@ class PrefillSender(Endpoint):
         return self._request_resize(new_bytes, deadline_s)
 
     def debug_counts(self) -> dict[str, int]:
-        """Sizes of every per-request structure (FAILURES #11 tests compare to baseline)."""
+        """Sizes of every per-request structure (docs/failure-modes.md #11 tests compare to
+        baseline)."""
         return {
             "transfers": len(self._transfers),
             "early_requests": sum(len(v) for v in self._early.values()),
@@ -257,18 +216,9 @@ class PrefillSender(Endpoint):
     # Commands (worker thread) -------------------------------------------------------------
 
     def _register(self, room: str, pages: list[int], num_tokens: int) -> None:
-        layout = self.pool.layout
-        if room in self._transfers:
-            raise ValueError(f"room {room!r} is already registered")
-        if not pages or num_tokens <= 0 or num_tokens > len(pages) * layout.page_size:
-            raise ValueError(f"room {room!r}: {num_tokens} tokens do not fit {len(pages)} pages")
-        if min(pages) < 0 or max(pages) >= layout.num_pages or len(set(pages)) != len(pages):
-            raise ValueError(
-                f"room {room!r}: page ids must be distinct, in [0, {layout.num_pages})")
+        self._check_new(room, pages, num_tokens, "registered")
         transfer = SendTransfer(self, room, pages, num_tokens)
-        self._transfers[room] = transfer
-        self.metrics.request_started()
-        self.publish(transfer.status(self.clock()))
+        self._admit(transfer)
         decode_pars = {d.parallelism for d in self.peers.values() if d.role == "decode"}
         if len(decode_pars) == 1 and not self._topology(decode_pars.pop()).plans_from(
             self.identity.coord
@@ -302,24 +252,19 @@ class PrefillSender(Endpoint):
         transfer.specs.append(_PartSpec(pages, span, last, ready))
         transfer.last_given = last
 
-    def _abort(self, room: str, detail: str) -> None:
-        transfer = self._transfers.get(room)
-        if transfer is not None:
-            self._fail(transfer, FailureReason.ABORTED, detail)
-
     # Messages ------------------------------------------------------------------------------
 
-    def _on_message(self, peer: str, message: Message) -> None:
-        if isinstance(message, RequestKV):
+    def _on_message(self, peer: str, message: wire.Message) -> None:
+        if isinstance(message, wire.RequestKV):
             self._on_request_kv(peer, message)
             return
-        if isinstance(message, StagedPart | PartDone | Finish | AllocRequest):
+        if isinstance(message, wire.StagedPart | wire.PartDone | wire.Finish | wire.AllocRequest):
             self.reject("wrong_direction", f"{message.type} from {peer} to a prefill rank")
             return
-        if isinstance(message, RingUpdate):
+        if isinstance(message, wire.RingUpdate):
             self._on_ring_update(peer, message)
             return
-        if isinstance(message, Watermark) and message.room is None:
+        if isinstance(message, wire.Watermark) and message.room is None:
             return  # an occupancy report; nothing waits on it here
         assert message.room is not None
         transfer = self._transfers.get(message.room)
@@ -328,20 +273,20 @@ class PrefillSender(Endpoint):
             self.reject("unknown_room", f"{message.type} for {message.room!r} from {peer}")
             return
         with self.guard(self._failer(transfer)):
-            if isinstance(message, Grant | GrantRefused):
+            if isinstance(message, wire.Grant | wire.GrantRefused):
                 self._on_grant(transfer, stream, message)
-            elif isinstance(message, Watermark):
+            elif isinstance(message, wire.Watermark):
                 out = stream.out.get(message.part if message.part is not None else -1)
-                if out is not None and out.stage is _Stage.WAIT_GRANT:
+                if out is not None and out.state is PartState.AWAITING_GRANT:
                     out.alloc_sent_at, out.retries = self.clock(), 0  # decode queued it
-            elif isinstance(message, Release):
+            elif isinstance(message, wire.Release):
                 stream.released = True
                 self._check_complete(transfer)
-            elif isinstance(message, Abort):
+            elif isinstance(message, wire.Abort):
                 self._fail(transfer, FailureReason.ABORTED_BY_PEER,
                            f"decode {peer}: {message.reason}: {message.detail}", notify=False)
 
-    def _on_request_kv(self, peer: str, message: RequestKV) -> None:
+    def _on_request_kv(self, peer: str, message: wire.RequestKV) -> None:
         document = self.peers.get(peer)
         if document is None or document.role != "decode":
             self.reject("unknown_peer", f"RequestKV from {peer}, not a known decode rank")
@@ -366,7 +311,7 @@ class PrefillSender(Endpoint):
             self._open_stream(transfer, peer, document, message)
 
     def _open_stream(
-        self, transfer: SendTransfer, peer: str, document: RankDocument, message: RequestKV
+        self, transfer: SendTransfer, peer: str, document: RankDocument, message: wire.RequestKV
     ) -> None:
         plan = self._topology(document.parallelism).plan_between(
             self.identity.coord, document.coord
@@ -377,7 +322,7 @@ class PrefillSender(Endpoint):
             return
         layout = compute_layout(document)
         try:
-            dst_pages = expand_runs(message.dst_page_runs, document.num_pages)
+            dst_pages = wire.expand_runs(message.dst_page_runs, document.num_pages)
         except Exception as exc:
             self._violation(transfer, peer, f"destination pages: {exc}")
             return
@@ -405,17 +350,19 @@ class PrefillSender(Endpoint):
             transfer.transfer_deadline = self.clock() + self.timeouts.transfer_s
             self._apply(transfer, Event.START)
 
-    def _on_grant(self, transfer: SendTransfer, stream: _Stream, msg: Grant | GrantRefused) -> None:
+    def _on_grant(self, transfer: SendTransfer, stream: _Stream,
+                  msg: wire.Grant | wire.GrantRefused) -> None:
         out = stream.out.get(msg.part)
         if msg.sender_id != stream.plan.sender_id or out is None:
             self.reject("unexpected_grant", f"{msg.type} for part {msg.part} of "
                         f"{transfer.room!r}, sender {msg.sender_id}: never requested")
             return
-        if out.stage is not _Stage.WAIT_GRANT:
+        if out.state is not PartState.AWAITING_GRANT:
             if out.grant != msg:
-                self.reject("unexpected_grant", f"{msg.type} for part {msg.part} in {out.stage}")
+                self.reject("unexpected_grant",
+                            f"{msg.type} for part {msg.part} in {out.state.value}")
             return  # a duplicate of the grant in use
-        if isinstance(msg, GrantRefused):
+        if isinstance(msg, wire.GrantRefused):
             needed_mib = -(-msg.needed_bytes // (1 << 20))
             self._fail(transfer, FailureReason.OVERSIZED_CHUNK,
                        f"a part needs {msg.needed_bytes} staging bytes but decode's pool holds "
@@ -458,19 +405,19 @@ class PrefillSender(Endpoint):
         for out in list(stream.out.values()):
             if transfer.lifecycle.finished:
                 return True
-            if out.stage is _Stage.WAIT_READY:
+            if out.state is PartState.WAITING_READY:
                 if out.spec.ready is not None and not out.spec.ready.query():
                     continue
                 busy = True
                 if stream.path == "staged":
-                    out.stage = _Stage.WAIT_STAGING
+                    self.part_machine.apply(out, PartEvent.READY)
                 else:
                     self._post_direct(transfer, stream, out)
-            if out.stage is _Stage.WAIT_STAGING:
+            if out.state is PartState.WAITING_STAGING:
                 busy = self._stage_part(transfer, stream, out) or busy
-            elif out.stage is _Stage.WAIT_GRANT and out.grant is not None:
+            elif out.state is PartState.AWAITING_GRANT and out.grant is not None:
                 busy = self._try_post_staged(transfer, stream, out) or busy
-            elif out.stage is _Stage.WRITING and out.handle is not None:
+            elif out.state is PartState.WRITING and out.handle is not None:
                 busy = self._poll_write(transfer, stream, out) or busy
         return busy
 
@@ -486,7 +433,8 @@ class PrefillSender(Endpoint):
                 index = stream.parts_made
                 stream.parts_made += 1
                 final = stream.parts_made if spec.last else None
-                stream.out[index] = _OutPart(index, spec, LayerRange(start, stop), final)
+                stream.out[index] = _OutPart(index=index, spec=spec,
+                                             layers=LayerRange(start, stop), final=final)
                 made = True
             if spec.last and not stream.final_sent:
                 stream.final_sent = True
@@ -494,9 +442,9 @@ class PrefillSender(Endpoint):
                     if stream.parts_made == 0:
                         raise ValueError(f"no part of {transfer.room!r} had layers for decode "
                                          f"rank {stream.plan.decode}")
-                    self.send(stream.peer, Finish(room=transfer.room,
-                                                  sender_id=stream.plan.sender_id,
-                                                  final_parts=stream.parts_made))
+                    self.send(stream.peer, wire.Finish(room=transfer.room,
+                                                       sender_id=stream.plan.sender_id,
+                                                       final_parts=stream.parts_made))
         return made
 
     def _post_direct(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> None:
@@ -512,11 +460,11 @@ class PrefillSender(Endpoint):
             local, remote = compute_sliced_spans(
                 self.pool.layout, src_bases=src_bases, dst=stream.layout, dst_bases=dst_bases,
                 layers=layers, pages=pages, plan=stream.plan)
-        note = PartDone(room=transfer.room, part=out.index, sender_id=stream.plan.sender_id,
-                        final_parts=out.final)
+        note = wire.PartDone(room=transfer.room, part=out.index,
+                             sender_id=stream.plan.sender_id, final_parts=out.final)
         regions = [r.to_region() for r in stream.document.kv_regions]
         out.size_bytes = sum(length for _, length in local)
-        self._post(transfer, stream, out, local, remote, regions, encode_message(note))
+        self._post(transfer, stream, out, local, remote, regions, wire.encode_message(note))
 
     def _stage_part(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
         if self._resize is not None:
@@ -546,18 +494,21 @@ class PrefillSender(Endpoint):
         else:
             gather(self.pool, [s for s, _ in layers], [s for s, _ in pages],
                    head_start=heads.src_head_offset, num_heads=heads.num_heads, out=view)
-        out.staging, out.size_bytes, out.stage = region, size, _Stage.WAIT_GRANT
+        out.region, out.size_bytes = region, size
+        self.part_machine.apply(out, PartEvent.GATHER)
         out.alloc_sent_at = self.clock()
         self.alloc_requests_sent += 1
         self.send(stream.peer, self._alloc_request(transfer, stream, out))
         return True
 
-    def _alloc_request(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> Message:
-        return AllocRequest(room=transfer.room, part=out.index,
-                            sender_id=stream.plan.sender_id, size_bytes=out.size_bytes)
+    def _alloc_request(
+        self, transfer: SendTransfer, stream: _Stream, out: _OutPart
+    ) -> wire.AllocRequest:
+        return wire.AllocRequest(room=transfer.room, part=out.index,
+                                 sender_id=stream.plan.sender_id, size_bytes=out.size_bytes)
 
     def _try_post_staged(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
-        grant, staging = out.grant, out.staging
+        grant, staging = out.grant, out.region
         if grant is None or staging is None:
             return False
         if out.gathered is not None and not out.gathered.query():  # type: ignore[no-untyped-call]
@@ -572,7 +523,7 @@ class PrefillSender(Endpoint):
                         f" in a {ring.size_bytes}-byte ring")
             self._violation(transfer, stream.peer, "grant outside the ring")
             return True
-        note = StagedPart(
+        note = wire.StagedPart(
             room=transfer.room, part=out.index, sender_id=stream.plan.sender_id,
             ring_offset=grant.ring_offset, size_bytes=grant.size_bytes,
             layer_start=out.layers.start, layer_stop=out.layers.stop,
@@ -584,7 +535,7 @@ class PrefillSender(Endpoint):
                                    ring.to_region().kind, ring.device_id)
         local = [(self.staging_region.base_address + staging.offset_bytes, out.size_bytes)]
         remote = [(granted.base_address, grant.size_bytes)]
-        self._post(transfer, stream, out, local, remote, [granted], encode_message(note))
+        self._post(transfer, stream, out, local, remote, [granted], wire.encode_message(note))
         return True
 
     def _post(  # noqa: PLR0917 - private, one caller per path
@@ -608,7 +559,7 @@ class PrefillSender(Endpoint):
         except TransportError as exc:
             self._fail(transfer, FailureReason.TRANSPORT_FAILED, str(exc))
             return
-        out.stage = _Stage.WRITING
+        self.part_machine.apply(out, PartEvent.POST)
         self.metrics.write_posted(stream.path, len(local))
 
     def _poll_write(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
@@ -621,14 +572,15 @@ class PrefillSender(Endpoint):
         if state is TransferState.FAILED:
             # Tell a live peer from a dead one: messaging a dead peer raises at once and
             # prunes it (→ PeerUnreachable for all its requests).
-            if self.send(stream.peer, Abort(room=transfer.room, reason="TransportFailed")):
+            if self.send(stream.peer, wire.Abort(room=transfer.room, reason="TransportFailed")):
                 self._fail(transfer, FailureReason.TRANSPORT_FAILED,
                            f"a WRITE to {stream.peer} failed", notify=False)
             return True
-        if out.staging is not None:
-            self.staging.free(out.staging)
+        if out.region is not None:
+            self.staging.free(out.region)
         transfer.bytes += out.size_bytes
         self.metrics.bytes_moved(stream.path, out.size_bytes)
+        self.part_machine.apply(out, PartEvent.DONE)
         del stream.out[out.index]
         return True
 
@@ -648,8 +600,9 @@ class PrefillSender(Endpoint):
             for entry in [e for e in waiting if e[2] <= now]:
                 waiting.remove(entry)
                 self.reject("expired_early_request", f"RequestKV for unregistered {room!r}")
-                self.send(entry[0], Abort(room=room, reason=FailureReason.LEASE_EXPIRED.value,
-                                          detail="prefill never registered this room"))
+                self.send(entry[0], wire.Abort(room=room,
+                                               reason=FailureReason.LEASE_EXPIRED.value,
+                                               detail="prefill never registered this room"))
             if not waiting:
                 del self._early[room]
         for transfer in list(self._transfers.values()):
@@ -671,7 +624,7 @@ class PrefillSender(Endpoint):
         for stream in transfer.streams.values():
             known = self._peer_document(stream).ring_version
             for out in stream.out.values():
-                if out.stage is not _Stage.WAIT_GRANT:
+                if out.state is not PartState.AWAITING_GRANT:
                     continue
                 # A grant in a ring whose RingUpdate has not arrived is no grant yet: the
                 # update may be lost, and a re-sent AllocRequest makes decode send it again.
@@ -701,36 +654,6 @@ class PrefillSender(Endpoint):
                 return
         self._apply(transfer, Event.COMPLETE)
 
-    def _failer(self, transfer: SendTransfer) -> Callable[[str], None]:
-        """What ``guard`` calls when processing ``transfer`` raised: fail only it."""
-        return lambda detail: self._fail(transfer, FailureReason.INTERNAL_ERROR, detail)
-
-    def _violation(self, transfer: SendTransfer, peer: str, detail: str) -> None:
-        self.reject("protocol_violation", f"{peer}: {detail}")
-        self._fail(transfer, FailureReason.PROTOCOL_VIOLATION, f"{peer}: {detail}")
-
-    def _fail(
-        self, transfer: SendTransfer, reason: FailureReason, detail: str, *, notify: bool = True
-    ) -> None:
-        if transfer.lifecycle.finished:
-            return
-        if notify:
-            for stream in transfer.streams.values():
-                if stream.peer in self.peers:
-                    self.send(stream.peer, Abort(room=transfer.room, reason=reason.value,
-                                                 detail=detail[:1024]))
-        self._apply(transfer, Event.FAIL, reason, detail)
-
-    def _apply(
-        self, transfer: SendTransfer, event: Event, reason: FailureReason | None = None,
-        detail: str = "",
-    ) -> None:
-        transfer.lifecycle.apply(event, reason, detail)
-        now = self.clock()
-        self.publish(transfer.status(now))
-        if transfer.lifecycle.finished:
-            self.metrics.request_finished(transfer.room, reason, detail, now - transfer.created)
-
     def _release(self, transfer: SendTransfer) -> None:
         """Terminal: abort WRITEs in flight, free staging, forget the request. Runs once."""
         self._transfers.pop(transfer.room, None)
@@ -749,11 +672,6 @@ class PrefillSender(Endpoint):
             if peer in transfer.streams:
                 self._fail(transfer, FailureReason.PEER_UNREACHABLE, detail, notify=False)
 
-    def _abort_all(self, detail: str) -> None:
-        for transfer in list(self._transfers.values()):
-            self._fail(transfer, FailureReason.ABORTED, detail)
-        self._cancel_resize(detail)
-
     # Decode ring updates and own-buffer resizes ------------------------------------------------
 
     def _peer_document(self, stream: _Stream) -> RankDocument:
@@ -761,7 +679,7 @@ class PrefillSender(Endpoint):
         stream opened)."""
         return self.peers.get(stream.peer, stream.document)
 
-    def _on_ring_update(self, peer: str, message: RingUpdate) -> None:
+    def _on_ring_update(self, peer: str, message: wire.RingUpdate) -> None:
         document = self.peers.get(peer)
         if document is None or document.role != "decode":
             self.reject("unknown_peer", f"RingUpdate from {peer}, not a known decode rank")
@@ -795,13 +713,8 @@ class PrefillSender(Endpoint):
     def _staging_version(self) -> int:
         return self.staging_version
 
-    def _fail_staging_holders(self, detail: str) -> int:
-        failed = 0
-        for transfer in list(self._transfers.values()):
-            if self.staging.regions_of(transfer.room):
-                failed += 1
-                self._fail(transfer, FailureReason.RESIZE_DEADLINE, detail)
-        return failed
+    def _holds_staging(self, transfer: SendTransfer) -> bool:
+        return bool(self.staging.regions_of(transfer.room))
 
     def _swap_staging(self, new_bytes: int) -> None:
         new_buffer = torch.zeros(new_bytes, dtype=torch.uint8, device=self.pool.device)

@@ -1,10 +1,10 @@
 """The thread that drives one endpoint: ``step`` in a loop, sleeping a little when idle.
 
 One worker per rank owns the endpoint and its transport (which is not thread-safe). It
-never dies from one request's error (the endpoint isolates those, FAILURES #12); an
+never dies from one request's error (the endpoint isolates those, docs/failure-modes.md #12); an
 unexpected error of the loop itself is logged and the loop goes on after a short pause.
 It never exits the process. Idle polling backs off from 50 µs to ``max_idle_sleep_s`` so
-several ranks can share two cores (NIXL runs without a progress thread: see TESTBED.md).
+several ranks can share two cores (NIXL runs without a progress thread: see docs/testbed.md).
 """
 
 from __future__ import annotations

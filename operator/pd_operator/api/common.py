@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field
 
-from pd_operator.api._base import APIModel
+from pd_contract.api import APIModel
 
 # Objects whose schema Kubernetes owns (affinity, volumes, ...) are passed through untouched;
 # the CRD marks them x-kubernetes-preserve-unknown-fields and kubernetes-validate checks the

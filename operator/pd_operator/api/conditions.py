@@ -7,7 +7,7 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from pd_operator.api._base import APIModel
+from pd_contract.api import APIModel
 
 
 class ConditionStatus(StrEnum):

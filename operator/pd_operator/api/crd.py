@@ -16,12 +16,12 @@ from typing import Any
 
 import yaml
 
-from pd_operator.api._base import GROUP, VERSION
+from pd_contract.api import GROUP, VERSION
+from pd_contract.transferagent import TransferAgentSpec, TransferAgentStatus
 from pd_operator.api.resources import CustomResource, PDDeployment, TransferAgent
 from pd_operator.api.rules import RULES
 from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import PDDeploymentStatus
-from pd_operator.api.transferagent import TransferAgentSpec, TransferAgentStatus
 
 Schema = dict[str, Any]
 

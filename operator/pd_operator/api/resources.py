@@ -1,4 +1,8 @@
-"""The two custom resources as whole objects, and how to parse them from API bodies."""
+"""The two custom resources as whole objects, and how to parse them from API bodies.
+
+Parsing is where the cross-field rules run (`parse_spec`, `parse_pdd`): the models check
+fields, `rules.violations` checks how they fit together.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pd_operator.api._base import API_VERSION, APIModel
+from pd_contract.api import API_VERSION, TRANSFERAGENT_KIND, TRANSFERAGENT_PLURAL, APIModel
+from pd_contract.transferagent import TransferAgentSpec, TransferAgentStatus
+from pd_operator.api.rules import violations
 from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import PDDeploymentStatus
-from pd_operator.api.transferagent import TransferAgentSpec, TransferAgentStatus
 
 
 class ObjectMeta(BaseModel):
@@ -57,8 +62,8 @@ class PDDeployment(CustomResource):
 class TransferAgent(CustomResource):
     """The KV-transfer module of one engine pod: desired settings and reported state."""
 
-    kind_name: ClassVar[str] = "TransferAgent"
-    plural: ClassVar[str] = "transferagents"
+    kind_name: ClassVar[str] = TRANSFERAGENT_KIND
+    plural: ClassVar[str] = TRANSFERAGENT_PLURAL
     singular: ClassVar[str] = "transferagent"
     short_names: ClassVar[tuple[str, ...]] = ("pdta",)
 
@@ -81,6 +86,28 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
     return "; ".join(lines)
 
 
+def _check_rules(spec: PDDeploymentSpec, given: Any) -> PDDeploymentSpec:
+    """`spec`, or a ValidationError carrying every broken cross-field rule in one message
+    (no location: each message names its fields), as a model validator would raise it."""
+    problems = violations(spec)
+    if not problems:
+        return spec
+    raise ValidationError.from_exception_data(PDDeploymentSpec.__name__, [{
+        "type": "value_error", "loc": (), "input": given,
+        "ctx": {"error": ValueError("; ".join(problems))},
+    }])
+
+
 def parse_spec(body: Mapping[str, Any]) -> PDDeploymentSpec:
-    """Parse a PDDeployment body's spec; raises ValidationError with wire-named locations."""
-    return PDDeploymentSpec.model_validate(body.get("spec") or {})
+    """Parse a PDDeployment body's spec and check its cross-field rules; raises
+    ValidationError with wire-named locations."""
+    given = body.get("spec") or {}
+    return _check_rules(PDDeploymentSpec.model_validate(given), given)
+
+
+def parse_pdd(body: Mapping[str, Any]) -> PDDeployment:
+    """Parse a whole PDDeployment body (spec, status, metadata) and check its cross-field
+    rules; raises ValidationError."""
+    pdd = PDDeployment.model_validate(body)
+    _check_rules(pdd.spec, body.get("spec"))
+    return pdd

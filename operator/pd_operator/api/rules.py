@@ -1,6 +1,7 @@
 """Cross-field rules of a PDDeployment spec, each written once for Python and once for CEL.
 
-The operator enforces every rule through `violations()` (any Kubernetes version); the CRD
+The operator enforces every rule when it parses a body (`resources.parse_spec` and
+`parse_pdd` call `violations()`; any Kubernetes version), never from inside the model; the CRD
 carries the same rules as `x-kubernetes-validations` so that API servers with CEL support
 (1.25+) refuse a bad object before it is stored. A unit test evaluates both forms on the same
 valid and invalid specs, so the two cannot drift apart.
@@ -12,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pd_operator.api.sizing import compute_staging_footprint, staging_in_use
-from pd_operator.api.spec import Attention, PDDeploymentSpec, RoleSpec, StagingMode
+from pd_operator.api.spec import PDDeploymentSpec, RoleSpec
+from pd_operator.api.types import Attention, StagingMode
 
 
 @dataclass(frozen=True)

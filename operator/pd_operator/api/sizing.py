@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pd_operator.api.spec import KV_DTYPE_BYTES, Attention, PDDeploymentSpec, StagingMode
+from pd_operator.api.spec import PDDeploymentSpec
+from pd_operator.api.types import KV_DTYPE_BYTES, Attention, StagingMode
 
 MIB = 1024 * 1024
 

@@ -4,38 +4,42 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from pd_operator.api._base import APIModel
+from pd_contract import defaults
+from pd_contract.api import APIModel
 from pd_operator.api.common import ContainerResources, EnvVar, PodOverlay
+from pd_operator.api.types import KV_DTYPE_BYTES, Attention, KVDtype, StagingMode
 
-
-class Attention(StrEnum):
-    """How the model stores KV: per-head K and V (MHA/GQA) or one compressed latent (MLA)."""
-
-    MHA = "MHA"
-    MLA = "MLA"
-
-
-class KVDtype(StrEnum):
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-    FLOAT32 = "float32"
-    FP8_E4M3 = "fp8_e4m3"
-    FP8_E5M2 = "fp8_e5m2"
-
-    @property
-    def size_bytes(self) -> int:
-        return KV_DTYPE_BYTES[self.value]
-
-
-KV_DTYPE_BYTES: dict[str, int] = {
-    "bfloat16": 2,
-    "float16": 2,
-    "float32": 4,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-}
+__all__ = [
+    "KV_DTYPE_BYTES",
+    "Attention",
+    "DecodeSpec",
+    "EngineSpec",
+    "Framework",
+    "GangScheduling",
+    "KVDtype",
+    "LayerPipeline",
+    "ModelSpec",
+    "NetworkSpec",
+    "PDDeploymentSpec",
+    "Parallelism",
+    "PlacementSpec",
+    "PrefillSpec",
+    "PullPolicy",
+    "RDMASpec",
+    "RoleSpec",
+    "RouterPolicy",
+    "RouterSpec",
+    "Staging",
+    "StagingMode",
+    "StagingRollout",
+    "Timeouts",
+    "TransferBackend",
+    "TransferHealthPolicy",
+    "TransferSpec",
+    "TransportHints",
+]
 
 
 class ModelSpec(APIModel):
@@ -228,14 +232,6 @@ class LayerPipeline(APIModel):
     )
 
 
-class StagingMode(StrEnum):
-    # CamelCase values, not on/off: YAML 1.1 parsers (kubectl's among them) read a bare
-    # `off` as the boolean false.
-    AUTO = "Auto"
-    ALWAYS = "Always"
-    NEVER = "Never"
-
-
 class StagingRollout(APIModel):
     """How a change of staging pool sizes is rolled out to running pods (no restarts)."""
 
@@ -295,20 +291,22 @@ class Timeouts(APIModel):
     """Deadlines of the transfer protocol. Every wait has one."""
 
     bootstrap_seconds: float = Field(
-        default=30.0, gt=0, le=3600, description="Peer handshake (metadata exchange)."
+        default=defaults.BOOTSTRAP_SECONDS, gt=0, le=3600,
+        description="Peer handshake (metadata exchange)."
     )
     grant_seconds: float = Field(
-        default=10.0,
+        default=defaults.GRANT_SECONDS,
         gt=0,
         le=3600,
         description="Wait for a staging grant before the allocation request is re-sent; "
         "the request fails after transferSeconds.",
     )
     transfer_seconds: float = Field(
-        default=60.0, gt=0, le=3600, description="Whole transfer of one request."
+        default=defaults.TRANSFER_SECONDS, gt=0, le=3600,
+        description="Whole transfer of one request."
     )
     kv_lease_seconds: float = Field(
-        default=120.0,
+        default=defaults.KV_LEASE_SECONDS,
         gt=0,
         le=86400,
         description="How long prefill holds a request's KV for a decode that has not read "
@@ -489,13 +487,3 @@ class PDDeploymentSpec(APIModel):
     placement: PlacementSpec = Field(
         default_factory=PlacementSpec, description="Placement of the pods."
     )
-
-    @model_validator(mode="after")
-    def _check_cross_field_rules(self) -> PDDeploymentSpec:
-        # Imported here: the rules module types its checks against this class.
-        from pd_operator.api.rules import violations  # noqa: PLC0415
-
-        problems = violations(self)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self

@@ -7,7 +7,8 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from pd_operator.api._base import APIModel
+from pd_contract.api import APIModel
+from pd_contract.transferagent import TransferFailure
 from pd_operator.api.conditions import Condition
 
 
@@ -47,16 +48,6 @@ class TransferTotals(APIModel):
     transfers: int = Field(default=0, ge=0, description="Transfer requests (rooms) finished.")
     failures: int = Field(default=0, ge=0, description="Transfer requests that failed.")
     live_requests: int = Field(default=0, ge=0, description="Requests in flight now.")
-
-
-class TransferFailure(APIModel):
-    """One recent transfer failure reported by a pod."""
-
-    pod: str = Field(description="Pod that reported the failure.")
-    peer: str = Field(default="", description="Peer pod or agent involved, if known.")
-    reason: str = Field(description="Failure reason code, e.g. GrantTimeout.")
-    message: str = Field(default="", description="What happened.")
-    time: datetime = Field(description="When the failure happened.")
 
 
 class StagingWatermark(APIModel):
@@ -131,6 +122,24 @@ class RolloutPhase(StrEnum):
     COMPLETE = "Complete"
 
 
+class RolloutMode(StrEnum):
+    """Which way the staging rollout moves; the planner reads it back on the next reconcile."""
+
+    FORWARD = "Forward"  # towards `to` (also once complete)
+    HOLD = "Hold"  # stopped by a failure with autoRollback off: no size writes
+    ROLLBACK = "Rollback"  # stopped by a failure: every pod returns to `from`
+
+
+class RollbackReason(StrEnum):
+    """Why a batch failed analysis and stopped the rollout (one CamelCase word each)."""
+
+    NO_REPORT = "NoReport"  # the resized pod has no transfer report
+    REPORT_STALE = "ReportStale"  # its report is older than staleAfterSeconds
+    FAILURE_RATIO = "FailureRatioExceeded"  # window failure ratio above maxFailureRatio
+    AGENT_UNHEALTHY = "AgentUnhealthy"  # its agent reports transfers unhealthy
+    NOT_APPLIED = "NotApplied"  # the written size not in force by the deadline
+
+
 class StagingRolloutStatus(APIModel):
     """Progress of a staging pool size rollout."""
 
@@ -158,6 +167,20 @@ class StagingRolloutStatus(APIModel):
     )
     total_pods: int = Field(default=0, ge=0, description="Pods the rollout covers.")
     message: str = Field(default="", description="What the rollout is doing or why it stopped.")
+    mode: RolloutMode | None = Field(
+        default=None,
+        description="Forward, Hold (stopped, autoRollback off) or Rollback; unset while no "
+        "rollout is under way (Idle, or a refused size).",
+    )
+    rollback_reason: RollbackReason | None = Field(
+        default=None,
+        description="Why the rollout stopped (Hold or Rollback): NoReport, ReportStale, "
+        "FailureRatioExceeded, AgentUnhealthy or NotApplied.",
+    )
+    rollback_message: str = Field(
+        default="",
+        description="The failed analysis in words: the pod and what it reported.",
+    )
     started_at: datetime | None = Field(default=None, description="When the rollout started.")
     summary: str = Field(default="", description="Pool size or progress, for `kubectl get`.")
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
-from pd_operator.api.transferagent import Role
 from pd_operator.build.capabilities import Capabilities
 from pd_operator.build.config import build_transfer_configmap
 from pd_operator.build.meta import Manifest, desired_hash, stamp

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pd_operator.api.resources import PDDeployment
-from pd_operator.api.spec import Framework, RoleSpec
-from pd_operator.api.transferagent import Role
-from pd_operator.build.meta import Manifest, content_hash, object_meta
-from pd_operator.build.names import TRANSFER_CONFIG_KEY, role_workload, transfer_config_name
-from pd_transfer.config import (
+from pd_contract.config import (
     LayerPipelineConfig,
     ModelGeometry,
     NetworkConfig,
@@ -19,18 +14,19 @@ from pd_transfer.config import (
     TimeoutsConfig,
     TransferConfig,
 )
-
-# Ports inside the engine pods. The bootstrap port is where decode and prefill exchange NIXL
-# metadata; vLLM's NIXL connector calls it the side channel and defaults to 5600.
-SGLANG_BOOTSTRAP_PORT = 8998
-VLLM_SIDE_CHANNEL_PORT = 5600
-TRANSFER_METRICS_PORT = 9400
+from pd_contract.defaults import TRANSFER_METRICS_PORT
+from pd_contract.names import TRANSFER_CONFIG_KEY
+from pd_contract.transferagent import Role
+from pd_operator.api.resources import PDDeployment
+from pd_operator.api.spec import RoleSpec
+from pd_operator.build.meta import Manifest, content_hash, object_meta
+from pd_operator.build.names import role_workload, transfer_config_name
+from pd_operator.engines import engine_adapter
 
 
 def bootstrap_port(pdd: PDDeployment) -> int:
-    if pdd.spec.engine.framework is Framework.VLLM:
-        return VLLM_SIDE_CHANNEL_PORT
-    return SGLANG_BOOTSTRAP_PORT
+    """Where the pods exchange NIXL metadata: the engine framework's port."""
+    return engine_adapter(pdd).bootstrap_port
 
 
 def _topology(pdd: PDDeployment, role: Role, spec: RoleSpec, chunk: int | None) -> RoleTopology:

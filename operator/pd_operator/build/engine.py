@@ -1,104 +1,35 @@
-"""The engine container: command line per framework, environment, resources, probes."""
+"""The engine container: command line and environment (the framework's from its adapter),
+resources, ports, probes."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from pd_contract.defaults import TRANSFER_METRICS_PORT
+from pd_contract.names import (
+    DOWNWARD_API_ENV,
+    ENV_DATA_PARALLEL,
+    ENV_DEPLOYMENT,
+    ENV_PEER_SERVICE,
+    ENV_PIPELINE_PARALLEL,
+    ENV_ROLE,
+    ENV_TENSOR_PARALLEL,
+    ENV_TRANSFER_CONFIG,
+    ENV_TRANSFER_METRICS_PORT,
+    TRANSFER_CONFIG_PATH,
+)
+from pd_contract.transferagent import Role
 from pd_operator.api.common import EnvVar
 from pd_operator.api.resources import PDDeployment
-from pd_operator.api.spec import Framework, KVDtype, RoleSpec
-from pd_operator.api.transferagent import Role
-from pd_operator.build.config import TRANSFER_METRICS_PORT, bootstrap_port
-from pd_operator.build.names import (
-    TRANSFER_CONFIG_KEY,
-    TRANSFER_CONFIG_MOUNT,
-    role_workload,
-)
+from pd_operator.build.names import role_workload
+from pd_operator.engines import engine_adapter, role_spec
 
 ENGINE_CONTAINER = "engine"
-
-# SGLang's --kv-cache-dtype: "auto" keeps the model dtype; fp8 variants are named explicitly.
-_SGLANG_KV_DTYPE = {KVDtype.FP8_E4M3: "fp8_e4m3", KVDtype.FP8_E5M2: "fp8_e5m2"}
-_VLLM_KV_DTYPE = {KVDtype.FP8_E4M3: "fp8_e4m3", KVDtype.FP8_E5M2: "fp8_e5m2"}
-
-
-def role_spec(pdd: PDDeployment, role: Role) -> RoleSpec:
-    return pdd.spec.prefill if role is Role.PREFILL else pdd.spec.decode
-
-
-def _sglang_command(pdd: PDDeployment, role: Role) -> list[str]:
-    spec = pdd.spec
-    rs = role_spec(pdd, role)
-    par = rs.parallelism
-    cmd = [
-        "python3", "-m", "sglang.launch_server",
-        "--model-path", spec.model.source,
-        "--served-model-name", spec.model.name,
-        "--host", "0.0.0.0",
-        "--port", str(spec.engine.port),
-        "--tp-size", str(par.tensor),
-        "--pp-size", str(par.pipeline),
-        "--page-size", str(rs.page_size),
-        "--disaggregation-mode", role.value,
-        "--disaggregation-transfer-backend", "nixl",
-        "--disaggregation-bootstrap-port", str(bootstrap_port(pdd)),
-    ]
-    if par.data > 1:
-        cmd += ["--dp-size", str(par.data), "--enable-dp-attention"]
-    if role is Role.PREFILL:
-        cmd += ["--chunked-prefill-size", str(spec.prefill.chunked_prefill_tokens)]
-    if spec.model.kv_dtype in _SGLANG_KV_DTYPE:
-        cmd += ["--kv-cache-dtype", _SGLANG_KV_DTYPE[spec.model.kv_dtype]]
-    rdma = spec.network.rdma
-    if rdma.enabled and rdma.ib_devices:
-        devices = ",".join(dev.split(":")[0] for dev in rdma.ib_devices)
-        cmd += ["--disaggregation-ib-device", devices]
-    return cmd
-
-
-def _vllm_command(pdd: PDDeployment, role: Role) -> list[str]:
-    spec = pdd.spec
-    rs = role_spec(pdd, role)
-    par = rs.parallelism
-    kv_transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-    cmd = [
-        "vllm", "serve", spec.model.source,
-        "--served-model-name", spec.model.name,
-        "--host", "0.0.0.0",
-        "--port", str(spec.engine.port),
-        "--tensor-parallel-size", str(par.tensor),
-        "--pipeline-parallel-size", str(par.pipeline),
-        "--block-size", str(rs.page_size),
-        "--kv-transfer-config", json.dumps(kv_transfer, separators=(",", ":")),
-    ]
-    if par.data > 1:
-        cmd += ["--data-parallel-size", str(par.data)]
-    if role is Role.PREFILL:
-        cmd += ["--enable-chunked-prefill",
-                "--max-num-batched-tokens", str(spec.prefill.chunked_prefill_tokens)]
-    if spec.model.kv_dtype in _VLLM_KV_DTYPE:
-        cmd += ["--kv-cache-dtype", _VLLM_KV_DTYPE[spec.model.kv_dtype]]
-    return cmd
-
-
-def _reference_command(pdd: PDDeployment, role: Role) -> list[str]:
-    return [
-        "pd-transfer", "engine",
-        "--role", role.value,
-        "--config", f"{TRANSFER_CONFIG_MOUNT}/{TRANSFER_CONFIG_KEY}",
-        "--port", str(pdd.spec.engine.port),
-    ]
 
 
 def engine_command(pdd: PDDeployment, role: Role) -> list[str]:
     """The engine's command line; the user's `engine.args` come last so they can override."""
-    builders = {
-        Framework.SGLANG: _sglang_command,
-        Framework.VLLM: _vllm_command,
-        Framework.REFERENCE: _reference_command,
-    }
-    return builders[pdd.spec.engine.framework](pdd, role) + list(pdd.spec.engine.args)
+    return engine_adapter(pdd).command(pdd, role) + list(pdd.spec.engine.args)
 
 
 def _field_env(name: str, path: str) -> dict[str, Any]:
@@ -110,30 +41,24 @@ def _env_var(var: EnvVar) -> dict[str, Any]:
 
 
 def engine_env(pdd: PDDeployment, role: Role) -> list[dict[str, Any]]:
+    """Pod identity and deployment facts (read by the in-pod agent), the framework's own
+    variables, UCX hints, then the user's variables (later entries win)."""
     spec = pdd.spec
     rs = role_spec(pdd, role)
     par = rs.parallelism
     peer = Role.DECODE if role is Role.PREFILL else Role.PREFILL
-    env: list[dict[str, Any]] = [
-        _field_env("POD_NAME", "metadata.name"),
-        _field_env("POD_NAMESPACE", "metadata.namespace"),
-        _field_env("POD_UID", "metadata.uid"),
-        _field_env("POD_IP", "status.podIP"),
-        _field_env("NODE_NAME", "spec.nodeName"),
-        {"name": "PD_DEPLOYMENT", "value": pdd.metadata.name},
-        {"name": "PD_ROLE", "value": role.value},
-        {"name": "PD_TENSOR_PARALLEL", "value": str(par.tensor)},
-        {"name": "PD_PIPELINE_PARALLEL", "value": str(par.pipeline)},
-        {"name": "PD_DATA_PARALLEL", "value": str(par.data)},
-        {"name": "PD_PEER_SERVICE", "value": role_workload(pdd.metadata.name, peer)},
-        {"name": "PD_TRANSFER_CONFIG", "value": f"{TRANSFER_CONFIG_MOUNT}/{TRANSFER_CONFIG_KEY}"},
-        {"name": "PD_TRANSFER_METRICS_PORT", "value": str(TRANSFER_METRICS_PORT)},
+    env: list[dict[str, Any]] = [_field_env(name, path) for name, path in DOWNWARD_API_ENV.items()]
+    env += [
+        {"name": ENV_DEPLOYMENT, "value": pdd.metadata.name},
+        {"name": ENV_ROLE, "value": role.value},
+        {"name": ENV_TENSOR_PARALLEL, "value": str(par.tensor)},
+        {"name": ENV_PIPELINE_PARALLEL, "value": str(par.pipeline)},
+        {"name": ENV_DATA_PARALLEL, "value": str(par.data)},
+        {"name": ENV_PEER_SERVICE, "value": role_workload(pdd.metadata.name, peer)},
+        {"name": ENV_TRANSFER_CONFIG, "value": TRANSFER_CONFIG_PATH},
+        {"name": ENV_TRANSFER_METRICS_PORT, "value": str(TRANSFER_METRICS_PORT)},
     ]
-    if spec.engine.framework is Framework.VLLM:
-        env += [
-            _field_env("VLLM_NIXL_SIDE_CHANNEL_HOST", "status.podIP"),
-            {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(bootstrap_port(pdd))},
-        ]
+    env += engine_adapter(pdd).env(pdd, role)
     rdma = spec.network.rdma
     if rdma.enabled and rdma.ib_devices:
         env.append({"name": "UCX_NET_DEVICES", "value": ",".join(rdma.ib_devices)})
@@ -161,21 +86,8 @@ def engine_resources(pdd: PDDeployment, role: Role) -> dict[str, dict[str, str]]
 
 
 def engine_ports(pdd: PDDeployment) -> list[dict[str, Any]]:
-    return [
-        {"name": "http", "containerPort": pdd.spec.engine.port, "protocol": "TCP"},
-        {"name": "kv-bootstrap", "containerPort": bootstrap_port(pdd), "protocol": "TCP"},
-        {"name": "kv-metrics", "containerPort": TRANSFER_METRICS_PORT, "protocol": "TCP"},
-    ]
+    return engine_adapter(pdd).ports(pdd)
 
 
 def engine_probes(pdd: PDDeployment) -> dict[str, Any]:
-    """Loading a large model takes minutes: a startup probe guards the others for up to 30 min."""
-    def http() -> dict[str, Any]:
-        return {"path": pdd.spec.engine.health_path, "port": "http"}
-
-    return {
-        "startupProbe": {"httpGet": http(), "periodSeconds": 10, "failureThreshold": 180},
-        "readinessProbe": {"httpGet": http(), "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": http(), "periodSeconds": 15, "failureThreshold": 4,
-                          "timeoutSeconds": 5},
-    }
+    return engine_adapter(pdd).probes(pdd)

@@ -10,28 +10,55 @@ from __future__ import annotations
 
 from typing import Final
 
-from pd_operator.api.transferagent import Role
+from pd_contract.names import (
+    LABEL_DEPLOYMENT,
+    LABEL_MANAGED_BY,
+    LABEL_ROLE,
+    TRANSFER_CONFIG_KEY,
+    TRANSFER_CONFIG_MOUNT,
+    TRANSFER_READY_CONDITION,
+)
+from pd_contract.transferagent import Role
+
+# The names the in-pod side reads too come from `pd_contract.names`; re-exported here so the
+# operator finds every name in one module.
+__all__ = [
+    "ANNOTATION_DESIRED_HASH",
+    "ANNOTATION_TRANSFER_CONFIG_HASH",
+    "FIELD_MANAGER",
+    "LABEL_COMPONENT",
+    "LABEL_DEPLOYMENT",
+    "LABEL_INSTANCE",
+    "LABEL_MANAGED_BY",
+    "LABEL_NAME",
+    "LABEL_PART_OF",
+    "LABEL_ROLE",
+    "LABEL_TEMPLATE_HASH",
+    "MANAGER",
+    "TRANSFER_CONFIG_KEY",
+    "TRANSFER_CONFIG_MOUNT",
+    "TRANSFER_READY_CONDITION",
+    "agent_service_account",
+    "base_labels",
+    "role_selector",
+    "role_workload",
+    "router_name",
+    "router_selector",
+    "selector_string",
+    "transfer_config_name",
+]
 
 MANAGER: Final = "pd-operator"
 FIELD_MANAGER: Final = "pd-operator"
 
-LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_NAME: Final = "app.kubernetes.io/name"
 LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
 LABEL_COMPONENT: Final = "app.kubernetes.io/component"
 LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
-LABEL_DEPLOYMENT: Final = "pd.serving.dev/deployment"
-LABEL_ROLE: Final = "pd.serving.dev/role"
 LABEL_TEMPLATE_HASH: Final = "pd.serving.dev/template-hash"
 
 ANNOTATION_DESIRED_HASH: Final = "pd.serving.dev/desired-hash"
 ANNOTATION_TRANSFER_CONFIG_HASH: Final = "pd.serving.dev/transfer-config-hash"
-
-# Pod condition the operator sets from the pod's TransferAgent health (a readiness gate).
-TRANSFER_READY_CONDITION: Final = "pd.serving.dev/transfer-ready"
-
-TRANSFER_CONFIG_KEY: Final = "transfer.json"
-TRANSFER_CONFIG_MOUNT: Final = "/etc/pd-transfer"
 
 
 def role_workload(name: str, role: Role) -> str:

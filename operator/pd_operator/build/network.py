@@ -6,8 +6,8 @@ the transfer readiness gate can turn True.
 
 from __future__ import annotations
 
+from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
-from pd_operator.api.transferagent import Role
 from pd_operator.build.config import bootstrap_port
 from pd_operator.build.meta import Manifest, object_meta
 from pd_operator.build.names import LABEL_ROLE, role_selector, role_workload

@@ -5,9 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
-from pd_operator.api.spec import Framework
-from pd_operator.api.transferagent import Role
 from pd_operator.build.config import transfer_config_hash
 from pd_operator.build.engine import (
     ENGINE_CONTAINER,
@@ -16,7 +15,6 @@ from pd_operator.build.engine import (
     engine_ports,
     engine_probes,
     engine_resources,
-    role_spec,
 )
 from pd_operator.build.meta import content_hash
 from pd_operator.build.names import (
@@ -32,6 +30,7 @@ from pd_operator.build.names import (
     role_workload,
     transfer_config_name,
 )
+from pd_operator.engines import engine_adapter, role_spec
 
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 # Volcano reads the annotation, the scheduler-plugins coscheduling plugin the label.
@@ -84,7 +83,7 @@ def reports_transfer_health(pdd: PDDeployment) -> bool:
     Only then does the pod carry the transfer readiness gate: an engine that moves KV with
     its own connector never reports, and a gate nobody sets would keep its pods unready.
     """
-    return pdd.spec.engine.framework is Framework.REFERENCE
+    return engine_adapter(pdd).reports_transfer_health
 
 
 def build_pod_template(pdd: PDDeployment, role: Role) -> dict[str, Any]:

@@ -6,7 +6,7 @@ namespace, and nothing else (it learns its own pod from the downward API, not th
 
 from __future__ import annotations
 
-from pd_operator.api._base import GROUP
+from pd_contract.api import GROUP, TRANSFERAGENT_PLURAL
 from pd_operator.api.resources import PDDeployment
 from pd_operator.build.meta import Manifest, object_meta
 from pd_operator.build.names import agent_service_account
@@ -30,12 +30,12 @@ def build_role(pdd: PDDeployment) -> Manifest:
         "rules": [
             {
                 "apiGroups": [GROUP],
-                "resources": ["transferagents"],
+                "resources": [TRANSFERAGENT_PLURAL],
                 "verbs": ["get", "list", "watch", "create", "update", "patch"],
             },
             {
                 "apiGroups": [GROUP],
-                "resources": ["transferagents/status"],
+                "resources": [f"{TRANSFERAGENT_PLURAL}/status"],
                 "verbs": ["get", "update", "patch"],
             },
         ],

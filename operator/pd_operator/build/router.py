@@ -1,27 +1,21 @@
 """The PD router: one Deployment and Service in front of the prefill and decode pods.
 
-For SGLang the router is sglang_router in PD mode, given every engine pod's stable DNS name
-(StatefulSet identities), so it needs no API access; a change of replica counts rewrites its
-arguments and rolls it. Other routers get the same facts as environment variables.
+The engine adapter may give the router's command line (SGLang: sglang_router in PD mode,
+given every engine pod's stable DNS name, so it needs no API access; a change of replica
+counts rewrites its arguments and rolls it). Every router gets the same facts as
+environment variables.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
-from pd_operator.api.spec import Framework, RouterPolicy
-from pd_operator.api.transferagent import Role
 from pd_operator.build.config import bootstrap_port
-from pd_operator.build.engine import role_spec
 from pd_operator.build.meta import Manifest, object_meta
 from pd_operator.build.names import role_workload, router_name, router_selector, selector_string
-
-_SGLANG_POLICY = {
-    RouterPolicy.ROUND_ROBIN: "round_robin",
-    RouterPolicy.LEAST_LOAD: "power_of_two",
-    RouterPolicy.CACHE_AWARE: "cache_aware",
-}
+from pd_operator.engines import engine_adapter, role_spec
 
 
 def engine_urls(pdd: PDDeployment, role: Role) -> list[str]:
@@ -35,17 +29,9 @@ def engine_urls(pdd: PDDeployment, role: Role) -> list[str]:
 
 
 def _router_command(pdd: PDDeployment) -> list[str] | None:
-    if pdd.spec.engine.framework is not Framework.SGLANG:
-        return None
-    router = pdd.spec.router
-    cmd = ["python3", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
-    for url in engine_urls(pdd, Role.PREFILL):
-        cmd += ["--prefill", url, str(bootstrap_port(pdd))]
-    for url in engine_urls(pdd, Role.DECODE):
-        cmd += ["--decode", url]
-    cmd += ["--policy", _SGLANG_POLICY[router.policy], "--host", "0.0.0.0",
-            "--port", str(router.port)]
-    return cmd
+    return engine_adapter(pdd).router_command(
+        pdd, engine_urls(pdd, Role.PREFILL), engine_urls(pdd, Role.DECODE)
+    )
 
 
 def _router_env(pdd: PDDeployment) -> list[dict[str, Any]]:

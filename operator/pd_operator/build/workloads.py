@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
-from pd_operator.api.transferagent import Role
-from pd_operator.build.engine import role_spec
 from pd_operator.build.meta import Manifest, object_meta
 from pd_operator.build.names import LABEL_ROLE, role_selector, role_workload
 from pd_operator.build.pod import build_pod_template
+from pd_operator.engines import role_spec
 
 
 def build_statefulset(pdd: PDDeployment, role: Role) -> Manifest:

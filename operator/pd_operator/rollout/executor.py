@@ -1,11 +1,12 @@
 """Carries out the staging rollout planner's decisions: API calls only, it decides nothing.
 
-One reconcile of a PDDeployment uses it in two halves (`reconcile.Reconciler`):
-1. `plan_step` (pure): pair each engine pod with its TransferAgent (same name) and build the
-   `PodRollout`s — `written_at` from the `ANNOTATION_WRITTEN_AT` stamp this module puts on
-   every spec write, `applied_at` from the agent's own `status.stagingSince` (its current
-   incarnation's report only), else from the `ANNOTATION_APPLIED_AT` stamp written for
-   agents that do not report it — then call `plan_rollout` with the stored
+One reconcile of a PDDeployment uses it in two halves (`reconcile.reconciler.Reconciler`):
+1. `plan_step` (pure): take the reconcile's `FleetObservation` (engine pods paired with
+   their TransferAgents and reports, under the one incarnation rule) and build the
+   `PodRollout`s (`rollout_pods`) — `written_at` from the `ANNOTATION_WRITTEN_AT` stamp this
+   module puts on every spec write, `applied_at` from the pod's own report's `stagingSince`,
+   else from the `ANNOTATION_APPLIED_AT` stamp written for agents that do not report it —
+   then call `plan_rollout` with the stored
    `status.stagingRollout` as `previous` (it also records the last good size: `from` while
    moving, `to` once complete). Pods whose TransferAgent does not exist yet are left out:
    their agent is starting and creates it with the ConfigMap's (the spec's) sizes.
@@ -24,19 +25,15 @@ deadlines elapse without any watch event.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from pydantic import ValidationError
-
 from pd_operator.api import API_VERSION, PDDeploymentSpec, TransferAgent
 from pd_operator.api.sizing import staging_in_use
 from pd_operator.api.spec import StagingRollout
-from pd_operator.api.status import RolloutPhase, StagingRolloutStatus
-from pd_operator.api.transferagent import Role, TransferAgentSpec, TransferAgentStatus
-from pd_operator.build.names import LABEL_ROLE
+from pd_operator.api.status import RolloutMode, RolloutPhase, StagingRolloutStatus
 from pd_operator.kube import KubeClient
 from pd_operator.rollout.planner import (
     PodRollout,
@@ -46,6 +43,7 @@ from pd_operator.rollout.planner import (
     observe_pod,
     plan_rollout,
 )
+from pd_operator.status.fleet import FleetObservation
 
 __all__ = [
     "ANNOTATION_APPLIED_AT",
@@ -54,10 +52,10 @@ __all__ = [
     "RolloutExecutor",
     "RolloutStep",
     "applied_stamps",
-    "observe_fleet",
     "parse_stamp",
     "plan_step",
     "recheck_seconds",
+    "rollout_pods",
     "staging_apply",
 ]
 
@@ -90,40 +88,18 @@ def parse_stamp(agent: Obj, key: str) -> datetime | None:
         return None
 
 
-def _parse_agent(agent: Obj) -> tuple[TransferAgentSpec | None, TransferAgentStatus | None]:
-    """Spec and status of a TransferAgent body; an unreadable part counts as absent."""
-    try:
-        spec = TransferAgentSpec.model_validate(agent.get("spec") or {})
-    except ValidationError:
-        spec = None
-    try:
-        status = (TransferAgentStatus.model_validate(agent["status"])
-                  if agent.get("status") else None)
-    except ValidationError:
-        status = None
-    return spec, status
-
-
-def observe_fleet(pods: Sequence[Obj], agents: Sequence[Obj]) -> list[PodRollout]:
-    """A `PodRollout` per engine pod that has a TransferAgent (pods without one are left out;
-    pods with no role label are not engine pods)."""
-    by_name = {str(a.get("metadata", {}).get("name")): a for a in agents}
+def rollout_pods(fleet: FleetObservation) -> list[PodRollout]:
+    """A `PodRollout` per engine pod of `fleet` that has a TransferAgent (pods without one
+    are left out: their agent creates it with the spec's sizes)."""
     observed = []
-    for pod in pods:
-        meta = pod.get("metadata", {})
-        name = str(meta.get("name"))
-        agent = by_name.get(name)
-        role = (meta.get("labels") or {}).get(LABEL_ROLE)
-        if agent is None or role not in (Role.PREFILL.value, Role.DECODE.value):
+    for pod in fleet.pods:
+        if pod.agent is None:
             continue
-        spec, status = _parse_agent(agent)
-        uid = str(meta.get("uid", ""))
-        own = status is not None and status.pod_uid == uid
-        applied_at = (status.staging_since if own and status is not None else None) \
-            or parse_stamp(agent, ANNOTATION_APPLIED_AT)
+        since = pod.report.staging_since if pod.report is not None else None
         observed.append(observe_pod(
-            name, Role(role), uid, spec, status,
-            written_at=parse_stamp(agent, ANNOTATION_WRITTEN_AT), applied_at=applied_at,
+            pod,
+            written_at=parse_stamp(pod.agent.body, ANNOTATION_WRITTEN_AT),
+            applied_at=since or parse_stamp(pod.agent.body, ANNOTATION_APPLIED_AT),
         ))
     return observed
 
@@ -161,26 +137,21 @@ def applied_stamps(decision: RolloutDecision, agents: Mapping[str, Obj]) -> tupl
 
 
 def plan_step(
-    spec: PDDeploymentSpec,
-    previous: StagingRolloutStatus,
-    pods: Sequence[Obj],
-    agents: Sequence[Obj],
-    now: datetime,
+    spec: PDDeploymentSpec, previous: StagingRolloutStatus, fleet: FleetObservation
 ) -> RolloutStep | None:
-    """The next rollout step, or None when the deployment does not use staging buffers."""
+    """The next rollout step at `fleet.now`, or None when the deployment does not use staging
+    buffers."""
     if not staging_in_use(spec):
         return None
     staging = spec.transfer.staging
-    fleet = observe_fleet(pods, agents)
+    pods = rollout_pods(fleet)
     decision = plan_rollout(
-        StagingTarget.of(staging), None, fleet, policy=staging.rollout, previous=previous,
-        now=now, stale_after_s=float(spec.transfer.health.stale_after_seconds),
+        StagingTarget.of(staging), None, pods, policy=staging.rollout, previous=previous,
+        now=fleet.now, stale_after_s=fleet.stale_after_s,
         minimum=compute_minimum_staging(spec),
     )
-    by_name = {str(a.get("metadata", {}).get("name")): a for a in agents}
-    present = {p.name for p in fleet}
-    ours = {name: agent for name, agent in by_name.items() if name in present}
-    return RolloutStep(decision, tuple(fleet), ours, applied_stamps(decision, ours), now)
+    ours = {p.name: p.agent.body for p in fleet.pods if p.agent is not None}
+    return RolloutStep(decision, tuple(pods), ours, applied_stamps(decision, ours), fleet.now)
 
 
 def recheck_seconds(step: RolloutStep, policy: StagingRollout) -> float | None:
@@ -189,8 +160,7 @@ def recheck_seconds(step: RolloutStep, policy: StagingRollout) -> float | None:
     the rollout is at rest."""
     status = step.decision.status
     moving = status.phase is RolloutPhase.PROGRESSING or (
-        status.phase is RolloutPhase.PAUSED and policy.auto_rollback
-        and status.to_decode_pool_mib is not None)
+        status.phase is RolloutPhase.PAUSED and status.mode is RolloutMode.ROLLBACK)
     if not moving:
         return None
     ends = [

@@ -4,10 +4,13 @@
 `RolloutDecision`: the new `status.stagingRollout`, the TransferAgent spec sizes to write now
 (only changes) and the events to emit. It performs no I/O and reads no clock; the executor
 makes the API calls. Every step is derived from what the pods report, never from memory, so a
-restarted operator computes the same step (STYLE.md §3, lws `disaggregatedset/planner.go`).
+restarted operator computes the same step (lws `disaggregatedset/planner.go`).
 
-The status carries only what cannot be observed: the from/to pair, `startedAt`, and the
-rollback flag (phase Paused under `autoRollback`, or RolledBack). Two per-pod times cannot be
+The status carries only what cannot be observed: the from/to pair, `startedAt`, the `mode`
+(Forward, Hold or Rollback) and, once a batch failed analysis, `rollbackReason` (an
+`api.status.RollbackReason`) with `rollbackMessage` (the failed pod and its numbers). The
+planner reads these fields back and never parses `message`, which is for people. Two per-pod
+times cannot be
 observed from a TransferAgent either and come in with each `PodRollout`: when its spec size was
 written (`written_at`, stamped by the executor with each write) and since when its report shows
 that size in force (`applied_at`; the executor stamps `now` for the pods a decision lists in
@@ -19,13 +22,14 @@ with no report yet is starting, not resizing). A pod's *ring* is the decode pool
 (decode pods: the smaller of spec and report); its *chunk limit* is the decode pool it may
 assume when it writes (prefill pods: the larger of spec and report).
 
-Modes, from `previous` and `desired`:
-- Refused: `desired` is below the one-chunk `minimum` → Paused, no rollout starts.
+Modes, from `previous` (its `mode`) and `desired`:
+- Refused: `desired` is below the one-chunk `minimum` → Paused, no mode, no rollout starts.
 - Start: `desired` differs from `previous.to` → from = last good, to = desired, then Forward
   (or Idle at once when every pod already runs `desired`).
-- Forward (Progressing): source = from, target = to.
-- Hold (Paused, `autoRollback` off): no size writes until `desired` changes.
-- Rollback (Paused under `autoRollback`, then RolledBack): source = to, target = from.
+- Forward (Progressing, then Complete): source = from, target = to.
+- A stopped rollout (mode Hold or Rollback) follows the policy in force: Hold (Paused,
+  `autoRollback` off) writes no sizes until `desired` changes; Rollback (Paused under
+  `autoRollback`, then RolledBack, which stays so) has source = to, target = from.
 
 Step formula. Let B = pods that have a spec equal to the target and are resizing, or report the
 target in force for less than `analysisSeconds` (the current batch), R = reported pods not yet
@@ -65,22 +69,24 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from enum import Enum, StrEnum
+from enum import StrEnum
 from typing import Final
 
+from pd_contract.transferagent import AgentStaging, Role
 from pd_operator.api.sizing import compute_staging_footprint
 from pd_operator.api.spec import PDDeploymentSpec, Staging, StagingRollout
-from pd_operator.api.status import RolloutPhase, StagingRolloutStatus
-from pd_operator.api.transferagent import (
-    AgentStaging,
-    Role,
-    TransferAgentSpec,
-    TransferAgentStatus,
+from pd_operator.api.status import (
+    RollbackReason,
+    RolloutMode,
+    RolloutPhase,
+    StagingRolloutStatus,
 )
+from pd_operator.status.fleet import PodObservation
 
 __all__ = [
     "APPLY_GRACE_SECONDS",
     "EventType",
+    "Failure",
     "PodHealth",
     "PodRollout",
     "RolloutDecision",
@@ -186,36 +192,28 @@ class PodRollout:
 
 
 def observe_pod(
-    name: str,
-    role: Role,
-    uid: str,
-    spec: TransferAgentSpec | None,
-    status: TransferAgentStatus | None,
-    *,
-    written_at: datetime | None = None,
+    pod: PodObservation, *, written_at: datetime | None = None,
     applied_at: datetime | None = None,
 ) -> PodRollout:
-    """A `PodRollout` from a pod's TransferAgent. A report written by another incarnation
-    (`status.podUID` differs from the pod's UID: a StatefulSet pod recreated under the same name)
-    counts as no report, so the new pod is never judged by its predecessor's numbers."""
-    own = status is not None and status.pod_uid == uid
+    """A `PodRollout` from one pod of the fleet observation. Its report is the fleet's: a
+    report written by another incarnation (a StatefulSet pod recreated under the same name)
+    is no report, so the new pod is never judged by its predecessor's numbers."""
+    spec = pod.agent.spec if pod.agent is not None else None
+    report = pod.report
     return PodRollout(
-        name=name,
-        role=role,
-        uid=uid,
+        name=pod.name,
+        role=pod.role,
+        uid=pod.uid,
         spec=StagingTarget.of(spec.staging) if spec is not None else None,
-        reported=StagingTarget.of(status.staging)
-        if own and status is not None and status.staging is not None
-        else None,
-        resizing=own and status is not None and status.resizing,
+        reported=StagingTarget.of(report.staging)
+        if report is not None and report.staging is not None else None,
+        resizing=report is not None and report.resizing,
         health=PodHealth(
-            transfers=status.window.transfers,
-            failures=status.window.failures,
-            healthy=status.healthy,
-            report_time=status.report_time,
-        )
-        if own and status is not None
-        else PodHealth(),
+            transfers=report.window.transfers,
+            failures=report.window.failures,
+            healthy=report.healthy,
+            report_time=report.report_time,
+        ) if report is not None else PodHealth(),
         written_at=written_at,
         applied_at=applied_at,
     )
@@ -252,15 +250,19 @@ def apply_deadline_seconds(policy_analysis_seconds: float) -> float:
     return 2 * policy_analysis_seconds + APPLY_GRACE_SECONDS
 
 
-class _Mode(Enum):
-    FORWARD = "forward"
-    HOLD = "hold"
-    ROLLBACK = "rollback"
+@dataclass(frozen=True)
+class Failure:
+    """Why a pod failed analysis: the reason stored in the status, and the sentence."""
+
+    reason: RollbackReason
+    message: str
 
 
-_ROLLING_BACK = "; rolling back to "
-_ROLLED_BACK = "; rolled back to "
-_PAUSED = "; paused: set decodePoolMiB back to "
+# What a stored stop without its sentence (a hand-edited status) is called.
+_UNSAID: Final = "rollback requested"
+_ROLLING_BACK: Final = "; rolling back to "
+_ROLLED_BACK: Final = "; rolled back to "
+_PAUSED: Final = "; paused: set decodePoolMiB back to "
 
 
 def plan_rollout(
@@ -296,17 +298,25 @@ def plan_rollout(
         initial = ctx.newcomers(good, desired, forward=True)
         if all(_at(p, desired) for p in _apply(pods, initial)):
             return ctx.finish(RolloutPhase.IDLE, None, desired, started_at=None, message="",
-                              writes=initial)
+                              writes=initial, mode=None)
         return ctx.forward(good, desired, started_at=now, starting=True)
     started_at = previous.started_at or now
-    if previous.phase is RolloutPhase.ROLLED_BACK or (
-        previous.phase is RolloutPhase.PAUSED and policy.auto_rollback
-    ):
-        return ctx.rollback(prev_from, prev_to, started_at=started_at,
-                            reason=_reason_of(previous.message))
-    if previous.phase is RolloutPhase.PAUSED:
-        return ctx.hold(prev_from, prev_to, started_at=started_at, message=previous.message)
-    return ctx.forward(prev_from, prev_to, started_at=started_at, starting=False)
+    if _mode_of(previous) is RolloutMode.FORWARD:
+        return ctx.forward(prev_from, prev_to, started_at=started_at, starting=False)
+    failure = Failure(previous.rollback_reason or RollbackReason.NO_REPORT,
+                      previous.rollback_message or _UNSAID)
+    if previous.phase is RolloutPhase.ROLLED_BACK or policy.auto_rollback:
+        return ctx.rollback(prev_from, prev_to, started_at=started_at, failure=failure)
+    return ctx.hold(prev_from, prev_to, started_at=started_at, failure=failure)
+
+
+def _mode_of(previous: StagingRolloutStatus) -> RolloutMode:
+    """The stored mode; a status written before the field existed is read from its phase."""
+    if previous.mode is not None:
+        return previous.mode
+    if previous.phase in (RolloutPhase.PAUSED, RolloutPhase.ROLLED_BACK):
+        return RolloutMode.ROLLBACK
+    return RolloutMode.FORWARD
 
 
 class _Context:
@@ -360,14 +370,15 @@ class _Context:
             if self.policy.auto_rollback:
                 events.append(RolloutEvent(
                     EventType.WARNING, RolloutReason.ROLLING_BACK,
-                    f"{failure}{_ROLLING_BACK}{source}",
+                    f"{failure.message}{_ROLLING_BACK}{source}",
                 ))
-                return self.rollback(source, target, started_at=started_at, reason=failure,
+                return self.rollback(source, target, started_at=started_at, failure=failure,
                                      writes=writes, events=events)
-            message = f"{failure}{_PAUSED}{source} to roll back, or to a new size"
-            events.append(RolloutEvent(EventType.WARNING, RolloutReason.PAUSED, message))
-            return self.finish(RolloutPhase.PAUSED, source, target, started_at=started_at,
-                               message=message, writes=writes, events=events)
+            held = self.hold(source, target, started_at=started_at, failure=failure,
+                             writes=writes)
+            events.append(RolloutEvent(EventType.WARNING, RolloutReason.PAUSED,
+                                       held.status.message))
+            return RolloutDecision(held.status, held.writes, tuple(events), held.applied_now)
         remaining = [p for p in view if not _at(p, target)]
         if not batch and not remaining:
             if self.previous.phase is not RolloutPhase.COMPLETE or starting:
@@ -398,7 +409,7 @@ class _Context:
 
     def rollback(
         self, rollout_from: StagingTarget, rollout_to: StagingTarget, *, started_at: datetime,
-        reason: str, writes: tuple[SpecWrite, ...] | None = None,
+        failure: Failure, writes: tuple[SpecWrite, ...] | None = None,
         events: list[RolloutEvent] | None = None,
     ) -> RolloutDecision:
         """Return every pod to `rollout_from`; `writes`/`events` carry what the calling
@@ -415,24 +426,30 @@ class _Context:
         view = _apply(self.pods, writes)
         remaining = [p for p in view if not _at(p, rollout_from)]
         if not remaining:
-            message = f"{reason}{_ROLLED_BACK}{rollout_from}"
+            message = f"{failure.message}{_ROLLED_BACK}{rollout_from}"
             if self.previous.phase is not RolloutPhase.ROLLED_BACK:
                 events.append(RolloutEvent(EventType.WARNING, RolloutReason.ROLLED_BACK,
                                            message))
             return self.finish(RolloutPhase.ROLLED_BACK, rollout_from, rollout_to,
                                started_at=started_at, message=message, writes=writes,
-                               events=events)
+                               events=events, mode=RolloutMode.ROLLBACK, failure=failure)
         in_flight = sum(p.is_resizing for p in view)
         moves = self._moves(view, rollout_to, rollout_from,
                             limit=self.policy.max_unavailable - in_flight, retarget=True)
         return self.finish(RolloutPhase.PAUSED, rollout_from, rollout_to, started_at=started_at,
-                           message=f"{reason}{_ROLLING_BACK}{rollout_from}",
-                           writes=writes + moves, events=events, rolling_back=True)
+                           message=f"{failure.message}{_ROLLING_BACK}{rollout_from}",
+                           writes=writes + moves, events=events, mode=RolloutMode.ROLLBACK,
+                           failure=failure)
 
     def hold(self, source: StagingTarget, target: StagingTarget, *, started_at: datetime,
-             message: str) -> RolloutDecision:
+             failure: Failure, writes: tuple[SpecWrite, ...] | None = None) -> RolloutDecision:
+        """Paused where every pod is; only newcomers get a size."""
+        if writes is None:
+            writes = self.newcomers(source, target, forward=True)
+        message = f"{failure.message}{_PAUSED}{source} to roll back, or to a new size"
         return self.finish(RolloutPhase.PAUSED, source, target, started_at=started_at,
-                           message=message, writes=self.newcomers(source, target, forward=True))
+                           message=message, writes=writes, mode=RolloutMode.HOLD,
+                           failure=failure)
 
     def refuse(self, desired: StagingTarget, good: StagingTarget,
                minimum: StagingTarget) -> RolloutDecision:
@@ -447,12 +464,14 @@ class _Context:
         if self.previous.message != message:
             events.append(RolloutEvent(EventType.WARNING, RolloutReason.REFUSED, message))
         return self.finish(RolloutPhase.PAUSED, good, None, started_at=None, message=message,
-                           writes=self.newcomers(good, good, forward=True), events=events)
+                           writes=self.newcomers(good, good, forward=True), events=events,
+                           mode=None)
 
     def finish(
         self, phase: RolloutPhase, source: StagingTarget | None, target: StagingTarget | None,
         *, started_at: datetime | None, message: str, writes: tuple[SpecWrite, ...],
-        events: Iterable[RolloutEvent] = (), rolling_back: bool = False,
+        events: Iterable[RolloutEvent] = (), mode: RolloutMode | None = RolloutMode.FORWARD,
+        failure: Failure | None = None,
     ) -> RolloutDecision:
         view = _apply(self.pods, writes)
         updated = ([] if target is None or phase is RolloutPhase.IDLE else
@@ -467,7 +486,11 @@ class _Context:
             total_pods=len(view),
             message=message,
             started_at=started_at,
-            summary=_summary(phase, source, target, view, rolling_back=rolling_back),
+            summary=_summary(phase, source, target, view,
+                             rolling_back=mode is RolloutMode.ROLLBACK),
+            mode=mode,
+            rollback_reason=failure.reason if failure is not None else None,
+            rollback_message=failure.message if failure is not None else "",
         )
         applied_now = tuple(p.name for p in view if p.applied_at is None
                             and p.reported is not None and p.settled_at(p.reported))
@@ -532,25 +555,30 @@ class _Context:
         since = pod.applied_at or self.now
         return since + timedelta(seconds=self.policy.analysis_seconds) > self.now
 
-    def _failure(self, pod: PodRollout, target: StagingTarget) -> str | None:
+    def _failure(self, pod: PodRollout, target: StagingTarget) -> Failure | None:
         """Why `pod` (of the current batch) fails analysis, or None."""
         health = pod.health
         if health.report_time is None:
-            return f"{pod.name}: no transfer report"
+            return Failure(RollbackReason.NO_REPORT, f"{pod.name}: no transfer report")
         age = (self.now - health.report_time).total_seconds()
         if age > self.stale_after_s:
-            return (f"{pod.name}: transfer report is {age:.0f}s old "
-                    f"(stale after {self.stale_after_s:.0f}s)")
+            return Failure(RollbackReason.REPORT_STALE,
+                           f"{pod.name}: transfer report is {age:.0f}s old "
+                           f"(stale after {self.stale_after_s:.0f}s)")
         if health.failure_ratio > self.policy.max_failure_ratio:
-            return (f"{pod.name}: transfer failure ratio {health.failure_ratio:.3f} "
-                    f"({health.failures}/{health.transfers}) is above maxFailureRatio "
-                    f"{self.policy.max_failure_ratio}")
+            return Failure(RollbackReason.FAILURE_RATIO,
+                           f"{pod.name}: transfer failure ratio {health.failure_ratio:.3f} "
+                           f"({health.failures}/{health.transfers}) is above maxFailureRatio "
+                           f"{self.policy.max_failure_ratio}")
         if health.healthy is False:
-            return f"{pod.name}: its agent reports transfers unhealthy"
+            return Failure(RollbackReason.AGENT_UNHEALTHY,
+                           f"{pod.name}: its agent reports transfers unhealthy")
         deadline_s = apply_deadline_seconds(self.policy.analysis_seconds)
         written = pod.written_at or self.now
         if pod.is_resizing and (self.now - written).total_seconds() > deadline_s:
-            return f"{pod.name}: {target} not in force {deadline_s:.0f}s after it was written"
+            return Failure(RollbackReason.NOT_APPLIED,
+                           f"{pod.name}: {target} not in force {deadline_s:.0f}s after it was "
+                           "written")
         return None
 
     def _blocked_message(self, view: list[PodRollout], target: StagingTarget) -> str:
@@ -633,14 +661,6 @@ def _derive_last_good(previous: StagingRolloutStatus, pods: Sequence[PodRollout]
     # Most common spec size; ties go to the smallest, so the pick does not depend on order.
     top = max(specs.values())
     return min(size for size, count in specs.items() if count == top)
-
-
-def _reason_of(message: str) -> str:
-    """The failure reason a rollback message carries (everything before its suffix)."""
-    for marker in (_ROLLING_BACK, _ROLLED_BACK, _PAUSED):
-        if marker in message:
-            return message.split(marker, 1)[0]
-    return message or "Rollback requested"
 
 
 def _summary(phase: RolloutPhase, source: StagingTarget | None, target: StagingTarget | None,

@@ -1,9 +1,10 @@
 """Status of a PDDeployment, computed as data: conditions and their reasons (`conditions`),
-transfer health from the pods' TransferAgent reports (`transfer`), and the aggregation of
-observed pods and children into `PDDeploymentStatus` (`compute`).
+one observation of the engine pods and their TransferAgents per reconcile (`fleet`), transfer
+health from its verdicts (`transfer`), and the aggregation into `PDDeploymentStatus`
+(`compute`).
 
-Reading order: `conditions` (types, reasons, `set_condition`), `transfer`, then `compute`.
-Nothing here performs I/O or reads the clock.
+Reading order: `conditions` (types, reasons, `set_condition`), `fleet`, `transfer`, then
+`compute`. Nothing here performs I/O or reads the clock.
 """
 
 from pd_operator.status.compute import (
@@ -13,7 +14,6 @@ from pd_operator.status.compute import (
     RoleObservation,
     compute_status,
     derive_phase,
-    pod_is_ready,
 )
 from pd_operator.status.conditions import (
     CONDITION_TYPES,
@@ -23,31 +23,36 @@ from pd_operator.status.conditions import (
     make_condition,
     set_condition,
 )
-from pd_operator.status.transfer import (
+from pd_operator.status.fleet import (
+    AgentView,
+    FleetObservation,
+    PodObservation,
     PodReport,
     ReportState,
-    compute_pod_reports,
-    compute_transfer_status,
-    next_stale_in,
+    observe_fleet,
+    pod_is_ready,
 )
+from pd_operator.status.transfer import compute_transfer_status
 
 __all__ = [
     "CONDITION_TYPES",
     "NOT_READY_DEADLINE",
+    "AgentView",
+    "FleetObservation",
     "Observed",
     "PDDSnapshot",
+    "PodObservation",
     "PodReason",
     "PodReport",
     "Reason",
     "ReportState",
     "RoleObservation",
-    "compute_pod_reports",
     "compute_status",
     "compute_transfer_status",
     "derive_phase",
     "find_condition",
     "make_condition",
-    "next_stale_in",
+    "observe_fleet",
     "pod_is_ready",
     "set_condition",
 ]

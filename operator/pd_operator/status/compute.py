@@ -3,13 +3,14 @@
 No I/O and no clock: the reconcile passes in the live pods and children it read and `now`,
 so tests feed small real objects with a fixed time and compare whole statuses.
 
-Truth rules (FAILURES.md 20-22):
+Truth rules (docs/failure-modes.md #20-22):
 - per role, `replicas` counts pods that exist; `updatedReplicas` those whose template-hash
   label equals the desired revision; `readyReplicas` those of them that are Ready. A pod of an
-  old revision never counts as updated or ready, whatever its own condition says.
+  old revision never counts as updated or ready, whatever its own condition says. Pods come
+  from the reconcile's one `FleetObservation` (`fleet.py`), which also carries each pod's
+  transfer verdict;
 - every condition is set on the first visit, Unknown where nothing is known yet; the three
-  transfer conditions and `status.transfer` come from the pods' TransferAgent reports
-  (`status.transfer`, which also says why a report counts or not);
+  transfer conditions and `status.transfer` come from the fleet's verdicts (`transfer.py`);
 - Ready is never True while TransferHealthy is False for pods that carry the transfer
   readiness gate: their gates are False, so the status must not claim otherwise even before
   the kubelet has taken the pods out of Ready.
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final
 
+from pd_contract.transferagent import Role
 from pd_operator.api.conditions import Condition, ConditionStatus
 from pd_operator.api.resources import PDDeployment
 from pd_operator.api.sizing import staging_in_use
@@ -33,18 +35,19 @@ from pd_operator.api.status import (
     RoleStatus,
     StagingRolloutStatus,
 )
-from pd_operator.build.names import LABEL_TEMPLATE_HASH
 from pd_operator.status.conditions import (
     CONDITION_TYPES,
     DEGRADED,
     PROGRESSING,
     READY,
     SPEC_VALID,
+    At,
     Reason,
+    cond,
     find_condition,
-    make_condition,
     set_condition,
 )
+from pd_operator.status.fleet import FleetObservation, PodObservation
 from pd_operator.status.transfer import compute_transfer_status
 
 __all__ = [
@@ -54,15 +57,12 @@ __all__ = [
     "RoleObservation",
     "compute_status",
     "derive_phase",
-    "pod_is_ready",
 ]
 
 # How long Ready may stay False (with a valid spec) before Degraded turns True. Long enough
 # for image pulls and model loading of large engines; short enough to page someone the same
 # hour.
 NOT_READY_DEADLINE: Final = timedelta(minutes=15)
-
-Pod = Mapping[str, Any]
 T, F, U = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
 
 
@@ -85,53 +85,43 @@ class PDDSnapshot:
 
 @dataclass(frozen=True)
 class RoleObservation:
-    """One role as observed: the desired replica count and revision, and its live pods."""
+    """What one role should be: the desired replica count, revision and selector (its live
+    pods are in the fleet)."""
 
     desired_replicas: int
     revision: str
     selector: str
-    pods: Sequence[Pod] = ()
 
 
 @dataclass(frozen=True)
 class Observed:
     """Everything one reconcile saw and did that the status reports.
 
+    `fleet`: the engine pods, their TransferAgents and verdicts, observed once.
     `created`: children (Kind/name) that were missing and created by this reconcile.
     `router`: the live router Deployment, or None when it is disabled or missing.
     `failure`: a message when the reconcile failed in a way that should show as Degraded
     (a permanent API refusal, or retryable errors that keep coming).
-    `agents`: the deployment's TransferAgent bodies as listed; `transfer_gate`: whether its
-    pods carry the transfer readiness gate (`build.pod.reports_transfer_health`).
+    `transfer_gate`: whether its pods carry the transfer readiness gate
+    (`build.pod.reports_transfer_health`).
     """
 
     prefill: RoleObservation
     decode: RoleObservation
+    fleet: FleetObservation
     created: Sequence[str] = ()
     router_enabled: bool = False
     router_replicas: int = 0
     router: Mapping[str, Any] | None = None
     failure: str | None = None
-    agents: Sequence[Mapping[str, Any]] = ()
     transfer_gate: bool = False
 
 
-def pod_is_ready(pod: Pod) -> bool:
-    """The pod's Ready condition is True and it is not being deleted."""
-    if pod.get("metadata", {}).get("deletionTimestamp"):
-        return False
-    conditions = pod.get("status", {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
-def _role_status(role: RoleObservation) -> RoleStatus:
-    updated = [
-        p for p in role.pods
-        if p.get("metadata", {}).get("labels", {}).get(LABEL_TEMPLATE_HASH) == role.revision
-    ]
-    ready = sum(1 for p in updated if pod_is_ready(p))
+def _role_status(role: RoleObservation, pods: Sequence[PodObservation]) -> RoleStatus:
+    updated = [p for p in pods if p.current_revision]
+    ready = sum(1 for p in updated if p.ready)
     return RoleStatus(
-        replicas=len(role.pods),
+        replicas=len(pods),
         ready_replicas=ready,
         updated_replicas=len(updated),
         revision=role.revision,
@@ -147,19 +137,7 @@ def _router_available(observed: Observed) -> bool:
     return available >= observed.router_replicas
 
 
-@dataclass(frozen=True)
-class _At:
-    """When, and for which generation, conditions are being computed."""
-
-    now: datetime
-    generation: int
-
-
-def _cond(type_: str, status: ConditionStatus, reason: str, message: str, at: _At) -> Condition:
-    return make_condition(type_, status, reason, message, now=at.now, generation=at.generation)
-
-
-def _ready_condition(observed: Observed, roles: Mapping[str, RoleStatus], at: _At) -> Condition:
+def _ready_condition(observed: Observed, roles: Mapping[str, RoleStatus], at: At) -> Condition:
     lagging = [
         f"{name} {rs.ready_replicas}/{obs.desired_replicas} ready"
         for name, rs, obs in (
@@ -169,13 +147,13 @@ def _ready_condition(observed: Observed, roles: Mapping[str, RoleStatus], at: _A
         if rs.ready_replicas < obs.desired_replicas
     ]
     if lagging:
-        return _cond(READY, F, Reason.REPLICAS_NOT_READY,
+        return cond(READY, F, Reason.REPLICAS_NOT_READY,
                      f"Pods of the current revision not all Ready: {', '.join(lagging)}.", at)
     if observed.router_enabled and not _router_available(observed):
-        return _cond(READY, F, Reason.ROUTER_UNAVAILABLE,
+        return cond(READY, F, Reason.ROUTER_UNAVAILABLE,
                      f"The router Deployment has fewer than {observed.router_replicas} "
                      "available replicas.", at)
-    return _cond(
+    return cond(
         READY, T, Reason.ALL_REPLICAS_READY,
         f"prefill {roles['prefill'].ready_replicas}/{observed.prefill.desired_replicas} and "
         f"decode {roles['decode'].ready_replicas}/{observed.decode.desired_replicas} pods of "
@@ -184,45 +162,45 @@ def _ready_condition(observed: Observed, roles: Mapping[str, RoleStatus], at: _A
 
 
 def _progressing_condition(
-    observed: Observed, roles: Mapping[str, RoleStatus], at: _At
+    observed: Observed, roles: Mapping[str, RoleStatus], at: At
 ) -> Condition:
     if observed.created:
-        return _cond(PROGRESSING, T, Reason.CREATING, f"Created {', '.join(observed.created)}.",
+        return cond(PROGRESSING, T, Reason.CREATING, f"Created {', '.join(observed.created)}.",
                      at)
     for name, obs in (("prefill", observed.prefill), ("decode", observed.decode)):
         rs = roles[name]
         if rs.updated_replicas < obs.desired_replicas:
             old = rs.replicas - rs.updated_replicas
             reason = Reason.ROLLING_UPDATE if old > 0 else Reason.CREATING
-            return _cond(PROGRESSING, T, reason,
+            return cond(PROGRESSING, T, reason,
                          f"{name}: {rs.updated_replicas} of {obs.desired_replicas} pods run "
                          f"revision {obs.revision} ({old} of an older revision).", at)
     for name, obs in (("prefill", observed.prefill), ("decode", observed.decode)):
         rs = roles[name]
         if rs.replicas > obs.desired_replicas:
-            return _cond(PROGRESSING, T, Reason.SCALING_DOWN,
+            return cond(PROGRESSING, T, Reason.SCALING_DOWN,
                          f"{name}: {rs.replicas} pods exist, {obs.desired_replicas} desired.", at)
-    return _cond(PROGRESSING, F, Reason.RECONCILE_COMPLETE,
+    return cond(PROGRESSING, F, Reason.RECONCILE_COMPLETE,
                  "Every child is applied and every pod runs the current revision.", at)
 
 
-def _degraded_condition(observed: Observed, ready: Condition, at: _At) -> Condition:
+def _degraded_condition(observed: Observed, ready: Condition, at: At) -> Condition:
     if observed.failure is not None:
-        return _cond(DEGRADED, T, Reason.RECONCILE_FAILED, observed.failure, at)
+        return cond(DEGRADED, T, Reason.RECONCILE_FAILED, observed.failure, at)
     not_ready_for = at.now - ready.last_transition_time
     if ready.status is not T and not_ready_for > NOT_READY_DEADLINE:
         minutes = int(not_ready_for.total_seconds() // 60)
-        return _cond(DEGRADED, T, Reason.NOT_READY_TOO_LONG,
+        return cond(DEGRADED, T, Reason.NOT_READY_TOO_LONG,
                      f"Not Ready for {minutes} minutes: {ready.message} Check the pods' events.",
                      at)
-    return _cond(DEGRADED, F, Reason.AS_EXPECTED, "No failure observed.", at)
+    return cond(DEGRADED, F, Reason.AS_EXPECTED, "No failure observed.", at)
 
 
-def _gate_ready(ready: Condition, transfer_healthy: Condition, at: _At) -> Condition:
+def _gate_ready(ready: Condition, transfer_healthy: Condition, at: At) -> Condition:
     """Ready as the kubelet would see it once the pods' transfer gates are False."""
     if ready.status is not T or transfer_healthy.status is not F:
         return ready
-    return _cond(READY, F, Reason.TRANSFER_UNHEALTHY,
+    return cond(READY, F, Reason.TRANSFER_UNHEALTHY,
                  "The pods carry the transfer readiness gate and transfers are failing "
                  f"(TransferHealthy={transfer_healthy.reason}): {transfer_healthy.message}",
                  at)
@@ -274,17 +252,17 @@ def compute_status(
     untouched), and conditions never set before are added as Unknown.
     """
     snap = pdd if isinstance(pdd, PDDSnapshot) else PDDSnapshot.of(pdd)
-    at = _At(now=now, generation=snap.generation)
+    at = At(now=now, generation=snap.generation)
     conditions: list[Condition] = list(snap.previous.conditions)
 
     if spec_error is not None or snap.spec is None or observed is None:
         message = spec_error or "The spec could not be parsed."
         conditions = set_condition(
-            conditions, _cond(SPEC_VALID, F, Reason.INVALID_SPEC, message, at), now
+            conditions, cond(SPEC_VALID, F, Reason.INVALID_SPEC, message, at), now
         )
         for type_ in CONDITION_TYPES[1:]:
             if find_condition(conditions, type_) is None:
-                unknown = _cond(type_, U, Reason.SPEC_INVALID,
+                unknown = cond(type_, U, Reason.SPEC_INVALID,
                                 "Not evaluated while the spec is invalid; see SpecValid.", at)
                 conditions = set_condition(conditions, unknown, now)
         return snap.previous.model_copy(update={
@@ -294,13 +272,14 @@ def compute_status(
         })
 
     spec = snap.spec
-    roles = {"prefill": _role_status(observed.prefill), "decode": _role_status(observed.decode)}
-    accepted = _cond(SPEC_VALID, T, Reason.SPEC_ACCEPTED,
+    fleet = observed.fleet
+    roles = {"prefill": _role_status(observed.prefill, fleet.of_role(Role.PREFILL)),
+             "decode": _role_status(observed.decode, fleet.of_role(Role.DECODE))}
+    accepted = cond(SPEC_VALID, T, Reason.SPEC_ACCEPTED,
                      "The spec passed every validation rule.", at)
     conditions = set_condition(conditions, accepted, now)
-    engine_pods = [*observed.prefill.pods, *observed.decode.pods]
     transfer, transfer_conditions = compute_transfer_status(
-        spec, engine_pods, observed.agents, now, generation=snap.generation)
+        spec, fleet, generation=snap.generation)
     ready_now = _ready_condition(observed, roles, at)
     if observed.transfer_gate:
         ready_now = _gate_ready(ready_now, transfer_conditions[0], at)

@@ -9,6 +9,7 @@ flips; reason, message and observedGeneration are updated in place.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Final
 
@@ -23,8 +24,10 @@ __all__ = [
     "STAGING_POOL_READY",
     "TRANSFER_HEALTHY",
     "TRANSPORT_VERIFIED",
+    "At",
     "PodReason",
     "Reason",
+    "cond",
     "find_condition",
     "make_condition",
     "set_condition",
@@ -150,3 +153,16 @@ def set_condition(
     if not found:
         out.append(new.model_copy(update={"last_transition_time": now}))
     return out
+
+
+@dataclass(frozen=True)
+class At:
+    """When, and for which generation, conditions are being computed."""
+
+    now: datetime
+    generation: int
+
+
+def cond(type_: str, status: ConditionStatus, reason: str, message: str, at: At) -> Condition:
+    """`make_condition` at `at`."""
+    return make_condition(type_, status, reason, message, now=at.now, generation=at.generation)

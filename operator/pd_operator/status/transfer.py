@@ -1,20 +1,11 @@
-"""Transfer health of a PDDeployment, aggregated from its pods' TransferAgent reports.
+"""Transfer health of a PDDeployment, aggregated from the per-pod verdicts of its fleet.
 
-Pure: the reconcile passes in the live engine pods, the TransferAgent bodies it listed and
-`now`; nothing here reads the clock or the API. Two levels:
-- `compute_pod_reports`: one verdict per engine pod (Healthy, Failing, Stale, Missing,
-  Invalid), which also drives the pod's `pd.serving.dev/transfer-ready` readiness gate;
-- `compute_transfer_status`: `status.transfer` and the TransferHealthy, TransportVerified and
-  StagingPoolReady conditions.
-
-Truth rules (FAILURES.md 20-22):
-- a report counts only for a pod that exists now, and only when it comes from that pod's
-  current incarnation (`status.podUID` equals the pod's UID): a StatefulSet pod recreated
-  under the same name inherits its predecessor's TransferAgent until its own agent writes;
-- a report older than `spec.transfer.health.staleAfterSeconds` makes its pod Unknown, never
-  healthy; a TransferAgent that does not parse is reported as invalid, not skipped silently;
-- health reads the agents' window counts (`status.window`), so the operator needs no memory
-  of earlier reports and a restarted operator computes the same answer.
+Pure: the reconcile passes in the `FleetObservation` it made once (`fleet.py`: one verdict
+per engine pod, Healthy, Failing, Stale, Missing or Invalid, under the one incarnation rule);
+nothing here reads the clock, the API or a TransferAgent body. `compute_transfer_status`
+gives `status.transfer` and the TransferHealthy, TransportVerified and StagingPoolReady
+conditions (docs/failure-modes.md #20-22). A report counts only for a pod that exists now;
+health reads the agents' window counts, so a restarted operator computes the same answer.
 """
 
 from __future__ import annotations
@@ -22,48 +13,40 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from enum import StrEnum
-from typing import Any, Final
+from typing import Final
 
-from pydantic import ValidationError
-
+from pd_contract.transferagent import TransferFailure
 from pd_operator.api.conditions import Condition, ConditionStatus
-from pd_operator.api.resources import TransferAgent, format_validation_error
 from pd_operator.api.sizing import MIB, compute_staging_footprint, staging_in_use
 from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import (
     ObservedTransport,
     StagingWatermark,
-    TransferFailure,
     TransferStatus,
     TransferTotals,
 )
-from pd_operator.api.transferagent import TransferAgentStatus
-from pd_operator.build.names import LABEL_ROLE
 from pd_operator.status.conditions import (
     STAGING_POOL_READY,
     TRANSFER_HEALTHY,
     TRANSPORT_VERIFIED,
-    PodReason,
+    At,
     Reason,
-    make_condition,
+    cond,
 )
+from pd_operator.status.fleet import FleetObservation, PodReport, ReportState, top_reason
 
 __all__ = [
     "NEAR_CAPACITY_FRACTION",
     "POOL_HEADROOM",
     "POOL_ROUNDING_MIB",
     "RECENT_FAILURES_LIMIT",
-    "PodReport",
-    "ReportState",
     "TransportClass",
     "classify_transport",
-    "compute_pod_reports",
     "compute_transfer_status",
-    "next_stale_in",
     "recommend_decode_pool_mib",
     "summarize_reports",
 ]
@@ -79,8 +62,6 @@ NEAR_CAPACITY_FRACTION: Final = 0.9
 NAMED_PODS: Final = 5
 
 _CAMEL_WORD = re.compile(r"^[A-Z][A-Za-z0-9]*$")
-
-Pod = Mapping[str, Any]
 
 
 class TransportClass(StrEnum):
@@ -106,146 +87,6 @@ def classify_transport(name: str) -> TransportClass:
     if lowered in _SAME_HOST:
         return TransportClass.SAME_HOST
     return TransportClass.FALLBACK
-
-
-class ReportState(StrEnum):
-    """What the operator makes of one pod's report."""
-
-    HEALTHY = "Healthy"  # fresh, the agent calls itself healthy, ratio within the limit
-    FAILING = "Failing"  # fresh, and the agent says unhealthy or its ratio is above the limit
-    STALE = "Stale"  # from the current incarnation, but older than staleAfterSeconds
-    MISSING = "Missing"  # no TransferAgent, no report yet, or one of an earlier incarnation
-    INVALID = "Invalid"  # the TransferAgent does not parse
-
-
-_GATE: Final = {
-    ReportState.HEALTHY: (ConditionStatus.TRUE, PodReason.TRANSFER_HEALTHY),
-    ReportState.FAILING: (ConditionStatus.FALSE, PodReason.TRANSFER_FAILING),
-    ReportState.STALE: (ConditionStatus.FALSE, PodReason.REPORT_STALE),
-    ReportState.MISSING: (ConditionStatus.FALSE, PodReason.NO_REPORT),
-    ReportState.INVALID: (ConditionStatus.FALSE, PodReason.REPORT_INVALID),
-}
-
-
-@dataclass(frozen=True)
-class PodReport:
-    """One engine pod and what its agent reported.
-
-    `report` is the current incarnation's report (fresh or stale), None when there is none;
-    `detail` is a sentence saying why the pod has its state, for messages.
-    """
-
-    pod: str
-    role: str
-    state: ReportState
-    detail: str
-    report: TransferAgentStatus | None = None
-
-    @property
-    def fresh(self) -> bool:
-        return self.state in (ReportState.HEALTHY, ReportState.FAILING)
-
-    @property
-    def window_ratio(self) -> float:
-        if self.report is None or self.report.window.transfers == 0:
-            return 0.0
-        window = self.report.window
-        return min(1.0, window.failures / window.transfers)
-
-    def gate(self) -> tuple[ConditionStatus, str, str]:
-        """(status, reason, message) of the pod's transfer-ready readiness-gate condition."""
-        status, reason = _GATE[self.state]
-        return status, reason, self.detail
-
-
-def _owner_pod_uid(agent: Mapping[str, Any]) -> str:
-    refs = agent.get("metadata", {}).get("ownerReferences") or []
-    return next((str(r.get("uid", "")) for r in refs if r.get("kind") == "Pod"), "")
-
-
-def _pod_report(
-    spec: PDDeploymentSpec, pod: Pod, agent: Mapping[str, Any] | None, now: datetime
-) -> PodReport:
-    meta = pod.get("metadata", {})
-    name = str(meta.get("name", ""))
-    role = str(meta.get("labels", {}).get(LABEL_ROLE, ""))
-    if agent is None:
-        return PodReport(name, role, ReportState.MISSING, "it has no TransferAgent yet.")
-    try:
-        parsed = TransferAgent.model_validate(agent)
-    except ValidationError as exc:
-        return PodReport(name, role, ReportState.INVALID,
-                         f"its TransferAgent does not parse: {format_validation_error(exc)}.")
-    status = parsed.status
-    if status is None or status.report_time is None:
-        return PodReport(name, role, ReportState.MISSING, "its agent has not reported yet.")
-    reported_uid = status.pod_uid or _owner_pod_uid(agent)
-    uid = str(meta.get("uid", ""))
-    if uid and reported_uid and reported_uid != uid:
-        return PodReport(name, role, ReportState.MISSING,
-                         f"its only report comes from an earlier incarnation (pod UID "
-                         f"{reported_uid}); the current pod has not reported yet.")
-    health = spec.transfer.health
-    age_s = (now - status.report_time).total_seconds()
-    if age_s > health.stale_after_seconds:
-        return PodReport(name, role, ReportState.STALE,
-                         f"its last report is {age_s:.0f} s old (limit "
-                         f"{health.stale_after_seconds} s); the agent may be hung or gone.",
-                         status)
-    report = PodReport(name, role, ReportState.HEALTHY, "", status)
-    window = status.window
-    ratio = report.window_ratio
-    if status.healthy is False or ratio > health.max_failure_ratio:
-        top = _top_reason(window.failures_by_reason) or _top_reason(status.failures_by_reason)
-        detail = (f"{window.failures} of {window.transfers} transfers failed in the last "
-                  f"{window.seconds} s ({ratio:.0%}, limit {health.max_failure_ratio:.0%})")
-        if top:
-            detail += f", mostly {top}"
-        if status.last_error:
-            detail += f"; last error: {status.last_error}"
-        return PodReport(name, role, ReportState.FAILING, detail + ".", status)
-    return PodReport(name, role, ReportState.HEALTHY,
-                     f"{window.failures} of {window.transfers} transfers failed in the last "
-                     f"{window.seconds} s; the agent reports healthy.", status)
-
-
-def compute_pod_reports(
-    spec: PDDeploymentSpec,
-    pods: Sequence[Pod],
-    agents: Sequence[Mapping[str, Any]],
-    now: datetime,
-) -> list[PodReport]:
-    """One report per engine pod in `pods` (sorted by name); agents of other pods are ignored.
-
-    An agent belongs to the pod of the same name; it counts only when its `status.podUID`
-    (or, if the agent left that empty, its owner reference) is the pod's current UID.
-    """
-    by_name = {str(a.get("metadata", {}).get("name", "")): a for a in agents}
-    reports = [_pod_report(spec, pod, by_name.get(str(pod.get("metadata", {}).get("name"))),
-                           now) for pod in pods]
-    return sorted(reports, key=lambda r: r.pod)
-
-
-def next_stale_in(spec: PDDeploymentSpec, reports: Iterable[PodReport], now: datetime) -> (
-        float | None):
-    """Seconds until the first fresh report turns stale (None: no fresh report).
-
-    Staleness is the absence of an event, so the reconcile must come back on its own then.
-    """
-    limit = timedelta(seconds=spec.transfer.health.stale_after_seconds)
-    due = [r.report.report_time + limit for r in reports
-           if r.fresh and r.report is not None and r.report.report_time is not None]
-    if not due:
-        return None
-    return max(0.0, (min(due) - now).total_seconds())
-
-
-def _top_reason(counts: Mapping[str, int]) -> str | None:
-    """The reason with the most failures (ties: alphabetical), None when there are none."""
-    positive = [(n, r) for r, n in counts.items() if n > 0]
-    if not positive:
-        return None
-    return min(positive, key=lambda nr: (-nr[0], nr[1]))[1]
 
 
 def _names(pods: Sequence[str]) -> str:
@@ -306,16 +147,6 @@ def _near_capacity(report: PodReport) -> bool:
     return peak / ring.capacity_bytes > NEAR_CAPACITY_FRACTION
 
 
-@dataclass(frozen=True)
-class _At:
-    now: datetime
-    generation: int
-
-
-def _cond(type_: str, status: ConditionStatus, reason: str, message: str, at: _At) -> Condition:
-    return make_condition(type_, status, reason, message, now=at.now, generation=at.generation)
-
-
 T, F, U = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
 
 
@@ -333,69 +164,69 @@ class _Window:
 
 
 def _transfer_healthy(
-    spec: PDDeploymentSpec, reports: Sequence[PodReport], window: _Window, at: _At
+    spec: PDDeploymentSpec, reports: Sequence[PodReport], window: _Window, at: At
 ) -> Condition:
     limit = spec.transfer.health.max_failure_ratio
     failing = sorted((r for r in reports if r.state is ReportState.FAILING),
                      key=lambda r: (-r.window_ratio, r.pod))
     failures, transfers, ratio = window.failures, window.transfers, window.ratio
     if failing or ratio > limit:
-        top = _top_reason(window.reasons) or next(
+        top = top_reason(window.reasons) or next(
             (t for r in failing if r.report is not None
-             and (t := _top_reason(r.report.failures_by_reason))), None)
+             and (t := top_reason(r.report.failures_by_reason))), None)
         reason = top if top and _CAMEL_WORD.match(top) else Reason.TRANSFER_FAILING
         worst = "; ".join(f"{r.pod}: {r.detail}" for r in failing[:NAMED_PODS])
         message = (f"{len(failing)} of {len(reports)} pods report failing transfers "
                    f"(top reason {top or 'not reported'}); {failures} of {transfers} "
                    f"transfers failed over the window ({ratio:.0%}, limit {limit:.0%}). "
                    f"Worst: {worst or 'none named'}")
-        return _cond(TRANSFER_HEALTHY, F, reason, message, at)
+        return cond(TRANSFER_HEALTHY, F, reason, message, at)
     if not reports:
-        return _cond(TRANSFER_HEALTHY, U, Reason.NO_REPORTS,
+        return cond(TRANSFER_HEALTHY, U, Reason.NO_REPORTS,
                      "No engine pods exist, so there is no transfer to report on.", at)
     by_state = {s: [r.pod for r in reports if r.state is s] for s in ReportState}
     limit_s = spec.transfer.health.stale_after_seconds
     if by_state[ReportState.STALE]:
-        return _cond(TRANSFER_HEALTHY, U, Reason.REPORTS_STALE,
+        return cond(TRANSFER_HEALTHY, U, Reason.REPORTS_STALE,
                      f"Reports of {_names(by_state[ReportState.STALE])} are older than "
                      f"{limit_s} s, so their transfer health is unknown; check that their "
                      "agents run.", at)
     if by_state[ReportState.INVALID]:
         first = next(r for r in reports if r.state is ReportState.INVALID)
-        return _cond(TRANSFER_HEALTHY, U, Reason.REPORT_INVALID,
+        return cond(TRANSFER_HEALTHY, U, Reason.REPORT_INVALID,
                      f"TransferAgents of {_names(by_state[ReportState.INVALID])} do not "
                      f"parse ({first.pod}: {first.detail})", at)
     if by_state[ReportState.MISSING]:
-        return _cond(TRANSFER_HEALTHY, U, Reason.NO_REPORTS,
+        return cond(TRANSFER_HEALTHY, U, Reason.NO_REPORTS,
                      f"{len(by_state[ReportState.MISSING])} of {len(reports)} pods have not "
                      f"reported yet: {_names(by_state[ReportState.MISSING])}.", at)
-    return _cond(TRANSFER_HEALTHY, T, Reason.TRANSFERS_HEALTHY,
+    return cond(TRANSFER_HEALTHY, T, Reason.TRANSFERS_HEALTHY,
                  f"All {len(reports)} pods report healthy transfers; {failures} of "
                  f"{transfers} failed over the window ({ratio:.0%}, limit {limit:.0%}).", at)
 
 
 def _transport_verified(
-    spec: PDDeploymentSpec, reports: Sequence[PodReport], at: _At
+    spec: PDDeploymentSpec, reports: Sequence[PodReport], at: At
 ) -> Condition:
     rdma = spec.network.rdma
     if not (rdma.enabled and rdma.required):
-        return _cond(TRANSPORT_VERIFIED, T, Reason.NOT_REQUIRED,
+        return cond(TRANSPORT_VERIFIED, T, Reason.NOT_REQUIRED,
                      "RDMA is not required (spec.network.rdma), so any transport is "
                      "accepted.", at)
     seen = {r.pod: sorted({p.transport for p in r.report.transports})
             for r in reports if r.report is not None and r.report.transports}
     if not any(r.report is not None for r in reports):
-        return _cond(TRANSPORT_VERIFIED, U, Reason.NO_REPORTS,
+        return cond(TRANSPORT_VERIFIED, U, Reason.NO_REPORTS,
                      "No pod has reported yet, so the transport in use is unknown.", at)
     if not seen:
-        return _cond(TRANSPORT_VERIFIED, U, Reason.NO_TRANSPORT_SEEN,
+        return cond(TRANSPORT_VERIFIED, U, Reason.NO_TRANSPORT_SEEN,
                      "No pod has reported the transport it uses towards its peers yet.", at)
     fallback = {pod: [t for t in ts if classify_transport(t) is TransportClass.FALLBACK]
                 for pod, ts in seen.items()}
     bad = sorted(pod for pod, ts in fallback.items() if ts)
     if bad:
         listed = "; ".join(f"{pod} uses {', '.join(fallback[pod])}" for pod in bad[:NAMED_PODS])
-        return _cond(TRANSPORT_VERIFIED, F, Reason.TCP_FALLBACK,
+        return cond(TRANSPORT_VERIFIED, F, Reason.TCP_FALLBACK,
                      f"RDMA is required but {len(bad)} pods fell back to a non-RDMA "
                      f"transport: {listed}. Check the RDMA devices, UCX_NET_DEVICES and "
                      "spec.transfer.transport.ucxTransports.", at)
@@ -403,40 +234,40 @@ def _transport_verified(
     message = f"{len(seen)} pods use only RDMA or same-host transports."
     if unseen:
         message += f" Not reported yet: {_names(unseen)}."
-    return _cond(TRANSPORT_VERIFIED, T, Reason.RDMA_VERIFIED, message, at)
+    return cond(TRANSPORT_VERIFIED, T, Reason.RDMA_VERIFIED, message, at)
 
 
 def _staging_pool_ready(
-    spec: PDDeploymentSpec, reports: Sequence[PodReport], recommended: int | None, at: _At
+    spec: PDDeploymentSpec, reports: Sequence[PodReport], recommended: int | None, at: At
 ) -> Condition:
     if not staging_in_use(spec):
-        return _cond(STAGING_POOL_READY, T, Reason.NOT_IN_USE,
+        return cond(STAGING_POOL_READY, T, Reason.NOT_IN_USE,
                      "Transfers of this deployment do not use staging buffers.", at)
     fresh = [r for r in reports if r.fresh]
     if not any(r.role == "decode" for r in fresh):
-        return _cond(STAGING_POOL_READY, U, Reason.NO_REPORTS,
+        return cond(STAGING_POOL_READY, U, Reason.NO_REPORTS,
                      "No decode pod has a fresh report of its staging pool.", at)
     staging = spec.transfer.staging
     resizing = [r.pod for r in fresh if r.report is not None and r.report.resizing]
     if resizing:
-        return _cond(STAGING_POOL_READY, F, Reason.RESIZING,
+        return cond(STAGING_POOL_READY, F, Reason.RESIZING,
                      f"{_names(resizing)} are resizing their staging pools.", at)
     want = {"decode": staging.decode_pool_mib, "prefill": staging.prefill_buffer_mib}
     mismatched = [f"{r.pod} has {_pool_mib(r) or 'no'} MiB (want {want[r.role]})"
                   for r in fresh if r.role in want and _pool_mib(r) != want[r.role]]
     if mismatched:
-        return _cond(STAGING_POOL_READY, F, Reason.SIZE_MISMATCH,
+        return cond(STAGING_POOL_READY, F, Reason.SIZE_MISMATCH,
                      f"Staging sizes in force differ from the spec: "
                      f"{'; '.join(mismatched[:NAMED_PODS])}.", at)
     full = [r.pod for r in fresh if r.role == "decode" and _near_capacity(r)]
     if full:
         advice = (f" Consider spec.transfer.staging.decodePoolMiB: {recommended}."
                   if recommended is not None else "")
-        return _cond(STAGING_POOL_READY, T, Reason.NEAR_CAPACITY,
+        return cond(STAGING_POOL_READY, T, Reason.NEAR_CAPACITY,
                      f"Pools are at the spec's size, but the decode rings of {_names(full)} "
                      f"are over {NEAR_CAPACITY_FRACTION:.0%} full or have allocation "
                      f"requests waiting.{advice}", at)
-    return _cond(STAGING_POOL_READY, T, Reason.POOL_SIZE_APPLIED,
+    return cond(STAGING_POOL_READY, T, Reason.POOL_SIZE_APPLIED,
                  f"{len(fresh)} reporting pods run the spec's staging sizes "
                  f"(decode pool {staging.decode_pool_mib} MiB, prefill buffer "
                  f"{staging.prefill_buffer_mib} MiB per rank).", at)
@@ -460,7 +291,7 @@ def summarize_reports(
     current incarnation, fresh or stale: they are history, and a stale value is shown with
     its report time rather than hidden.
     """
-    at = _At(now=now, generation=generation)
+    at = At(now=now, generation=generation)
     current = [r for r in reports if r.report is not None]
     fresh = [r for r in current if r.fresh]
     statuses = [r.report for r in current if r.report is not None]
@@ -515,14 +346,8 @@ def summarize_reports(
 
 
 def compute_transfer_status(
-    spec: PDDeploymentSpec,
-    pods: Sequence[Pod],
-    agents: Sequence[Mapping[str, Any]],
-    now: datetime,
-    *,
-    generation: int = 0,
+    spec: PDDeploymentSpec, fleet: FleetObservation, *, generation: int = 0
 ) -> tuple[TransferStatus, list[Condition]]:
     """`status.transfer` and [TransferHealthy, TransportVerified, StagingPoolReady] of the
-    engine `pods`, from the TransferAgent bodies `agents` (as listed from the API)."""
-    return summarize_reports(spec, compute_pod_reports(spec, pods, agents, now), now,
-                             generation=generation)
+    fleet's engine pods, from their verdicts."""
+    return summarize_reports(spec, fleet.reports, fleet.now, generation=generation)

@@ -5,8 +5,8 @@ snapshots + transports + window → ``TransferAgentStatus``) → ``reporter`` (t
 rate-limited writes, backoff, creation, staging resizes) → ``spec_watch`` (a new spec
 reaches the reporter at once) → ``kube`` (the only Kubernetes client code) →
 ``transport_probe`` (which UCX transports are in use) → ``metrics_http`` (Prometheus
-endpoint over every rank's registry). The agent imports ``pd_operator.api`` — the shared,
-pure pydantic schema — and nothing else of the operator.
+endpoint over every rank's registry). What it shares with the operator (the TransferAgent
+models, label and environment names) comes from ``pd_contract``; it never imports the operator.
 """
 
 from pd_transfer.agent.errors import (

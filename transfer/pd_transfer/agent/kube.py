@@ -20,12 +20,12 @@ import os
 from collections.abc import Iterator
 from typing import Any, Final, Protocol
 
-from pd_operator.api import GROUP, VERSION
+from pd_contract.api import GROUP, TRANSFERAGENT_PLURAL, VERSION
 from pd_transfer.agent.errors import AgentAPIError, PermanentAPIError, RetryableAPIError
 
 __all__ = ["PLURAL", "AgentClient", "KubeAgentClient", "classify_status"]
 
-PLURAL: Final = "transferagents"
+PLURAL: Final = TRANSFERAGENT_PLURAL
 _RETRYABLE: Final = frozenset({0, 408, 409, 425, 429, 500, 502, 503, 504})
 _TIMEOUT: Final = (3.0, 5.0)  # connect, read (seconds)
 

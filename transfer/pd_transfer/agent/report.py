@@ -27,13 +27,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from pd_operator.api.status import TransferFailure
-from pd_operator.api.transferagent import (
+from pd_contract.transferagent import (
     AgentEndpoints,
     AgentStaging,
     PeerTransport,
     RingWatermark,
     TransferAgentStatus,
+    TransferFailure,
     WindowCounts,
 )
 from pd_transfer.agent.identity import PodIdentity

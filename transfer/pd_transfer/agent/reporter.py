@@ -40,10 +40,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
-from pd_operator.api import API_VERSION
-from pd_operator.api.transferagent import (
+from pd_contract.api import API_VERSION, TRANSFERAGENT_KIND
+from pd_contract.names import AGENT_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, LABEL_ROLE
+from pd_contract.transferagent import (
     AgentStaging,
     PeerTransport,
     Role,
@@ -63,18 +64,12 @@ from pd_transfer.agent.report import (
 from pd_transfer.metrics import TransferSnapshot
 
 __all__ = [
-    "MANAGED_BY",
     "ReportSource",
     "Reporter",
     "ReporterTuning",
     "Resizer",
     "build_transfer_agent",
 ]
-
-MANAGED_BY: Final = "pd-transfer-agent"
-LABEL_DEPLOYMENT: Final = "pd.serving.dev/deployment"
-LABEL_ROLE: Final = "pd.serving.dev/role"
-LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 
 _log = logging.getLogger("pd_transfer.agent")
 
@@ -120,12 +115,12 @@ def build_transfer_agent(facts: ReportFacts) -> dict[str, Any]:
                              staging=facts.staging)
     return {
         "apiVersion": API_VERSION,
-        "kind": "TransferAgent",
+        "kind": TRANSFERAGENT_KIND,
         "metadata": {
             "name": ident.name,
             "namespace": ident.namespace,
             "labels": {LABEL_DEPLOYMENT: ident.deployment, LABEL_ROLE: ident.role,
-                       LABEL_MANAGED_BY: MANAGED_BY},
+                       LABEL_MANAGED_BY: AGENT_MANAGER},
             "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": ident.name,
                                  "uid": ident.uid}],
         },

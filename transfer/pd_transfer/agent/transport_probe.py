@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from pd_operator.api.transferagent import PeerTransport
+from pd_contract.transferagent import PeerTransport
 
 __all__ = [
     "UCX_WORKER_NAME_CHARS",

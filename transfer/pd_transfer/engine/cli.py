@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from pd_contract.names import ENV_TRANSFER_CONFIG
+
 __all__ = ["add_engine_parser"]
 
 
@@ -24,9 +26,9 @@ def add_engine_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     )
     add = parser.add_argument
     add("--role", choices=["prefill", "decode"], required=True)
-    add("--config", default=os.environ.get("PD_TRANSFER_CONFIG", ""),
-        required="PD_TRANSFER_CONFIG" not in os.environ,
-        help="transfer config JSON (default: $PD_TRANSFER_CONFIG)")
+    add("--config", default=os.environ.get(ENV_TRANSFER_CONFIG, ""),
+        required=ENV_TRANSFER_CONFIG not in os.environ,
+        help=f"transfer config JSON (default: ${ENV_TRANSFER_CONFIG})")
     add("--port", type=int, required=True, help="HTTP API port")
     add("--num-pages", type=int, default=int(os.environ.get("PD_ENGINE_NUM_PAGES", "512")),
         help="KV pages per rank (default: $PD_ENGINE_NUM_PAGES or 512)")

@@ -30,7 +30,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pd_operator.api.transferagent import AgentEndpoints, AgentStaging
+from pd_contract.config import TransferConfig
+from pd_contract.transferagent import AgentEndpoints, AgentStaging
 from pd_transfer.agent.errors import AgentError, IdentityError
 from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.kube import KubeAgentClient
@@ -39,7 +40,6 @@ from pd_transfer.agent.report import ReportFacts
 from pd_transfer.agent.reporter import Reporter, ReporterTuning
 from pd_transfer.agent.spec_watch import SpecWatch
 from pd_transfer.agent.transport_probe import ProtoInfoParser, UcxLogTail, configure_environment
-from pd_transfer.config import TransferConfig
 from pd_transfer.engine.errors import EngineConfigError
 from pd_transfer.engine.faults import FaultKind, FaultPlan
 from pd_transfer.engine.http_api import EngineHTTPServer

@@ -18,7 +18,7 @@ Pages are freed only once every rank is terminal (never while a WRITE may still 
 
 Peers are keyed by incarnation: instance names and NIXL agent names carry the pod name
 plus its incarnation (pod UID + process start), so a restarted pod is a new peer; a pruned
-peer (dead process) is re-fetched from its address on the next request (FAILURES #10).
+peer (dead process) is re-fetched from its address on the next request (docs/failure-modes.md #10).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from typing import Any, Final, Literal
 
 import torch
 
-from pd_operator.api.transferagent import AgentStaging, PeerTransport
+from pd_contract.config import TransferConfig
+from pd_contract.transferagent import AgentStaging, PeerTransport
 from pd_transfer._endpoint import RankIdentity, ResizeResult, Timeouts
 from pd_transfer.agent.transport_probe import ProtoInfoParser
 from pd_transfer.bootstrap import (
@@ -49,7 +50,6 @@ from pd_transfer.bootstrap import (
     check_compatible,
     fetch_document,
 )
-from pd_transfer.config import TransferConfig
 from pd_transfer.engine.errors import EngineBusy, EngineConfigError, RequestRejected
 from pd_transfer.engine.faults import FaultPlan, FaultyTransport
 from pd_transfer.layout import KVLayout, KVPool

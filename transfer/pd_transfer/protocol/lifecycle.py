@@ -5,7 +5,7 @@ Rule: every state change of a request goes through ``Lifecycle.apply`` and the
 An event the table does not list for the current state raises ``LocalProtocolError`` and
 leaves the state unchanged. Entering a terminal state (``Succeeded`` or ``Failed``) runs
 the owner's release callback exactly once, so whichever path ends a request, its ring
-regions, handles and held pages are released exactly once (FAILURES #4, #11).
+regions, handles and held pages are released exactly once (docs/failure-modes.md #4, #11).
 
 ::
 

@@ -11,15 +11,15 @@ Semantics every implementation keeps:
 * **A WRITE is one request.** ``write`` posts all descriptor pairs as one transfer request;
   ``notification`` reaches the peer's ``poll_messages`` only after every byte of that request
   landed. That notification (or our own ``state`` reaching DONE) is the only proof that data
-  arrived (FAILURES #9); a control message proves nothing about data.
+  arrived (docs/failure-modes.md #9); a control message proves nothing about data.
 * **Bounds before posting.** Every local descriptor must lie inside one region registered
   here, every remote one inside a region the peer granted (passed in by the caller), or
-  ``write`` raises ``DescriptorOutOfBounds`` and posts nothing (FAILURES #15).
+  ``write`` raises ``DescriptorOutOfBounds`` and posts nothing (docs/failure-modes.md #15).
 * **Messages are unordered and unreliable across kinds.** Within one peer, messages of one
   kind arrive in send order; a control message and a transfer notification may overtake
   each other. Payloads are opaque bytes: the protocol layer tags and versions them.
 * **A dead peer is an error, not a hang.** Posting to or messaging a peer whose process died
-  raises ``PeerUnreachable``; a transfer in flight to it ends FAILED (FAILURES #19).
+  raises ``PeerUnreachable``; a transfer in flight to it ends FAILED (docs/failure-modes.md #19).
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ class Transport(Protocol):
         ...
 
     def remove_peer(self, name: str) -> None:
-        """Forget a peer and disconnect (FAILURES #10); idempotent, unknown names ignored."""
+        """Forget a peer and disconnect (docs/failure-modes.md #10); idempotent, unknown names
+        ignored."""
         ...
 
     def write(

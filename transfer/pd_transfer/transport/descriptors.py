@@ -3,7 +3,8 @@
 A real NIC checks remote keys, but only against everything the peer ever registered; we check
 each span against the exact regions involved, so a buggy or hostile peer's offsets can never
 make us read (local side) or write (remote side) memory that was not registered or granted
-for this purpose (FAILURES #15). Lookups are a bisect over region bases: O(log R) per span.
+for this purpose (docs/failure-modes.md #15). Lookups are a bisect over region bases: O(log R) per
+span.
 """
 
 from __future__ import annotations

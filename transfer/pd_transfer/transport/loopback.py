@@ -11,7 +11,7 @@ Models what the protocol layer can observe of NIXL, and nothing faster than it:
   run at post time exactly as in ``nixl.py``.
 * ``kill`` models a dead process: posting or messaging it raises PeerUnreachable, its
   in-flight transfers end FAILED. Metadata names an incarnation, so a restarted agent with
-  the same name is a new peer (FAILURES #10).
+  the same name is a new peer (docs/failure-modes.md #10).
 * Faults are injected with ``FaultRule``: drop a message or a transfer's notification,
   delay delivery on the fabric clock, or fail a transfer (nothing written, no notification).
   A test with a ``ManualClock`` is deterministic.

@@ -1,4 +1,4 @@
-"""The transfer config file the operator renders into each engine pod (ConfigMap, JSON).
+"""The transfer config document the operator renders into each engine pod (ConfigMap, JSON).
 
 Version history of `TransferConfig.version`:
   1: first version.

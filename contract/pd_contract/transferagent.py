@@ -7,13 +7,34 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from pd_operator.api._base import APIModel
-from pd_operator.api.status import TransferFailure
+from pd_contract.api import APIModel
+
+__all__ = [
+    "AgentEndpoints",
+    "AgentStaging",
+    "PeerTransport",
+    "RingWatermark",
+    "Role",
+    "TransferAgentSpec",
+    "TransferAgentStatus",
+    "TransferFailure",
+    "WindowCounts",
+]
 
 
 class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+class TransferFailure(APIModel):
+    """One recent transfer failure reported by a pod."""
+
+    pod: str = Field(description="Pod that reported the failure.")
+    peer: str = Field(default="", description="Peer pod or agent involved, if known.")
+    reason: str = Field(description="Failure reason code, e.g. GrantTimeout.")
+    message: str = Field(default="", description="What happened.")
+    time: datetime = Field(description="When the failure happened.")
 
 
 class AgentStaging(APIModel):

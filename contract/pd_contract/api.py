@@ -1,15 +1,28 @@
-"""Base class shared by every API model: camelCase on the wire, unknown fields refused."""
+"""The pd.serving.dev API's group, version and kinds, and the base class of its wire models."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
-GROUP = "pd.serving.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "TRANSFERAGENT_KIND",
+    "TRANSFERAGENT_PLURAL",
+    "VERSION",
+    "APIModel",
+    "drop_empty_strings",
+]
+
+GROUP: Final = "pd.serving.dev"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+
+TRANSFERAGENT_KIND: Final = "TransferAgent"
+TRANSFERAGENT_PLURAL: Final = "transferagents"
 
 
 class APIModel(BaseModel):

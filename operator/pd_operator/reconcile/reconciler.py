@@ -1,24 +1,26 @@
 """One level-based reconcile of a PDDeployment: parse, build, apply, observe, write status.
 
 `Reconciler.reconcile(namespace, name)` never asks what changed. Steps, in order:
-1. read and parse the PDDeployment; an invalid spec writes SpecValid=False (plus a Warning
-   Event) and touches nothing else, so children of an earlier valid generation keep running;
+1. read and parse the PDDeployment (cross-field rules included); an invalid spec writes
+   SpecValid=False (plus a Warning Event) and touches nothing else, so children of an earlier
+   valid generation keep running;
 2. build the desired children (pure builders);
-3. list live children by label and server-side apply only those that are missing, carry
-   another desired-hash, or no longer contain the desired manifest (`is_subset`): hand edits
-   are restored and a steady state sends no write at all; delete our children that are no
-   longer desired (router disabled, PDBs on a server without policy/v1);
-4. list the pods of both roles and the pods' TransferAgents;
+3. list live children by label and server-side apply only those that `diff.needs_apply`
+   names: hand edits are restored and a steady state sends no write at all; delete our
+   children that are no longer desired (router disabled, PDBs on a server without
+   policy/v1);
+4. list the pods of both roles and the pods' TransferAgents, and observe them once
+   (`status.observe_fleet`): every later step reads that one `FleetObservation`;
 5. plan the next staging rollout step (`rollout.executor.plan_step`, pure: the planner on the
-   observed pods and the stored `status.stagingRollout`);
+   fleet and the stored `status.stagingRollout`);
 6. compute the status (pure, `status.compute_status`), the rollout's part from step 5;
 7. write it through the status subresource only if it differs from the stored one;
 8. carry out the rollout step: its TransferAgent spec writes (`RolloutExecutor`; none when
    every pod already runs the spec's sizes);
-9. set each gated pod's `pd.serving.dev/transfer-ready` condition from its own report, only
-   where its status or reason changes;
-10. emit Events for condition transitions, per-pod transfer-health transitions and the
-   rollout's steps, only after the status write succeeded.
+9. set each gated pod's `pd.serving.dev/transfer-ready` condition from its own verdict
+   (`gates`), only where its status or reason changes;
+10. emit Events (`events`) for condition transitions, per-pod transfer-health transitions
+   and the rollout's steps, only after the status write succeeded.
 A reconcile that saw fresh TransferAgent reports asks to run again when the first of them
 would turn stale (`RecheckAfter`): staleness is the absence of events, so no watch brings it;
 likewise while a staging rollout moves (its analysis periods end without events).
@@ -29,7 +31,6 @@ deletion, nor blocks deletion while it is down).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import Counter
@@ -41,7 +42,6 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from pd_operator.api import (
-    ConditionStatus,
     PDDeployment,
     PDDeploymentStatus,
     Role,
@@ -51,13 +51,10 @@ from pd_operator.api import (
 from pd_operator.api.resources import ObjectMeta
 from pd_operator.build import Capabilities, build_children, child_key
 from pd_operator.build.names import (
-    ANNOTATION_DESIRED_HASH,
     LABEL_DEPLOYMENT,
     LABEL_MANAGED_BY,
-    LABEL_ROLE,
     LABEL_TEMPLATE_HASH,
     MANAGER,
-    TRANSFER_READY_CONDITION,
     role_selector,
     role_workload,
     router_name,
@@ -77,9 +74,10 @@ from pd_operator.metrics import (
     RECONCILE_DURATION,
     RECONCILES,
     STATUS_WRITES,
-    STATUS_WRITES_COALESCED,
-    TRANSFER_REPORTS,
 )
+from pd_operator.reconcile.diff import needs_apply, owned_by
+from pd_operator.reconcile.events import EventSpec, gate_events, transition_events
+from pd_operator.reconcile.gates import GateChange, transfer_gate_changes
 from pd_operator.rollout.executor import (
     RolloutExecutor,
     RolloutStep,
@@ -87,36 +85,20 @@ from pd_operator.rollout.executor import (
     recheck_seconds,
 )
 from pd_operator.status import (
+    FleetObservation,
     Observed,
     PDDSnapshot,
-    PodReport,
-    ReportState,
     RoleObservation,
-    compute_pod_reports,
     compute_status,
-    find_condition,
-    next_stale_in,
+    observe_fleet,
 )
-from pd_operator.status.conditions import (
-    DEGRADED,
-    READY,
-    SPEC_VALID,
-    TRANSFER_HEALTHY,
-    TRANSPORT_VERIFIED,
-)
-from pd_operator.workqueue import QueueTuning, RecheckAfter, WorkQueue
+from pd_operator.workqueue import RecheckAfter
 
 __all__ = [
     "DEGRADED_AFTER_FAILURES",
     "STALE_RECHECK_SLACK_S",
-    "GateChange",
-    "ReconcileLoop",
     "Reconciler",
-    "first_difference",
-    "is_subset",
-    "needs_apply",
-    "transfer_gate_changes",
-    "transition_events",
+    "utc_now",
 ]
 
 log = logging.getLogger(__name__)
@@ -129,154 +111,6 @@ DEGRADED_AFTER_FAILURES: Final = 3
 # Come back this long after a report's staleness limit, so that second-precision report
 # times never make the recheck land a moment before the report is stale.
 STALE_RECHECK_SLACK_S: Final = 1.0
-
-
-def _is_empty(value: Any) -> bool:
-    """Values Kubernetes omits (`omitempty`): None, "", [], {} and maps of only those."""
-    if isinstance(value, dict):
-        return all(_is_empty(v) for v in value.values())
-    return value is None or value in ("", [])
-
-
-def first_difference(desired: Any, live: Any, path: str = "") -> str | None:
-    """Path of the first place where `desired` is not contained in `live`, or None.
-
-    Dicts: every desired key is in live with a contained value (live may hold more keys, the
-    server's defaults); a desired empty value matches a missing key. Lists: same length and
-    contained element-wise. Scalars: equal.
-    """
-    if isinstance(desired, dict):
-        if not isinstance(live, dict):
-            return path or "."
-        for key, value in desired.items():
-            where = f"{path}.{key}"
-            if key not in live:
-                if _is_empty(value):
-                    continue
-                return where
-            diff = first_difference(value, live[key], where)
-            if diff is not None:
-                return diff
-        return None
-    if isinstance(desired, list):
-        if not isinstance(live, list) or len(desired) != len(live):
-            return path or "."
-        for index, (d, v) in enumerate(zip(desired, live, strict=True)):
-            diff = first_difference(d, v, f"{path}[{index}]")
-            if diff is not None:
-                return diff
-        return None
-    return None if desired == live else (path or ".")
-
-
-def is_subset(desired: Any, live: Any) -> bool:
-    """True when every field of `desired` is present in `live` with the same value."""
-    return first_difference(desired, live) is None
-
-
-def needs_apply(desired: Mapping[str, Any], live: Mapping[str, Any] | None) -> str | None:
-    """Why `desired` must be applied over `live` (None: leave it alone)."""
-    if live is None:
-        return "missing"
-    want = desired["metadata"]["annotations"][ANNOTATION_DESIRED_HASH]
-    have = live.get("metadata", {}).get("annotations", {}).get(ANNOTATION_DESIRED_HASH)
-    if want != have:
-        return f"desired hash {have} -> {want}"
-    diff = first_difference(dict(desired), dict(live))
-    return None if diff is None else f"edited at {diff}"
-
-
-def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
-    return any(
-        ref.get("uid") == uid and ref.get("controller")
-        for ref in obj.get("metadata", {}).get("ownerReferences") or []
-    )
-
-
-def transition_events(
-    before: Sequence[Any], after: Sequence[Any]
-) -> list[tuple[str, str, str]]:
-    """(type, reason, message) of an Event for each condition whose status changed.
-
-    Warning for changes to a bad state (SpecValid=False, Degraded=True, Ready lost,
-    TransferHealthy=False, TransportVerified=False), Normal otherwise. A condition seen for
-    the first time produces an Event only when bad.
-    """
-    events = []
-    for new in after:
-        old = find_condition(before, new.type)
-        if old is not None and old.status == new.status:
-            continue
-        bad = (
-            (new.type == SPEC_VALID and new.status is ConditionStatus.FALSE)
-            or (new.type == DEGRADED and new.status is ConditionStatus.TRUE)
-            or (new.type == READY and new.status is ConditionStatus.FALSE and old is not None
-                and old.status is ConditionStatus.TRUE)
-            or (new.type in (TRANSFER_HEALTHY, TRANSPORT_VERIFIED)
-                and new.status is ConditionStatus.FALSE)
-        )
-        if old is None and not bad:
-            continue  # a first visit reports only what is wrong, not every initial value
-        events.append((
-            "Warning" if bad else "Normal",
-            new.reason,
-            f"{new.type} is {new.status.value}: {new.message}",
-        ))
-    return events
-
-
-def _pod_condition(pod: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
-    conditions = pod.get("status", {}).get("conditions") or []
-    return next((c for c in conditions if c.get("type") == type_), None)
-
-
-def _has_transfer_gate(pod: Mapping[str, Any]) -> bool:
-    """The pod itself declares the gate (an older revision may not, whatever the spec says)."""
-    gates = pod.get("spec", {}).get("readinessGates") or []
-    return any(g.get("conditionType") == TRANSFER_READY_CONDITION for g in gates)
-
-
-@dataclass(frozen=True)
-class GateChange:
-    """A transfer-ready condition to write on one pod; `announce`: worth an Event."""
-
-    pod: str
-    condition: Mapping[str, Any]
-    announce: bool
-    bad_news: bool
-
-
-def transfer_gate_changes(
-    pods: Sequence[Mapping[str, Any]], reports: Sequence[PodReport], now: datetime
-) -> list[GateChange]:
-    """The transfer-ready conditions that differ (in status or reason) from the pods' own.
-
-    Pods without the gate and pods being deleted are left alone. lastTransitionTime moves
-    only when the status flips. `bad_news` marks changes worth a Warning Event: a flip to
-    False, or a first verdict that is already Failing (a new pod that merely has not
-    reported yet is not news).
-    """
-    by_name = {str(p.get("metadata", {}).get("name")): p for p in pods}
-    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
-    changes = []
-    for report in reports:
-        pod = by_name.get(report.pod)
-        if pod is None or not _has_transfer_gate(pod) or \
-                pod.get("metadata", {}).get("deletionTimestamp"):
-            continue
-        status, reason, message = report.gate()
-        old = _pod_condition(pod, TRANSFER_READY_CONDITION)
-        if old is not None and old.get("status") == status.value and \
-                old.get("reason") == reason:
-            continue
-        flipped = old is not None and old.get("status") != status.value
-        transition = stamp if old is None or flipped else old.get("lastTransitionTime", stamp)
-        condition = {"type": TRANSFER_READY_CONDITION, "status": status.value,
-                     "reason": reason, "message": message, "lastTransitionTime": transition}
-        announce = flipped or (old is None and report.state is ReportState.FAILING)
-        changes.append(GateChange(report.pod, condition, announce,
-                                  bad_news=status is not ConditionStatus.TRUE))
-    return changes
 
 
 def utc_now() -> datetime:
@@ -371,27 +205,17 @@ class Reconciler:
         self._set_managed((namespace, name), Counter(m["kind"] for m in desired))
         pods = self.kube.list_objects(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}")
         agents = self.kube.list_objects(TRANSFERAGENTS, namespace, f"{LABEL_DEPLOYMENT}={name}")
-        observed = self._observe(pdd, desired, live, pods=pods, created=created, failure=failure,
-                                 agents=agents)
-        now = self.clock()
-        engine_pods = [*observed.prefill.pods, *observed.decode.pods]
-        step = plan_step(pdd.spec, parsed.previous.staging_rollout, engine_pods, agents, now)
-        status = compute_status(pdd, observed, now,
+        roles = {r: _role(pdd, desired, r) for r in (Role.PREFILL, Role.DECODE)}
+        fleet = observe_fleet(pods, agents, self.clock(), health=pdd.spec.transfer.health,
+                              revisions={r: o.revision for r, o in roles.items()})
+        observed = self._observe(pdd, roles, fleet, live, created=created, failure=failure)
+        step = plan_step(pdd.spec, parsed.previous.staging_rollout, fleet)
+        status = compute_status(pdd, observed, fleet.now,
                                 staging_rollout=step.decision.status if step else None)
-        reports = compute_pod_reports(pdd.spec, engine_pods, agents, now)
-        self._write_status(parsed, status, transfer_gate_changes(engine_pods, reports, now),
-                           rollout=step)
+        self._write_status(parsed, status, transfer_gate_changes(fleet), rollout=step)
         if pending is not None:
             raise pending
-        rechecks = [next_stale_in(pdd.spec, reports, now)]
-        if rechecks[0] is not None:
-            rechecks[0] = rechecks[0] + STALE_RECHECK_SLACK_S
-        if step is not None:
-            rechecks.append(recheck_seconds(step, pdd.spec.transfer.staging.rollout))
-        due = [s for s in rechecks if s is not None]
-        if due:
-            return RecheckAfter(min(due)), "success"
-        return True, "success"
+        return self._recheck(pdd, fleet, step), "success"
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -447,7 +271,7 @@ class Reconciler:
     ) -> None:
         wanted = {child_key(m) for m in desired}
         for key, obj in live.items():
-            if key in wanted or not _owned_by(obj, pdd.metadata.uid):
+            if key in wanted or not owned_by(obj, pdd.metadata.uid):
                 continue
             log.info("%s/%s: deleting %s %s (no longer desired)", key[2], pdd.metadata.name,
                      key[1], key[3])
@@ -456,42 +280,43 @@ class Reconciler:
     def _observe(
         self,
         pdd: PDDeployment,
-        desired: Sequence[Obj],
+        roles: Mapping[Role, RoleObservation],
+        fleet: FleetObservation,
         live: Mapping[Any, Obj],
         *,
-        pods: Sequence[Obj],
         created: Sequence[str],
         failure: str | None,
-        agents: Sequence[Obj] = (),
     ) -> Observed:
         name = pdd.metadata.name
-        by_name = {(m["kind"], m["metadata"]["name"]): m for m in desired}
-
-        def role(r: Role) -> RoleObservation:
-            sts = by_name[("StatefulSet", role_workload(name, r))]
-            return RoleObservation(
-                desired_replicas=int(sts["spec"]["replicas"]),
-                revision=str(sts["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH]),
-                selector=selector_string(role_selector(name, r)),
-                pods=[p for p in pods if p["metadata"].get("labels", {}).get(LABEL_ROLE)
-                      == r.value],
-            )
-
         router = None
         if pdd.spec.router.enabled:
             router = next((obj for key, obj in live.items()
                            if key[1] == "Deployment" and key[3] == router_name(name)), None)
         return Observed(
-            prefill=role(Role.PREFILL),
-            decode=role(Role.DECODE),
+            prefill=roles[Role.PREFILL],
+            decode=roles[Role.DECODE],
+            fleet=fleet,
             created=tuple(created),
             router_enabled=pdd.spec.router.enabled,
             router_replicas=pdd.spec.router.replicas,
             router=router,
             failure=failure,
-            agents=tuple(agents),
             transfer_gate=reports_transfer_health(pdd),
         )
+
+    @staticmethod
+    def _recheck(
+        pdd: PDDeployment, fleet: FleetObservation, step: RolloutStep | None
+    ) -> bool | RecheckAfter:
+        """When time alone changes the status: a fresh report turning stale, a rollout's
+        analysis period ending."""
+        stale = fleet.next_stale_in()
+        due = [] if stale is None else [stale + STALE_RECHECK_SLACK_S]
+        if step is not None:
+            moving = recheck_seconds(step, pdd.spec.transfer.staging.rollout)
+            if moving is not None:
+                due.append(moving)
+        return RecheckAfter(min(due)) if due else True
 
     def _write_status(
         self, parsed: _Parsed, status: PDDeploymentStatus, gates: Sequence[GateChange] = (),
@@ -499,7 +324,7 @@ class Reconciler:
     ) -> None:
         """Write the status if it changed, then the rollout's TransferAgent writes, then the
         pods' gates, then the Events."""
-        events: list[tuple[str, str, str]] = []
+        events: list[EventSpec] = []
         wire = status.to_wire()
         if wire != parsed.body.get("status"):
             self.kube.replace_status(parsed.body, wire)
@@ -512,11 +337,7 @@ class Reconciler:
         for change in gates:
             self.kube.patch_pod_condition(namespace, change.pod, change.condition)
             STATUS_WRITES.labels(kind="Pod").inc()
-            if change.announce:
-                c = change.condition
-                events.append(("Warning" if change.bad_news else "Normal", str(c["reason"]),
-                               f"Pod {change.pod}: {TRANSFER_READY_CONDITION} is "
-                               f"{c['status']}: {c['message']}"))
+        events += gate_events(gates)
         now = self.clock()
         for event_type, reason, message in events:
             try:
@@ -537,47 +358,13 @@ class Reconciler:
             MANAGED_OBJECTS.labels(kind=kind).set(totals.get(kind, 0))
 
 
-Key = tuple[str, str]
-
-
-class ReconcileLoop:
-    """A Reconciler behind a coalescing work queue, on the operator's asyncio loop.
-
-    Reconciles run in worker threads (the Kubernetes client is synchronous); the queue
-    guarantees one in-flight reconcile per PDDeployment.
-    """
-
-    def __init__(self, reconciler: Reconciler, tuning: QueueTuning | None = None) -> None:
-        self.reconciler = reconciler
-        self.queue: WorkQueue[Key] = WorkQueue(self._work, tuning)
-
-    @classmethod
-    def connect(cls, kubeconfig: str | None, tuning: QueueTuning | None = None) -> ReconcileLoop:
-        """Connect to the API server and discover its optional APIs once (cached for life)."""
-        kube = KubeClient.from_kubeconfig(kubeconfig)
-        capabilities = kube.discover_capabilities()
-        log.info("API server capabilities: %s", capabilities)
-        return cls(Reconciler(kube, capabilities), tuning)
-
-    async def _work(self, key: Key, failures: int) -> bool | RecheckAfter:
-        return await asyncio.to_thread(self.reconciler.reconcile, key[0], key[1], failures)
-
-    def enqueue(self, namespace: str, name: str) -> None:
-        """A trigger that may need action now: spec, child and pod events."""
-        self.queue.add((namespace, name))
-
-    def enqueue_status_refresh(self, namespace: str, name: str, *, report: bool) -> None:
-        """A trigger that can only change the status: an agent report (`report`), or an
-        event of the PDDeployment whose spec the stored status already reflects. Coalesced
-        to at most one reconcile per `QueueTuning.status_interval_s` per PDDeployment."""
-        if report:
-            TRANSFER_REPORTS.inc()
-        if not self.queue.add_throttled((namespace, name)):
-            STATUS_WRITES_COALESCED.inc()
-
-    def start(self) -> None:
-        self.queue.start()
-
-    async def stop(self) -> None:
-        await self.queue.stop()
-        self.reconciler.kube.close()
+def _role(pdd: PDDeployment, desired: Sequence[Obj], role: Role) -> RoleObservation:
+    """What `role` should be, read off its desired StatefulSet."""
+    name = pdd.metadata.name
+    sts = next(m for m in desired if m["kind"] == "StatefulSet"
+               and m["metadata"]["name"] == role_workload(name, role))
+    return RoleObservation(
+        desired_replicas=int(sts["spec"]["replicas"]),
+        revision=str(sts["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH]),
+        selector=selector_string(role_selector(name, role)),
+    )

@@ -1,4 +1,5 @@
-"""Wire messages: every malformed or hostile payload is refused with its reason (FAILURES #15).
+"""Wire messages: every malformed or hostile payload is refused with its reason
+(docs/failure-modes.md #15, #27).
 
 Needs neither NIXL nor a GPU.
 """
@@ -97,6 +98,26 @@ REJECTED: list[tuple[str, bytes, str]] = [
                           ring_version=1), "invalid_body"),
     ("final_parts zero", _raw(type="part_done", room="r", part=0, sender_id=0,
                               final_parts=0), "invalid_body"),
+    # A recursive JSON parser hits the interpreter's recursion limit on these; the decoder
+    # must refuse them before parsing (the payload is far below the size limit).
+    ("2000 nested arrays", b"[" * 2000, "too_deep"),
+    ("nested objects in a field", b'{"v":2,"type":"release","room":"r","x":' + b'{"a":' * 500
+     + b"1" + b"}" * 500 + b"}", "too_deep"),
+    ("version as a float", json.dumps({"v": 2.0, "type": "release", "room": "r"}).encode(),
+     "unsupported_version"),
+    ("duplicate type key (last would win)",
+     b'{"v":2,"type":"grant","type":"release","room":"r"}', "duplicate_key"),
+    ("NUL in the room id", _raw(type="release", room="r\u0000x"), "invalid_body"),
+    ("newline in the room id", _raw(type="release", room="r\nx"), "invalid_body"),
+    ("layer_stop of 2**64", _raw(type="staged_part", room="r", part=0, sender_id=0,
+                                 ring_offset=0, size_bytes=64, layer_start=0,
+                                 layer_stop=1 << 64, page_start=0, page_count=1,
+                                 ring_version=1), "invalid_body"),
+    ("ring base address of 2**64", _raw(type="ring_update", ring_version=2, name="d",
+                                        base_address=1 << 64, size_bytes=64, kind="DRAM",
+                                        device_id=0, transport_metadata_b64="bQ=="),
+     "invalid_body"),
+    ("size of 2**63", _raw(**{**GRANT, "size_bytes": 1 << 63}), "invalid_body"),
 ]
 
 
@@ -108,6 +129,19 @@ def test_malformed_or_hostile_payload_is_rejected_with_its_reason(
     with pytest.raises(RemoteProtocolError) as caught:
         decode_message(payload)
     assert caught.value.reason == reason
+
+
+def test_largest_wire_integer_is_accepted() -> None:
+    """2**63 - 1 is the largest offset a 64-bit signed address can take; it still decodes."""
+    wire = _raw(**{**GRANT, "ring_offset": (1 << 63) - 1})
+    grant = decode_message(wire)
+    assert isinstance(grant, Grant) and grant.ring_offset == (1 << 63) - 1
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
+    """Depth is counted outside strings only: a room id full of brackets is a legal id."""
+    room = "[[[[[{{{{{" + '\\"[[[['
+    assert decode_message(encode_message(Release(room=room))) == Release(room=room)
 
 
 def test_page_runs_round_trip_and_expansion_is_bounded() -> None:

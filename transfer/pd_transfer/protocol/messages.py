@@ -3,9 +3,13 @@
 Every message is a frozen pydantic model with ``extra="forbid"`` and a ``type`` tag; all of
 them form ONE discriminated union (``Message``), so a payload selects exactly one model or
 is rejected. On the wire a message is compact JSON ``{"v": <version>, "type": ..., ...}``.
-``decode_message`` checks, in order: the size limit, that it is a JSON object, the version
-(before looking at the body, so a newer peer's fields never reach the body models), then the
-body. Every refusal raises ``RemoteProtocolError`` with a stable ``reason`` (a metric label).
+``decode_message`` checks, in order: the size limit, the nesting depth (before any parser
+recursion), that it is canonical JSON (one object, no duplicate keys), the version (an
+integer, checked before the body, so a newer peer's fields never reach the body models), then
+the body. Every refusal, whatever raised it, is a ``RemoteProtocolError`` with a stable
+``reason`` (a metric label): no exception from a peer's bytes escapes the decoder
+(docs/failure-modes.md #27). Integers are bounded to what a 64-bit transport address can hold,
+and ids carry no control characters.
 
 Page lists travel as runs ``[[first, count], ...]``; a staged part names request page
 *indices* and layers, never addresses: the receiver maps them through its own bookkeeping,
@@ -21,12 +25,13 @@ Who sends what (R = request/room id):
 - prefill → decode: ``AllocRequest`` (idempotent; re-sent until granted), ``Finish`` (a
   writer's final part count when its last part carried no data for that decode rank),
   ``Abort``; and, as the NOTIFICATION bound to a WRITE (delivered only after the data),
-  ``StagedPart`` or ``PartDone``. Only those two prove that data arrived (FAILURES #9).
+  ``StagedPart`` or ``PartDone``. Only those two prove that data arrived (docs/failure-modes.md #9).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -34,8 +39,10 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pd_transfer.errors import RemoteProtocolError
 
 __all__ = [
+    "MAX_DEPTH",
     "MAX_MESSAGE_BYTES",
     "MAX_PARTS",
+    "MAX_WIRE_INT",
     "PROTOCOL_VERSION",
     "Abort",
     "AllocRequest",
@@ -64,17 +71,20 @@ PROTOCOL_VERSION: Final = 2
 #   2: hot resize of the staging ring: StagedPart carries the ``ring_version`` of the grant
 #      it wrote into (decode rejects a stale one); new ``RingUpdate`` (decode → prefill).
 MAX_MESSAGE_BYTES: Final = 64 * 1024
+MAX_DEPTH: Final = 4  # object → page runs → run → value; anything deeper is hostile
+MAX_WIRE_INT: Final = (1 << 63) - 1  # every count, size and offset fits a signed 64-bit address
 MAX_PARTS: Final = 1 << 16  # parts per (request, writer); bounds every per-part structure
 
 Path = Literal["staged", "sliced", "contiguous"]
 """How a (prefill rank, decode rank) pair moves a request's KV (see README)."""
 
-Room = Annotated[str, Field(min_length=1, max_length=256)]
-Count = Annotated[int, Field(ge=0)]
+_PRINTABLE: Final = r"^[^\x00-\x1f\x7f]+$"
+Room = Annotated[str, Field(min_length=1, max_length=256, pattern=_PRINTABLE)]
+Count = Annotated[int, Field(ge=0, le=MAX_WIRE_INT)]
 PartIndex = Annotated[int, Field(ge=0, lt=MAX_PARTS)]
 SenderId = Annotated[int, Field(ge=0, lt=1 << 16)]
-Size = Annotated[int, Field(gt=0)]
-PageRuns = tuple[tuple[Count, Annotated[int, Field(gt=0)]], ...]
+Size = Annotated[int, Field(gt=0, le=MAX_WIRE_INT)]
+PageRuns = tuple[tuple[Count, Size], ...]
 
 
 class _Message(BaseModel):
@@ -184,7 +194,7 @@ class Abort(_Message):
 
     type: Literal["abort"] = "abort"
     room: Room
-    reason: Annotated[str, Field(max_length=64)]
+    reason: Annotated[str, Field(max_length=64, pattern=r"^[A-Za-z]*$")]
     detail: Annotated[str, Field(max_length=1024)] = ""
 
 
@@ -210,7 +220,7 @@ class RingUpdate(_Message):
 
     type: Literal["ring_update"] = "ring_update"
     ring_version: Annotated[int, Field(ge=1)]
-    name: Annotated[str, Field(min_length=1, max_length=512)]
+    name: Annotated[str, Field(min_length=1, max_length=512, pattern=_PRINTABLE)]
     base_address: Size
     size_bytes: Size
     kind: Literal["DRAM", "VRAM"]
@@ -232,19 +242,34 @@ def encode_message(message: Message) -> bytes:
 
 
 def decode_message(payload: bytes) -> Message:
-    """Parse and validate one payload; raises RemoteProtocolError(reason, detail)."""
+    """Parse and validate one payload; raises RemoteProtocolError(reason, detail) and nothing
+    else, whatever the bytes."""
+    try:
+        return _decode(payload)
+    except RemoteProtocolError:
+        raise
+    except Exception as exc:  # a parser bug or resource error is still the peer's bad input
+        raise RemoteProtocolError(
+            "undecodable", f"{type(exc).__name__} while decoding {payload[:64]!r}"
+        ) from exc
+
+
+def _decode(payload: bytes) -> Message:
     if len(payload) > MAX_MESSAGE_BYTES:
         raise RemoteProtocolError(
             "too_large", f"{len(payload)} bytes, the limit is {MAX_MESSAGE_BYTES}"
         )
+    depth = _nesting_depth(payload)
+    if depth > MAX_DEPTH:
+        raise RemoteProtocolError("too_deep", f"nesting depth {depth}, at most {MAX_DEPTH}")
     try:
-        envelope = json.loads(payload)
+        envelope = json.loads(payload, object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RemoteProtocolError("not_json", f"{payload[:64]!r}: {exc}") from exc
     if not isinstance(envelope, dict):
         raise RemoteProtocolError("not_object", f"a {type(envelope).__name__}, not an object")
     version = envelope.get("v")
-    if version != PROTOCOL_VERSION or isinstance(version, bool):
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise RemoteProtocolError(
             "unsupported_version",
             f"version {version!r}; this side speaks {PROTOCOL_VERSION} (upgrade the older side)",
@@ -256,6 +281,31 @@ def decode_message(payload: bytes) -> Message:
         raise RemoteProtocolError(
             "invalid_body", f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
         ) from exc
+
+
+_BRACKETS: Final = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _nesting_depth(payload: bytes) -> int:
+    """Deepest bracket nesting outside strings, found without recursion (a recursive parser
+    would hit the interpreter's recursion limit on ``[[[[...``)."""
+    depth = deepest = 0
+    for match in _BRACKETS.finditer(payload):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return deepest
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        duplicate = next(key for key in keys if keys.count(key) > 1)
+        raise RemoteProtocolError("duplicate_key", f"key {duplicate!r} appears more than once")
+    return dict(pairs)
 
 
 def compute_runs(values: list[int]) -> PageRuns:

@@ -139,7 +139,7 @@ def main() -> int:
                                       link="dram", ring_bytes=64 << 20, mode="auto", seed=0,
                                       torch_threads=1))
     peer = PrefillPeer(model, num_pages=num_pages, page_size=args.page_size,
-                       staging_bytes=64 << 20)
+                       staging_bytes=64 << 20, auth=decode.auth)
     peer.connect(decode)
     results: dict[str, list[float]] = {mode: [] for mode in MODES}
     writes: dict[str, int] = dict.fromkeys(MODES, 0)

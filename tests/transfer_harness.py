@@ -16,12 +16,13 @@ import torch
 
 from pd_transfer._endpoint import Endpoint, RankIdentity, Timeouts
 from pd_transfer._paths import PathMode
+from pd_transfer.auth import PeerAuth, Purpose, outgoing_body
 from pd_transfer.bootstrap import DTYPES, GeometryDoc
 from pd_transfer.kvdata import compute_request_source, fill_pool, verify_pool
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.protocol.lifecycle import FailureReason, RequestStatus, State
-from pd_transfer.protocol.messages import decode_message
+from pd_transfer.protocol.messages import PROTOCOL_VERSION, Message, decode_message, encode_message
 from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.sender import PrefillSender
 from pd_transfer.transport import Envelope, LoopbackFabric, ManualClock
@@ -30,9 +31,22 @@ FAST = Timeouts(bootstrap_s=2.0, grant_s=0.2, grant_retries=3, transfer_s=5.0,
                 kv_lease_s=5.0, stall_s=1.0, quarantine_grace_s=2.0)
 
 
+TEST_AUTH = PeerAuth([bytes(range(32))])
+"""The transfer key every harness endpoint shares (a deployment's Secret, in a pod)."""
+
+
+def seal_as(sender: str, receiver: str, message: Message | bytes,
+            auth: PeerAuth = TEST_AUTH) -> bytes:
+    """``message`` (or raw body bytes) framed as ``sender`` would send it to ``receiver`` (a
+    peer holding the key: for tests that forge messages from an authenticated peer)."""
+    body = message if isinstance(message, bytes) else encode_message(message)
+    return auth.seal(body, purpose=Purpose.MESSAGE,
+                     version=PROTOCOL_VERSION, sender=sender, receiver=receiver)
+
+
 def message_type(envelope: Envelope) -> str:
     """The protocol ``type`` of a fabric envelope (a message or a WRITE's notification)."""
-    return decode_message(envelope.payload).type
+    return decode_message(outgoing_body(envelope.payload)).type
 
 
 def of_type(*types: str) -> Callable[[Envelope], bool]:
@@ -81,14 +95,15 @@ class Cluster:
             pool = KVPool.allocate(self._layout(self.prefill_par, coord))
             self.senders.append(PrefillSender(
                 transport, pool, RankIdentity("p0", coord, self.prefill_par, self.geometry),
-                staging_bytes=self.staging_bytes, timeouts=self.timeouts, clock=self.clock))
+                auth=TEST_AUTH, staging_bytes=self.staging_bytes, timeouts=self.timeouts,
+                clock=self.clock))
         for tp in range(self.decode_tp):
             coord = RankCoord(0, tp)
             transport = self.fabric.create(f"decode-0-{tp}")
             pool = KVPool.allocate(self._layout(self.decode_par, coord))
             self.receivers.append(DecodeReceiver(
                 transport, pool, RankIdentity("d0", coord, self.decode_par, self.geometry),
-                ring_bytes=self.ring_bytes, mode=self.mode, timeouts=self.timeouts,
+                auth=TEST_AUTH, ring_bytes=self.ring_bytes, mode=self.mode, timeouts=self.timeouts,
                 clock=self.clock))
         for sender in self.senders:
             for receiver in self.receivers:

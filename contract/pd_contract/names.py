@@ -24,11 +24,15 @@ __all__ = [
     "ENV_POD_UID",
     "ENV_ROLE",
     "ENV_TENSOR_PARALLEL",
+    "ENV_TRANSFER_AUTH_KEY_FILE",
     "ENV_TRANSFER_CONFIG",
     "ENV_TRANSFER_METRICS_PORT",
     "LABEL_DEPLOYMENT",
     "LABEL_MANAGED_BY",
     "LABEL_ROLE",
+    "TRANSFER_AUTH_KEY",
+    "TRANSFER_AUTH_MOUNT",
+    "TRANSFER_AUTH_PATH",
     "TRANSFER_CONFIG_KEY",
     "TRANSFER_CONFIG_MOUNT",
     "TRANSFER_CONFIG_PATH",
@@ -49,6 +53,14 @@ TRANSFER_READY_CONDITION: Final = "pd.serving.dev/transfer-ready"
 TRANSFER_CONFIG_KEY: Final = "transfer.json"
 TRANSFER_CONFIG_MOUNT: Final = "/etc/pd-transfer"
 TRANSFER_CONFIG_PATH: Final = f"{TRANSFER_CONFIG_MOUNT}/{TRANSFER_CONFIG_KEY}"
+
+# The per-PDDeployment transfer key (a Secret) reaches the pods as this file; peers prove
+# with it that they belong to the same PDDeployment. The file holds the key in force and,
+# during a rotation, the previous one (see pd_transfer's auth module for the format).
+TRANSFER_AUTH_KEY: Final = "transfer.key"
+TRANSFER_AUTH_MOUNT: Final = "/var/run/pd-transfer/auth"
+TRANSFER_AUTH_PATH: Final = f"{TRANSFER_AUTH_MOUNT}/{TRANSFER_AUTH_KEY}"
+ENV_TRANSFER_AUTH_KEY_FILE: Final = "PD_TRANSFER_AUTH_KEY_FILE"
 
 # The pod's identity, set through the downward API.
 ENV_POD_NAME: Final = "POD_NAME"

@@ -46,6 +46,7 @@ __all__ = [
     "EVENT_COMPONENT",
     "PDDEPLOYMENTS",
     "PODS",
+    "SECRETS",
     "TRANSFERAGENTS",
     "KindRef",
     "KubeClient",
@@ -87,6 +88,8 @@ PODS: Final = KindRef("v1", "Pod", "pods")
 EVENTS: Final = KindRef("v1", "Event", "events")
 PDDEPLOYMENTS: Final = KindRef(API_VERSION, PDDeployment.kind_name, PDDeployment.plural)
 PDB: Final = KindRef("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+# The transfer key Secret: a child, and read by name when its labels were edited away.
+SECRETS: Final = KindRef("v1", "Secret", "secrets")
 # Created by the pods' agents, not by the operator: listed by the deployment label and read.
 TRANSFERAGENTS: Final = KindRef(API_VERSION, TransferAgent.kind_name, TransferAgent.plural)
 
@@ -97,9 +100,11 @@ CHILD_KINDS: Final = (
     KindRef("rbac.authorization.k8s.io/v1", "Role", "roles"),
     KindRef("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
     KindRef("v1", "ConfigMap", "configmaps"),
+    SECRETS,
     KindRef("v1", "Service", "services"),
     KindRef("apps/v1", "StatefulSet", "statefulsets"),
     KindRef("apps/v1", "Deployment", "deployments"),
+    KindRef("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     PDB,
 )
 _BY_KIND: Final = {

@@ -33,6 +33,7 @@ CHILD_RESOURCES: tuple[tuple[str, str, str], ...] = (
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("", "v1", "configmaps"),
+    ("", "v1", "secrets"),
     ("", "v1", "services"),
     ("apps", "v1", "statefulsets"),
     ("apps", "v1", "deployments"),

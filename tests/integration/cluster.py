@@ -16,6 +16,7 @@ from pd_operator.api import parse_pdd
 from pd_operator.build import Capabilities, build_children, child_key
 from pd_operator.kube import CHILD_KINDS, PDB, PODS, KubeClient
 from pd_operator.reconcile import first_difference
+from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
 
 __all__ = ["CAPS", "GROUP", "KINDS", "NAME", "PLURAL", "VERSION", "Cluster", "example_body"]
 
@@ -58,7 +59,11 @@ class Cluster:
                                                     {"spec": patch})
 
     def desired(self, name: str = NAME) -> list[Obj]:
-        return build_children(parse_pdd(self.pdd(name)), CAPS)
+        """The builders' children plus the transfer key Secret holding the live keys (a
+        random key when there is none: then it shows as missing)."""
+        pdd = parse_pdd(self.pdd(name))
+        secret = desired_transfer_key_secret(self.kube, pdd, self.live(name))
+        return [secret, *build_children(pdd, CAPS)]
 
     def live(self, name: str = NAME) -> dict[tuple[str, str, str, str], Obj]:
         selector = f"pd.serving.dev/deployment={name}"

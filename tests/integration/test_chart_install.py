@@ -34,6 +34,7 @@ from pd_operator import settings
 from pd_operator.api import parse_pdd
 from pd_operator.build.capabilities import Capabilities
 from pd_operator.build.children import build_children, child_key
+from pd_operator.build.names import transfer_key_name
 from pd_operator.devcluster import ControlPlaneHandle, helm_path, service_account_kubeconfig
 from tests.integration.operator_runner import kopf_runner
 
@@ -159,7 +160,9 @@ def expected_children(body: dict[str, Any]) -> set[tuple[str, str, str, str]]:
     """Identities of the children the builders make; the 1.20 server has no policy/v1, so
     no PodDisruptionBudgets."""
     pdd = parse_pdd({**body, "metadata": {**body["metadata"], "uid": "x"}})
-    return {child_key(c) for c in build_children(pdd, Capabilities(pod_disruption_budgets=False))}
+    children = build_children(pdd, Capabilities(pod_disruption_budgets=False))
+    secret = ("v1", "Secret", pdd.metadata.namespace, transfer_key_name(pdd.metadata.name))
+    return {secret, *(child_key(c) for c in children)}
 
 
 def as_dict(api: k8s.ApiClient, obj: object) -> dict[str, Any]:
@@ -173,11 +176,13 @@ def read_child(api: k8s.ApiClient, key: tuple[str, str, str, str]) -> dict[str, 
     readers: dict[str, Callable[[str, str], object]] = {
         "ServiceAccount": k8s.CoreV1Api(api).read_namespaced_service_account,
         "ConfigMap": k8s.CoreV1Api(api).read_namespaced_config_map,
+        "Secret": k8s.CoreV1Api(api).read_namespaced_secret,
         "Service": k8s.CoreV1Api(api).read_namespaced_service,
         "StatefulSet": k8s.AppsV1Api(api).read_namespaced_stateful_set,
         "Deployment": k8s.AppsV1Api(api).read_namespaced_deployment,
         "Role": k8s.RbacAuthorizationV1Api(api).read_namespaced_role,
         "RoleBinding": k8s.RbacAuthorizationV1Api(api).read_namespaced_role_binding,
+        "NetworkPolicy": k8s.NetworkingV1Api(api).read_namespaced_network_policy,
     }
     try:
         return as_dict(api, readers[kind](name, namespace))

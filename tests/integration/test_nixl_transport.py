@@ -53,7 +53,7 @@ def _peer_main(conn: Connection, name: str, device: str) -> None:
             continue
         command, *args = conn.recv()
         if command == "add_peer":
-            conn.send(transport.add_peer(args[0]))
+            conn.send(transport.add_peer(args[0], expected_name=args[1]))
         elif command == "send":
             transport.send_message(args[0], args[1])
             conn.send("sent")
@@ -110,8 +110,8 @@ def start_peer(local: NixlTransport, name: str, device: str = "cpu") -> Peer:
         pytest.fail("peer process did not start within 30 s")
     metadata, region = parent.recv()
     peer = Peer(process, parent, name, metadata, region)
-    assert local.add_peer(metadata) == name
-    assert peer.ask(local, "add_peer", local.local_metadata()) == local.agent_name
+    assert local.add_peer(metadata, expected_name=name) == name
+    assert peer.ask(local, "add_peer", local.local_metadata(), local.agent_name) == local.agent_name
     return peer
 
 

@@ -61,7 +61,8 @@ def peers(
         model=MODEL, dtype=torch.float32, page_size=PAGE, num_pages=NUM_PAGES, tp=decode_tp,
         device="cpu", link="dram", ring_bytes=1 << 20, mode="auto", seed=7, torch_threads=1,
     ))
-    prefill = PrefillPeer(model, num_pages=NUM_PAGES, page_size=PAGE, staging_bytes=1 << 20)
+    prefill = PrefillPeer(model, num_pages=NUM_PAGES, page_size=PAGE, staging_bytes=1 << 20,
+                          auth=decode.auth)
     try:
         prefill.connect(decode)
         yield prefill, decode, decode_tp

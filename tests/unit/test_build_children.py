@@ -97,6 +97,9 @@ def test_decode_statefulset_whole_object() -> None:
                 },
                 "spec": {
                     "serviceAccountName": "tiny-transfer-agent",
+                    # The reference engine's agent writes its TransferAgent: it needs the token.
+                    "automountServiceAccountToken": True,
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": 60,
                     "readinessGates": [{"conditionType": "pd.serving.dev/transfer-ready"}],
@@ -126,6 +129,9 @@ def test_decode_statefulset_whole_object() -> None:
                             {"name": "PD_TRANSFER_CONFIG",
                              "value": "/etc/pd-transfer/transfer.json"},
                             {"name": "PD_TRANSFER_METRICS_PORT", "value": "9400"},
+                            # pd_transfer reads the peer key here (failure-modes #26).
+                            {"name": "PD_TRANSFER_AUTH_KEY_FILE",
+                             "value": "/var/run/pd-transfer/auth/transfer.key"},
                         ],
                         "ports": [
                             {"name": "http", "containerPort": 30000, "protocol": "TCP"},
@@ -140,9 +146,13 @@ def test_decode_statefulset_whole_object() -> None:
                             {"name": "dshm", "mountPath": "/dev/shm"},
                             {"name": "transfer-config", "mountPath": "/etc/pd-transfer",
                              "readOnly": True},
+                            {"name": "transfer-key", "mountPath": "/var/run/pd-transfer/auth",
+                             "readOnly": True},
                         ],
+                        # Only IPC_LOCK (RDMA pins KV memory); everything else dropped.
                         "securityContext": {"allowPrivilegeEscalation": False,
-                                            "capabilities": {"add": ["IPC_LOCK"]}},
+                                            "capabilities": {"drop": ["ALL"],
+                                                             "add": ["IPC_LOCK"]}},
                         "startupProbe": {"httpGet": {"path": "/health", "port": "http"},
                                          "periodSeconds": 10, "failureThreshold": 180},
                         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
@@ -155,6 +165,8 @@ def test_decode_statefulset_whole_object() -> None:
                         {"name": "dshm",
                          "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
                         {"name": "transfer-config", "configMap": {"name": "tiny-transfer"}},
+                        {"name": "transfer-key",
+                         "secret": {"secretName": "tiny-transfer-key", "defaultMode": 0o400}},
                     ],
                 },
             },
@@ -173,6 +185,8 @@ def test_children_and_apply_order() -> None:
         ("v1", "ConfigMap", "serving", "tiny-transfer"),
         ("v1", "Service", "serving", "tiny-prefill"),
         ("v1", "Service", "serving", "tiny-decode"),
+        ("networking.k8s.io/v1", "NetworkPolicy", "serving", "tiny-prefill"),
+        ("networking.k8s.io/v1", "NetworkPolicy", "serving", "tiny-decode"),
         ("apps/v1", "StatefulSet", "serving", "tiny-prefill"),
         ("apps/v1", "StatefulSet", "serving", "tiny-decode"),
         ("policy/v1", "PodDisruptionBudget", "serving", "tiny-prefill"),
@@ -361,3 +375,75 @@ def test_readiness_gate_only_where_the_agent_reports() -> None:
 
     assert gates(tiny()) == [{"conditionType": "pd.serving.dev/transfer-ready"}]
     assert gates(tiny(engine={"framework": "sglang", "image": "lmsysorg/sglang:latest"})) == []
+
+
+def test_engine_network_policy_whole_object() -> None:
+    """Guards against engine, bootstrap and metrics ports open to every pod of the cluster
+    (docs/failure-modes.md #26): own pods on every port (UCX/TCP picks ports at run time),
+    the scraper on HTTP and transfer metrics, listed HTTP clients on HTTP only."""
+    pdd = tiny(network={"rdma": {"enabled": False, "required": False},
+                        "policy": {"httpClients": [{"namespaceLabels": {"team": "gw"}}]}})
+    policy = by_key(build_children(pdd, Capabilities()))[("NetworkPolicy", "tiny-decode")]
+    assert strip_hash(policy) == {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": "tiny-decode",
+            "namespace": "serving",
+            "labels": labels("decode", **{"pd.serving.dev/role": "decode"}),
+            "ownerReferences": [OWNER],
+        },
+        "spec": {
+            "podSelector": {"matchLabels": {"pd.serving.dev/deployment": "tiny",
+                                            "pd.serving.dev/role": "decode"}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": {"pd.serving.dev/deployment":
+                                                           "tiny"}}}]},
+                {"from": [{"namespaceSelector": {"matchLabels": {
+                               "kubernetes.io/metadata.name": "monitoring"}},
+                           "podSelector": {"matchLabels": {
+                               "app.kubernetes.io/name": "prometheus"}}}],
+                 "ports": [{"protocol": "TCP", "port": 30000},
+                           {"protocol": "TCP", "port": 9400}]},
+                {"from": [{"namespaceSelector": {"matchLabels": {"team": "gw"}},
+                           "podSelector": {"matchLabels": {}}}],
+                 "ports": [{"protocol": "TCP", "port": 30000}]},
+            ],
+        },
+    }
+
+
+def test_router_network_policy_opens_only_its_serving_port() -> None:
+    """Guards against a router policy that blocks clients or opens more than the front door."""
+    pdd = tiny(router={"enabled": True, "image": "r:1", "port": 8080})
+    policy = by_key(build_children(pdd, Capabilities()))[("NetworkPolicy", "tiny-router")]
+    assert policy["spec"] == {
+        "podSelector": {"matchLabels": {"pd.serving.dev/deployment": "tiny",
+                                        "app.kubernetes.io/component": "router"}},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"ports": [{"protocol": "TCP", "port": 8080}]}],
+    }
+
+
+def test_network_policies_can_be_turned_off() -> None:
+    """Guards against no escape for clusters whose own policies already govern the pods."""
+    pdd = tiny(network={"rdma": {"enabled": False, "required": False},
+                        "policy": {"enabled": False}})
+    kinds = [c["kind"] for c in build_children(pdd, Capabilities())]
+    assert "NetworkPolicy" not in kinds
+
+
+def test_token_is_mounted_only_where_the_agent_uses_it() -> None:
+    """Guards against a ServiceAccount token in pods that never call the API server: SGLang
+    and vLLM pods run no agent, and the router is given every engine URL."""
+    pdd = tiny(engine={"framework": "sglang", "image": "lmsysorg/sglang:v0.4"},
+               router={"enabled": True, "image": "r:1"})
+    children = by_key(build_children(pdd, Capabilities()))
+    sts = children[("StatefulSet", "tiny-prefill")]["spec"]["template"]["spec"]
+    router = children[("Deployment", "tiny-router")]["spec"]["template"]["spec"]
+    assert sts["automountServiceAccountToken"] is False
+    assert router["automountServiceAccountToken"] is False
+    assert router["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert router["containers"][0]["securityContext"] == {
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}

@@ -70,6 +70,8 @@ EXPECTED_PERMISSIONS: dict[tuple[str, str], set[str]] = {
     ("rbac.authorization.k8s.io", "roles"): CRUD,
     ("rbac.authorization.k8s.io", "rolebindings"): CRUD,
     ("policy", "poddisruptionbudgets"): CRUD,
+    ("networking.k8s.io", "networkpolicies"): CRUD,
+    ("", "secrets"): {"get", "list", "watch", "create", "patch"},
     ("", "events"): {"create"},
 }
 

@@ -79,3 +79,19 @@ def test_apt_steps_without_root_fail_naming_the_commands(
     assert "needs root for apt" in message
     assert "apt-get install --no-install-recommends golang-1.19-go " \
            "golang-github-modern-go-reflect2-dev rsync" in message
+
+
+def test_checkov_without_its_install_marker_is_missing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards against a half-finished checkov virtualenv (pip interrupted) being used: only
+    a venv whose marker names the pinned requirement counts, and the error says what to run."""
+    monkeypatch.setenv("PD_OPERATOR_CACHE", str(tmp_path))
+    binary = tmp_path / "checkov-venv" / "bin" / "checkov"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    with pytest.raises(ToolchainMissingError, match="pd-operator dev-cluster build"):
+        toolchain.checkov_path()
+    (tmp_path / "checkov-venv" / "installed").write_text("checkov==3.3.30\n")
+    assert toolchain.checkov_path() == binary
+    assert toolchain.ensure_checkov() == binary  # cached: no pip run

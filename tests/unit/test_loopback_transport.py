@@ -40,8 +40,10 @@ class Pair:
         self.dst = torch.zeros(64 * KIB, dtype=torch.uint8)
         self.src_region = self.prefill.register(self.src, name="src")
         self.dst_region = self.decode.register(self.dst, name="dst")
-        assert self.prefill.add_peer(self.decode.local_metadata()) == "decode-0"
-        assert self.decode.add_peer(self.prefill.local_metadata()) == "prefill-0"
+        assert self.prefill.add_peer(self.decode.local_metadata(),
+                                     expected_name="decode-0") == "decode-0"
+        assert self.decode.add_peer(self.prefill.local_metadata(),
+                                     expected_name="prefill-0") == "prefill-0"
 
     def spans(self, count: int, size: int, stride: int) -> tuple[list[tuple[int, int]], ...]:
         """``count`` scattered spans: source offset i*stride → destination offset i*size."""
@@ -239,7 +241,7 @@ def test_restarted_peer_is_a_new_incarnation(pair: Pair) -> None:
     reborn = pair.fabric.create("decode-0")
     with pytest.raises(PeerUnreachable, match="incarnation"):
         pair.prefill.send_message("decode-0", b"hello")
-    pair.prefill.add_peer(reborn.local_metadata())
+    pair.prefill.add_peer(reborn.local_metadata(), expected_name="decode-0")
     pair.prefill.send_message("decode-0", b"hello")
     assert reborn.poll_messages() == [("prefill-0", b"hello")]
 
@@ -261,7 +263,7 @@ def test_registration_refuses_overlap_duplicates_and_strided_tensors(pair: Pair)
     with pytest.raises(RegistrationError, match="contiguous"):
         pair.prefill.register(torch.zeros(8, 8)[:, 0])
     with pytest.raises(TransportError, match="not loopback metadata"):
-        pair.prefill.add_peer(b"garbage")
+        pair.prefill.add_peer(b"garbage", expected_name="decode-0")
 
 
 def test_close_is_idempotent_and_frees_everything(pair: Pair) -> None:

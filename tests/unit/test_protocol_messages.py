@@ -42,7 +42,8 @@ EVERY_TYPE: list[Message] = [
     GrantRefused(room="r", part=0, sender_id=1, needed_bytes=1 << 30, capacity_bytes=1 << 20),
     StagedPart(room="r", part=2, sender_id=1, ring_offset=0, size_bytes=64, layer_start=0,
                layer_stop=4, page_start=3, page_count=2, ring_version=1, final_parts=3),
-    PartDone(room="r", part=0, sender_id=0),
+    PartDone(room="r", part=0, sender_id=0, layer_start=0, layer_stop=2, page_start=0,
+             page_count=4),
     Finish(room="r", sender_id=0, final_parts=2),
     Release(room="r"),
     Abort(room="r", reason="Aborted", detail="engine"),
@@ -56,7 +57,7 @@ EVERY_TYPE: list[Message] = [
 def test_every_message_round_trips_as_compact_versioned_json(message: Message) -> None:
     wire = encode_message(message)
     envelope = json.loads(wire)
-    assert envelope["v"] == PROTOCOL_VERSION == 2 and envelope["type"] == message.type
+    assert envelope["v"] == PROTOCOL_VERSION == 3 and envelope["type"] == message.type
     assert b" " not in wire.replace(b'"engine"', b"")  # compact
     assert decode_message(wire) == message
 
@@ -77,7 +78,8 @@ REJECTED: list[tuple[str, bytes, str]] = [
     ("older version (1: before hot resize)", json.dumps({"v": 1, "type": "release",
                                                           "room": "r"}).encode(),
      "unsupported_version"),
-    ("future version", json.dumps({"v": 3, "type": "release", "room": "r"}).encode(),
+    ("future version",
+     json.dumps({"v": PROTOCOL_VERSION + 1, "type": "release", "room": "r"}).encode(),
      "unsupported_version"),
     ("boolean version", json.dumps({"v": True, "type": "release", "room": "r"}).encode(),
      "unsupported_version"),
@@ -96,8 +98,9 @@ REJECTED: list[tuple[str, bytes, str]] = [
     ("unknown path", _raw(type="request_kv", room="r", decode_pp_rank=0, decode_tp_rank=0,
                           dst_page_runs=[[0, 1]], num_tokens=1, path="carrier-pigeon",
                           ring_version=1), "invalid_body"),
-    ("final_parts zero", _raw(type="part_done", room="r", part=0, sender_id=0,
-                              final_parts=0), "invalid_body"),
+    ("final_parts zero", _raw(type="part_done", room="r", part=0, sender_id=0, layer_start=0,
+                              layer_stop=1, page_start=0, page_count=1, final_parts=0),
+     "invalid_body"),
     # A recursive JSON parser hits the interpreter's recursion limit on these; the decoder
     # must refuse them before parsing (the payload is far below the size limit).
     ("2000 nested arrays", b"[" * 2000, "too_deep"),

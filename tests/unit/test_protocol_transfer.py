@@ -19,10 +19,9 @@ from pd_transfer.protocol.messages import (
     Release,
     RequestKV,
     StagedPart,
-    encode_message,
 )
 from pd_transfer.transport import Envelope, FaultAction, FaultRule
-from tests.transfer_harness import Cluster, message_type, of_type
+from tests.transfer_harness import Cluster, message_type, of_type, seal_as
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -336,8 +335,9 @@ def test_hostile_messages_are_rejected_counted_and_change_nothing() -> None:
     cluster = Cluster(mode="staged")
     receiver, sender = cluster.receivers[0], cluster.senders[0]
     mallory = cluster.fabric.create("mallory")
-    mallory.add_peer(receiver.transport.local_metadata())
-    mallory.add_peer(sender.transport.local_metadata())
+    mallory.add_peer(receiver.transport.local_metadata(),
+                     expected_name=receiver.transport.agent_name)
+    mallory.add_peer(sender.transport.local_metadata(), expected_name=sender.transport.agent_name)
     request = cluster.new_request(num_tokens=8)
     cluster.start(request, send=False)
     cluster.run(lambda: sender.poll(request.room).state is State.TRANSFERRING)  # type: ignore[union-attr]
@@ -355,8 +355,11 @@ def test_hostile_messages_are_rejected_counted_and_change_nothing() -> None:
                             ring_version=1)),
     ]
     for target, message in hostile:
-        mallory.send_message(target.transport.agent_name, encode_message(message))
-    mallory.send_message(receiver.transport.agent_name, b'{"v":9,"type":"grant"}')
+        mallory.send_message(target.transport.agent_name,
+                             seal_as("mallory", target.transport.agent_name, message))
+    mallory.send_message(receiver.transport.agent_name,
+                         seal_as("mallory", receiver.transport.agent_name,
+                                 b'{"v":9,"type":"grant"}'))
     for _ in range(3):
         cluster.step()
     assert receiver.metrics.snapshot().rejected_by_reason == {
@@ -381,7 +384,8 @@ def test_a_grant_outside_the_ring_is_refused_before_anything_is_posted() -> None
     cluster.run(lambda: sender.alloc_requests_sent == 1)
     forged = Grant(room=request.room, part=0, sender_id=0, ring_offset=4096 - 256,
                    size_bytes=512, ring_version=1)
-    receiver.transport.send_message(sender.transport.agent_name, encode_message(forged))
+    receiver.transport.send_message(sender.transport.agent_name, seal_as(
+        receiver.transport.agent_name, sender.transport.agent_name, forged))
     cluster.run(lambda: cluster.finished(request.room))
     assert sender.poll(request.room).reason is FailureReason.PROTOCOL_VIOLATION  # type: ignore[union-attr]
     assert sender.transport.stats.transfers_posted == 0
@@ -394,9 +398,10 @@ def test_request_kv_naming_pages_outside_the_decode_pool_is_a_violation() -> Non
     request = cluster.new_request(num_tokens=8)
     sender.register_request(request.room, request.src_pages, request.num_tokens)
     sender.send_part(request.room, last=True)
-    forged = encode_message(RequestKV(room=request.room, decode_pp_rank=0, decode_tp_rank=0,
-                                      dst_page_runs=((cluster.num_pages - 1, 2),),
-                                      num_tokens=8, path="contiguous", ring_version=1))
+    forged = seal_as(receiver.transport.agent_name, sender.transport.agent_name,
+                     RequestKV(room=request.room, decode_pp_rank=0, decode_tp_rank=0,
+                               dst_page_runs=((cluster.num_pages - 1, 2),),
+                               num_tokens=8, path="contiguous", ring_version=1))
     receiver.transport.send_message(sender.transport.agent_name, forged)
     cluster.run(lambda: sender.poll(request.room).finished)  # type: ignore[union-attr]
     assert sender.poll(request.room).reason is FailureReason.PROTOCOL_VIOLATION  # type: ignore[union-attr]

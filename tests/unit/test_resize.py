@@ -15,9 +15,9 @@ import pytest
 from pd_transfer._endpoint import ResizeResult
 from pd_transfer.errors import ResizeError
 from pd_transfer.protocol.lifecycle import FailureReason, State
-from pd_transfer.protocol.messages import StagedPart, encode_message
+from pd_transfer.protocol.messages import StagedPart
 from pd_transfer.transport import FaultAction, FaultRule
-from tests.transfer_harness import Cluster, Request, message_type
+from tests.transfer_harness import Cluster, Request, message_type, seal_as
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,7 +142,8 @@ def test_a_staged_part_of_a_stale_registration_is_rejected_for_its_request_only(
     stale = StagedPart(room=victim.room, part=0, sender_id=0, ring_offset=0, size_bytes=256,
                        layer_start=0, layer_stop=2, page_start=0, page_count=2,
                        ring_version=1)
-    sender.transport.send_message(receiver.transport.agent_name, encode_message(stale))
+    sender.transport.send_message(receiver.transport.agent_name, seal_as(
+        sender.transport.agent_name, receiver.transport.agent_name, stale))
     cluster.run(lambda: cluster.finished(victim.room))
     assert receiver.poll(victim.room).reason is FailureReason.PROTOCOL_VIOLATION  # type: ignore[union-attr]
     assert receiver.metrics.snapshot().rejected_by_reason["stale_registration"] == 1

@@ -159,3 +159,48 @@ def test_recomputing_an_unchanged_world_gives_an_equal_status() -> None:
     again = compute_status(pdd.model_copy(update={"status": first}), obs,
                            NOW + timedelta(seconds=30))
     assert again.to_wire() == first.to_wire()
+
+
+def _workload(kind: str, name: str, *conditions: dict[str, str]) -> dict[str, object]:
+    return {"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name},
+            "status": {"conditions": list(conditions)}}
+
+
+def test_child_workload_failures_make_degraded_with_the_childs_reason() -> None:
+    """A StatefulSet's ReplicaFailure and a Deployment's progress deadline surface as
+    Degraded=True with the child's reason and message (issue 12 item 6; docs/failure-modes.md
+    #29: StatefulSets whose pods could not be created left the PDDeployment "Progressing:
+    Creating" forever without a word). Healthy conditions (ReplicaFailure=False,
+    Progressing=True) change nothing."""
+    sts = _workload("StatefulSet", "llama-prefill", {
+        "type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+        "message": 'pods "llama-prefill-0" is forbidden: exceeded quota: no-pods'})
+    got = compute_status(make_pdd(), observed(workloads=(sts,)), NOW)
+    degraded = find_condition(got.conditions, "Degraded")
+    assert (degraded.status.value, degraded.reason, degraded.message) == (
+        "True", "FailedCreate",
+        'StatefulSet llama-prefill: FailedCreate: pods "llama-prefill-0" is forbidden: '
+        "exceeded quota: no-pods")
+    assert got.phase is Phase.DEGRADED
+
+    deploy = _workload("Deployment", "llama-router", {
+        "type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+        "message": 'ReplicaSet "llama-router-5d4f" has timed out progressing.'})
+    got = compute_status(make_pdd(), observed(workloads=(deploy,)), NOW)
+    assert status_of(got, "Degraded") == ("True", "ProgressDeadlineExceeded")
+
+    # Two different child reasons: one generic reason, both messages.
+    got = compute_status(make_pdd(), observed(workloads=(sts, deploy)), NOW)
+    degraded = find_condition(got.conditions, "Degraded")
+    assert degraded.reason == "ChildFailed"
+    assert degraded.message.startswith("StatefulSet llama-prefill: FailedCreate: ")
+    assert 'Deployment llama-router: ProgressDeadlineExceeded: ReplicaSet "llama-router-5d4f"' \
+        in degraded.message
+
+    fine = (_workload("StatefulSet", "llama-decode",
+                      {"type": "ReplicaFailure", "status": "False", "reason": "AsExpected"}),
+            _workload("Deployment", "llama-router",
+                      {"type": "Progressing", "status": "True",
+                       "reason": "NewReplicaSetAvailable"}))
+    got = compute_status(make_pdd(), observed(workloads=fine), NOW)
+    assert status_of(got, "Degraded") == ("False", "AsExpected")

@@ -112,8 +112,12 @@ def test_healthy_fleet_gives_the_whole_transfer_status_and_true_conditions() -> 
             ObservedTransport(pod="llama-prefill-0", transport="rc_mlx5"),
         ],
         # per-rank high water = 2048 MiB x (4096 pool / 8192 capacity) = 1024 MiB;
-        # x 1.25 = 1280 MiB; rounded up to 256 MiB -> 1280 MiB (= one chunk, the minimum).
+        # x 1.25 = 1280 MiB; one chunk is 1280 MiB (the admission minimum) -> 1 chunk.
         recommended_decode_pool_mib=1280,
+        recommendation_basis=(
+            "1280 MiB = one prefill chunk (1342177280 bytes per decode rank, rounded up to "
+            "1280 MiB: the admission minimum); the highest per-rank decode occupancy, "
+            "1024.0 MiB (llama-decode-0), × 1.25 headroom = 1280.0 MiB, fits in it."),
         summary="Healthy",
     )
     assert [(c.type, c.status, c.reason) for c in conditions] == [
@@ -264,13 +268,14 @@ def test_staging_resizing_mismatch_near_capacity_and_not_in_use() -> None:
 
     # 7600 of 8192 MiB used (93% > 90%): still True, with the recommended size.
     # per-rank high water = 7600 x 4096 / 8192 = 3800 MiB; x 1.25 = 4750 MiB;
-    # rounded up to 256 MiB: ceil(4750 / 256) = 19 (18 x 256 = 4608 < 4750) -> 4864 MiB.
+    # rounded up to whole 1280 MiB chunks: ceil(4750 / 1280) = 4 -> 5120 MiB.
     full = {**RING, "usedBytes": 7600 * MIB, "highWaterBytes": 7600 * MIB}
     got, conditions = transfer_status(spec(), fleet(), healthy_agents(ring=full), NOW)
     pool = cond(conditions, "StagingPoolReady")
     assert (pool.status, pool.reason) == (ConditionStatus.TRUE, "NearCapacity")
-    assert got.recommended_decode_pool_mib == 4864
-    assert "decodePoolMiB: 4864" in pool.message and "llama-decode-1" in pool.message
+    assert got.recommended_decode_pool_mib == 5120
+    assert "decodePoolMiB: 5120 (5120 MiB = 4 × one prefill chunk" in pool.message
+    assert "llama-decode-1" in pool.message
 
     waiting = {**RING, "pendingGrants": 2}
     _, conditions = transfer_status(spec(), fleet(), healthy_agents(ring=waiting), NOW)
@@ -284,10 +289,12 @@ def test_staging_resizing_mismatch_near_capacity_and_not_in_use() -> None:
 
 
 def test_recommended_pool_arithmetic() -> None:
-    """max per-rank decode high water x 1.25, rounded up to 256 MiB, at least one chunk.
+    """max per-rank decode high water x 1.25, rounded up to whole chunks (1280 MiB, the
+    admission minimum), at least one. Guards against the demo's 8 MiB pools (high water
+    0.1 MiB) being told 256 MiB: the old 256 MiB rounding ignored the chunk size.
     decode-0: 5000 MiB high water over a 2-rank ring (8192 MiB capacity, 4096 per rank)
-      -> 2500 MiB per rank -> x 1.25 = 3125 MiB -> ceil(3125 / 256) = 13 -> 3328 MiB.
-    decode-1: 600 MiB -> 300 per rank -> 375 -> 512 MiB, below one chunk (1280 MiB)."""
+      -> 2500 MiB per rank -> x 1.25 = 3125 MiB -> ceil(3125 / 1280) = 3 -> 3840 MiB.
+    decode-1: 600 MiB -> 300 per rank -> 375 -> 1 chunk = 1280 MiB."""
     def with_high_water(mib: int) -> dict[str, int]:
         return {**RING, "highWaterBytes": mib * MIB}
 
@@ -295,7 +302,11 @@ def test_recommended_pool_arithmetic() -> None:
     agents = [make_agent("llama-decode-0", report_time=FRESH, ring=with_high_water(5000)),
               make_agent("llama-decode-1", report_time=FRESH, ring=with_high_water(600))]
     got, _ = transfer_status(spec(), pods, agents, NOW)
-    assert got.recommended_decode_pool_mib == 3328
+    assert got.recommended_decode_pool_mib == 3840
+    assert got.recommendation_basis == (
+        "3840 MiB = 3 × one prefill chunk (1342177280 bytes per decode rank, rounded up to "
+        "1280 MiB: the admission minimum): the highest per-rank decode occupancy, 2500.0 MiB "
+        "(llama-decode-0), × 1.25 headroom = 3125.0 MiB, rounded up to whole chunks.")
     got, _ = transfer_status(spec(), pods[1:], agents[1:], NOW)
     assert got.recommended_decode_pool_mib == 1280
     # no occupancy observed yet: no evidence, no recommendation
@@ -327,3 +338,28 @@ def test_gate_changes_only_when_status_or_reason_changes() -> None:
     assert change.pod == "llama-decode-1" and change.announce and not change.bad_news
     assert change.condition["status"] == "True"
     assert change.condition["lastTransitionTime"] == "2024-05-01T12:00:30Z"
+
+
+def test_demo_pools_are_not_told_256_mib() -> None:
+    """Issue 12 item 7: the local-reference demo (4 layers, 2 KV heads, head dim 32, bf16,
+    256-token chunks, prefill TP1 -> decode TP2, 8 MiB pools) with a 0.1 MiB high-water mark.
+    One chunk per decode rank = 256 tokens × 1 head × 32 × 2 B × 2 × 4 layers = 131072 bytes
+    -> 1 MiB (the admission minimum, which 8 MiB passes); 0.1 MiB × 1.25 = 0.125 MiB fits in
+    one chunk -> 1 MiB, not 256. Guards against a recommendation that disagrees with
+    admission and with what runs (docs/failure-modes.md #30)."""
+    demo = make_spec(
+        model={"numLayers": 4, "numKVHeads": 2, "headDim": 32, "kvDtype": "bfloat16"},
+        prefill={"parallelism": {"tensor": 1}, "pageSize": 16, "chunkedPrefillTokens": 256},
+        decode={"parallelism": {"tensor": 2}, "pageSize": 16},
+        transfer={"staging": {"decodePoolMiB": 8, "prefillBufferMiB": 8}},
+    )
+    ring = {"capacityBytes": 16 * MIB, "usedBytes": 0,
+            "highWaterBytes": round(0.2 * MIB), "pendingGrants": 0}  # 2 ranks × 8 MiB
+    agents = [make_agent("llama-decode-0", report_time=FRESH, ring=ring,
+                         staging_mib=(8, 8))]
+    got, _ = transfer_status(demo, fleet()[1:2], agents, NOW)
+    assert got.recommended_decode_pool_mib == 1
+    assert got.recommendation_basis == (
+        "1 MiB = one prefill chunk (131072 bytes per decode rank, rounded up to 1 MiB: the "
+        "admission minimum); the highest per-rank decode occupancy, 0.1 MiB "
+        "(llama-decode-0), × 1.25 headroom = 0.1 MiB, fits in it.")

@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from pd_transfer._endpoint import RankIdentity
+from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import BootstrapServer, GeometryDoc
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.plan import Parallelism, RankCoord
@@ -33,7 +34,7 @@ ROOM, TOKENS = "request-1", 70
 SRC_PAGES, DST_PAGES = [3, 4, 9, 20, 21], [30, 2, 11, 12, 7]
 
 
-def rank(conn: Connection, role: str) -> None:
+def rank(conn: Connection, role: str, auth: PeerAuth) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     pool = KVPool.allocate(LAYOUT)
     transport = NixlTransport(f"{role}-{uuid.uuid4().hex[:8]}")  # one name per incarnation
@@ -43,10 +44,10 @@ def rank(conn: Connection, role: str) -> None:
         torch.manual_seed(0)
         for tensor in pool.tensors():
             tensor.copy_(torch.randn_like(tensor))
-        endpoint = PrefillSender(transport, pool, identity, staging_bytes=4 << 20)
+        endpoint = PrefillSender(transport, pool, identity, staging_bytes=4 << 20, auth=auth)
     else:
-        endpoint = DecodeReceiver(transport, pool, identity, ring_bytes=4 << 20)
-    server = BootstrapServer(endpoint.document)  # memory is registered: publish
+        endpoint = DecodeReceiver(transport, pool, identity, ring_bytes=4 << 20, auth=auth)
+    server = BootstrapServer(endpoint.document, auth)  # memory is registered: publish
     worker = Worker(endpoint).start()
     conn.send(server.address)
     endpoint.add_peer(conn.recv()).result(30)
@@ -74,7 +75,8 @@ def tokens_of(tensor: torch.Tensor, pages: list[int]) -> torch.Tensor:
 def main() -> None:
     ctx = mp.get_context("spawn")
     pipes = {role: ctx.Pipe() for role in ("prefill", "decode")}
-    procs = [ctx.Process(target=rank, args=(pipes[r][1], r)) for r in pipes]
+    auth = PeerAuth.generate()  # in a pod: PeerAuth.from_file($PD_TRANSFER_AUTH_KEY_FILE)
+    procs = [ctx.Process(target=rank, args=(pipes[r][1], r, auth)) for r in pipes]
     for proc in procs:
         proc.start()
     addresses = {role: pipes[role][0].recv() for role in pipes}

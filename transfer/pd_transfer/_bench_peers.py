@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 
 from pd_transfer._endpoint import RankIdentity, Timeouts
+from pd_transfer.auth import PeerAuth, outgoing_body
 from pd_transfer.bootstrap import GeometryDoc, RankDocument
 from pd_transfer.layout import KVLayout, KVPool, compute_page_runs
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
@@ -97,8 +98,8 @@ class TimedTransport:
     def local_metadata(self) -> bytes:
         return self._inner.local_metadata()
 
-    def add_peer(self, metadata: bytes) -> str:
-        return self._inner.add_peer(metadata)
+    def add_peer(self, metadata: bytes, *, expected_name: str) -> str:
+        return self._inner.add_peer(metadata, expected_name=expected_name)
 
     def remove_peer(self, name: str) -> None:
         self._inner.remove_peer(name)
@@ -113,7 +114,7 @@ class TimedTransport:
     ) -> TransferHandle:
         now = time.monotonic()
         handle = self._inner.write(peer, local, remote, remote_regions, notification)
-        message = decode_message(notification)
+        message = decode_message(outgoing_body(notification))
         if isinstance(message, PartDone | StagedPart):
             key = (message.room, message.part)
             with self._lock:
@@ -141,7 +142,8 @@ class TimedTransport:
         now = time.monotonic()
         for _, payload in received:
             try:
-                message = decode_message(payload)
+                # Timing stamps only (the endpoint verifies the frame before acting on it).
+                message = decode_message(outgoing_body(payload))
             except Exception:  # the endpoint itself rejects and counts a bad payload
                 continue
             if isinstance(message, PartDone | StagedPart):
@@ -207,6 +209,8 @@ class DecodeSpec:
     mode: Literal["auto", "staged", "contiguous"]
     seed: int
     torch_threads: int
+    # One random transfer key the benchmark's processes share (PrefillPeer takes it too).
+    auth: PeerAuth = field(default_factory=PeerAuth.generate)
 
 
 class _DecodeRank:
@@ -224,7 +228,7 @@ class _DecodeRank:
         self.transport = TimedTransport(NixlTransport(f"bench-decode-{rank}-{os.getpid()}"))
         identity = RankIdentity("bench-decode", RankCoord(0, rank), Parallelism(spec.tp),
                                 _geometry(spec.model, spec.dtype, spec.page_size))
-        self.receiver = DecodeReceiver(self.transport, self.pool, identity,
+        self.receiver = DecodeReceiver(self.transport, self.pool, identity, auth=spec.auth,
                                        ring_bytes=spec.ring_bytes, mode=spec.mode,
                                        timeouts=Timeouts(transfer_s=300.0))
         self.worker = Worker(self.receiver, f"decode-{rank}", _IDLE_SLEEP_S).start()
@@ -321,6 +325,7 @@ class DecodeProcess:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_decode_main, args=(child, spec), daemon=True)
+        self.auth = spec.auth  # the key its ranks verify with; give it to PrefillPeer
         self.process.start()
         if not self.conn.poll(start_timeout_s):
             self.process.kill()
@@ -347,7 +352,7 @@ class PrefillPeer:
     """Prefill TP rank 0 of 1 in this process: pool, timed NIXL transport, sender, worker."""
 
     def __init__(self, model: ReferenceModel, *, num_pages: int, page_size: int,
-                 staging_bytes: int) -> None:
+                 staging_bytes: int, auth: PeerAuth) -> None:
         if model.tp_size != 1:
             raise ValueError("the benchmark's prefill runs TP 1 (one rank per process)")
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -355,7 +360,7 @@ class PrefillPeer:
         self.transport = TimedTransport(NixlTransport(f"bench-prefill-{os.getpid()}"))
         identity = RankIdentity("bench-prefill", RankCoord(0, 0), Parallelism(1),
                                 _geometry(model.config, model.dtype, page_size))
-        self.sender = PrefillSender(self.transport, self.pool, identity,
+        self.sender = PrefillSender(self.transport, self.pool, identity, auth=auth,
                                     staging_bytes=staging_bytes,
                                     timeouts=Timeouts(transfer_s=300.0))
         self.worker = Worker(self.sender, "prefill", _IDLE_SLEEP_S).start()

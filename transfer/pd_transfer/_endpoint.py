@@ -46,6 +46,7 @@ from pd_contract.defaults import (
     KV_LEASE_SECONDS,
     TRANSFER_SECONDS,
 )
+from pd_transfer.auth import PeerAuth, Purpose
 from pd_transfer.bootstrap import (
     GeometryDoc,
     RankDocument,
@@ -58,7 +59,13 @@ from pd_transfer.layout import KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.plan import Parallelism, RankCoord
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Lifecycle, RequestStatus, Role
-from pd_transfer.protocol.messages import Abort, Message, decode_message, encode_message
+from pd_transfer.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Message,
+    decode_message,
+    encode_message,
+)
 from pd_transfer.protocol.parts import PartMachine
 from pd_transfer.ring import StagingRing
 from pd_transfer.transport.base import RegisteredRegion, Transport
@@ -162,11 +169,13 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         pool: KVPool,
         identity: RankIdentity,
         *,
+        auth: PeerAuth,
         timeouts: Timeouts | None = None,
         metrics: TransferMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.transport = transport
+        self.auth = auth  # the deployment's transfer key (docs/failure-modes.md #26)
         self.pool = pool
         self.identity = identity
         self.timeouts = timeouts or Timeouts()
@@ -202,7 +211,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         Raises BootstrapError / GeometryMismatch at once; the Future yields the peer's
         agent name once the transport knows it.
         """
-        document = fetch_document(address, timeout_s or self.timeouts.bootstrap_s)
+        document = fetch_document(address, timeout_s or self.timeouts.bootstrap_s, self.auth)
         check_compatible(self.identity.geometry, document, address)
         return self.add_peer_document(document)
 
@@ -270,11 +279,18 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         for peer, payload in self.transport.poll_messages():
             busy = True
             try:
-                message = decode_message(payload)
+                message = decode_message(self.authenticate(peer, payload))
                 self._on_message(peer, message)
             except RemoteProtocolError as exc:
                 self.reject(exc.reason, f"from {peer}: {exc.detail}")
-        busy = self._progress() or busy
+            except Exception as exc:  # outside any request's guard: the batch goes on
+                _log.exception("handling a message from %s failed", peer)
+                self.reject("handler_error", f"from {peer}: {type(exc).__name__}: {exc}")
+        try:
+            busy = self._progress() or busy
+        except Exception:  # a request's own errors are guarded inside; deadlines still run
+            _log.exception("transfer progress failed")
+            busy = True
         self._check_deadlines(self.clock())
         return busy
 
@@ -297,7 +313,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
     def send(self, peer: str, message: Message) -> bool:
         """Send a control message; on PeerUnreachable prune the peer. Never blocks long."""
         try:
-            self.transport.send_message(peer, encode_message(message))
+            self.transport.send_message(peer, self.seal(peer, message))
         except PeerUnreachable as exc:
             self.prune_peer(peer, str(exc))
             return False
@@ -305,6 +321,19 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             _log.warning("send to %s failed: %s", peer, exc)
             return False
         return True
+
+    def seal(self, peer: str, message: Message) -> bytes:
+        """``message`` framed for ``peer`` with the transfer key: what every control message
+        and WRITE notification travels as (docs/failure-modes.md #26)."""
+        return self.auth.seal(encode_message(message), purpose=Purpose.MESSAGE,
+                              version=PROTOCOL_VERSION, sender=self.transport.agent_name,
+                              receiver=peer)
+
+    def authenticate(self, peer: str, payload: bytes) -> bytes:
+        """The body of a frame ``peer`` sealed for this agent, checked before any decoding;
+        Unauthenticated (a RemoteProtocolError, counted as ``unauthenticated``) otherwise."""
+        return self.auth.open(payload, purpose=Purpose.MESSAGE, version=PROTOCOL_VERSION,
+                              sender=peer, receiver=self.transport.agent_name)
 
     def prune_peer(self, peer: str, detail: str) -> None:
         """Forget ``peer`` and fail every request bound to it (docs/failure-modes.md #10, #19)."""
@@ -479,12 +508,23 @@ class Endpoint(abc.ABC, Generic[TransferT]):
                                               resize.failed_requests))
 
     def _connect(self, document: RankDocument) -> str:
-        name = self.transport.add_peer(document.transport_metadata)
-        if name != document.agent_name:
-            self.transport.remove_peer(name)
-            raise TransportError(
-                f"metadata names agent {name!r} but the document says {document.agent_name!r}"
-            )
+        """Load an authenticated peer's metadata under the agent name its document claims.
+
+        A connected peer's entry is never replaced here (its registrations change only
+        through its own authenticated RingUpdate; a restarted peer has a new agent name), so
+        the same document again, or a stale one, changes nothing. A refusal (TransportError)
+        changes no transport state (docs/failure-modes.md #26).
+        """
+        name = document.agent_name
+        if name == self.transport.agent_name:
+            raise TransportError(f"peer document names this rank's own agent {name!r}")
+        if name in self.peers:
+            return name
+        try:
+            metadata = base64.b64decode(document.transport_metadata_b64, validate=True)
+        except ValueError as exc:
+            raise TransportError(f"peer {name!r}: transport metadata is not base64: {exc}") from exc
+        self.transport.add_peer(metadata, expected_name=name)
         self.peers[name] = document
         self._on_peer_added(document)
         return name

@@ -135,7 +135,8 @@ class _Bench:
             seed=settings.seed, torch_threads=1 if cpu else 4,
         ))
         self.prefill = PrefillPeer(self.model, num_pages=self.num_pages,
-                                   page_size=settings.page_size, staging_bytes=64 << 20)
+                                   page_size=settings.page_size, staging_bytes=64 << 20,
+                                   auth=self.decode.auth)
         self.prefill.connect(self.decode)
         self.rooms = 0
         self._graphed: GraphedChunkForward | None = None  # of the current prompt length

@@ -11,8 +11,15 @@ names both values of the first mismatch.
 The server is stdlib ``http.server`` in a daemon thread: one GET route, ``/v1/rank``.
 The document is rendered on each request, so a re-registered ring shows up at once.
 
+Authenticated (docs/failure-modes.md #26): the body is the document's JSON in a
+``pd_transfer.auth`` frame sealed with the deployment's transfer key (purpose ``document``);
+``fetch_document`` verifies the MAC before it parses a byte of JSON, so transport metadata
+reaches ``Transport.add_peer`` only from a pod holding the key. The document names its agent
+inside the MACed body; ``add_peer`` checks the metadata embeds that same name.
+
 Version history of ``DOCUMENT_VERSION``:
   1: first version.
+  2: the body is sealed in a ``pd_transfer.auth`` frame (HMAC-SHA256 with the transfer key).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Final, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pd_transfer.auth import PeerAuth, Purpose, Unauthenticated
 from pd_transfer.errors import BootstrapError, GeometryMismatch
 from pd_transfer.plan import Attention, KVGeometry, Parallelism, RankCoord
 from pd_transfer.transport.base import MemoryKind, RegisteredRegion
@@ -42,9 +50,11 @@ __all__ = [
     "RegionDoc",
     "check_compatible",
     "fetch_document",
+    "open_document",
+    "seal_document",
 ]
 
-DOCUMENT_VERSION: Final = 1
+DOCUMENT_VERSION: Final = 2
 MAX_DOCUMENT_BYTES: Final = 1 << 20
 ROUTE: Final = "/v1/rank"
 
@@ -105,7 +115,7 @@ class GeometryDoc(_Doc):
 class RankDocument(_Doc):
     """Everything a peer needs to address this rank."""
 
-    v: Literal[1] = DOCUMENT_VERSION
+    v: Literal[2] = DOCUMENT_VERSION
     role: Literal["prefill", "decode"]
     instance: str = Field(min_length=1, max_length=253)
     agent_name: str = Field(min_length=1)
@@ -145,8 +155,43 @@ def check_compatible(local: GeometryDoc, remote: RankDocument, address: str) -> 
             )
 
 
-def fetch_document(address: str, timeout_s: float) -> RankDocument:
-    """GET ``http://{address}/v1/rank`` within ``timeout_s``; raises BootstrapError."""
+def seal_document(document: RankDocument, auth: PeerAuth) -> bytes:
+    """The document's JSON in a frame sealed with the key in force (what the server sends)."""
+    return auth.seal(document.model_dump_json().encode(), purpose=Purpose.DOCUMENT,
+                     version=DOCUMENT_VERSION, sender="", receiver="")
+
+
+def open_document(raw: bytes, auth: PeerAuth, source: str) -> RankDocument:
+    """Verify a sealed document's MAC, then parse it; raises BootstrapError naming ``source``.
+
+    The frame binds no agent names (a fetcher is anonymous): the agent name is inside the
+    MACed body, and ``Transport.add_peer`` checks the metadata against it.
+    """
+    try:
+        body = auth.open(raw, purpose=Purpose.DOCUMENT, version=DOCUMENT_VERSION,
+                         sender="", receiver="")
+    except Unauthenticated as exc:
+        raise BootstrapError(
+            f"{source}: unauthenticated bootstrap document: {exc.detail}; prefill and decode "
+            f"must mount the same PDDeployment's transfer key") from exc
+    try:
+        version = json.loads(body).get("v")
+    except (ValueError, AttributeError, RecursionError) as exc:  # deep nesting: RecursionError
+        raise BootstrapError(f"{source}: not a JSON object: {exc}") from exc
+    if version != DOCUMENT_VERSION:
+        raise BootstrapError(
+            f"{source}: document version {version!r}, this side reads {DOCUMENT_VERSION}; "
+            f"run the same pd-transfer version on prefill and decode"
+        )
+    try:
+        return RankDocument.model_validate_json(body)
+    except ValidationError as exc:
+        raise BootstrapError(f"{source}: invalid rank document: {exc}") from exc
+
+
+def fetch_document(address: str, timeout_s: float, auth: PeerAuth) -> RankDocument:
+    """GET ``http://{address}/v1/rank`` within ``timeout_s`` and verify it with ``auth``;
+    raises BootstrapError."""
     url = f"http://{address}{ROUTE}"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
@@ -155,35 +200,25 @@ def fetch_document(address: str, timeout_s: float) -> RankDocument:
         raise BootstrapError(f"cannot fetch {url} within {timeout_s} s: {exc}") from exc
     if len(raw) > MAX_DOCUMENT_BYTES:
         raise BootstrapError(f"{url}: document larger than {MAX_DOCUMENT_BYTES} bytes")
-    try:
-        version = json.loads(raw).get("v")
-    except (ValueError, AttributeError) as exc:
-        raise BootstrapError(f"{url}: not a JSON object: {exc}") from exc
-    if version != DOCUMENT_VERSION:
-        raise BootstrapError(
-            f"{url}: document version {version!r}, this side reads {DOCUMENT_VERSION}; "
-            f"run the same pd-transfer version on prefill and decode"
-        )
-    try:
-        return RankDocument.model_validate_json(raw)
-    except ValidationError as exc:
-        raise BootstrapError(f"{url}: invalid rank document: {exc}") from exc
+    return open_document(raw, auth, url)
 
 
 class BootstrapServer:
-    """Serves ``render()`` as JSON on ``host:port`` (port 0: any free port) until closed."""
+    """Serves ``render()`` sealed with ``auth`` on ``host:port`` (port 0: any free port)
+    until closed."""
 
     def __init__(
-        self, render: Callable[[], RankDocument], host: str = "127.0.0.1", port: int = 0
+        self, render: Callable[[], RankDocument], auth: PeerAuth, host: str = "127.0.0.1",
+        port: int = 0,
     ) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 if self.path != ROUTE:
                     self.send_error(404, f"only {ROUTE} is served")
                     return
-                body = render().model_dump_json().encode()
+                body = seal_document(render(), auth)
                 self.send_response(200)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

@@ -46,12 +46,14 @@ import torch
 
 from pd_transfer._endpoint import Endpoint, RankIdentity, ResizeResult, Timeouts, Transfer
 from pd_transfer._paths import PathMode, choose_path, compute_layout
+from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import RankDocument
 from pd_transfer.errors import OversizedAllocation
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.plan import TransferPlan, compute_transfer_topology
 from pd_transfer.protocol import messages as wire
+from pd_transfer.protocol.coverage import Coverage, CoverageError
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Role, State
 from pd_transfer.protocol.parts import Part, PartEvent, PartState, Quarantined
 from pd_transfer.ring import Region, StagingRing
@@ -82,6 +84,7 @@ class _Writer:
     layout: KVLayout  # the writer's local layout
     path: str
     asked_at: float
+    coverage: Coverage  # the plan's layers × the request's pages its landed parts claimed
     heard: bool = False
     final: int | None = None
     parts: dict[int, _InPart] = field(default_factory=dict)  # every part a message named
@@ -141,11 +144,12 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
     staging_side = "ring"
 
     def __init__(self, transport: Transport, pool: KVPool, identity: RankIdentity, *,
-                 ring_bytes: int, mode: PathMode = "auto", timeouts: Timeouts | None = None,
+                 auth: PeerAuth, ring_bytes: int, mode: PathMode = "auto",
+                 timeouts: Timeouts | None = None,
                  metrics: TransferMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(transport, pool, identity, timeouts=timeouts, metrics=metrics,
-                         clock=clock)
+        super().__init__(transport, pool, identity, auth=auth, timeouts=timeouts,
+                         metrics=metrics, clock=clock)
         self.mode: PathMode = mode
         self.ring_buffer = torch.zeros(ring_bytes, dtype=torch.uint8, device=pool.device)
         self.ring_region = transport.register(self.ring_buffer,
@@ -240,7 +244,10 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             name, doc = group[plan.prefill]
             src_layout = compute_layout(doc)
             path = choose_path(transfer.mode, plan, src_layout, self.pool.layout)
-            transfer.writers[plan.sender_id] = _Writer(name, plan, src_layout, path, now)
+            coverage = Coverage(range(plan.layers.start, plan.layers.stop),
+                                len(transfer.dst_pages))
+            transfer.writers[plan.sender_id] = _Writer(name, plan, src_layout, path, now,
+                                                       coverage)
         transfer.instance = instance
         transfer.transfer_deadline = now + self.timeouts.transfer_s
         self._apply(transfer, Event.START)
@@ -406,20 +413,17 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         plan = writer.plan
         layers = range(msg.layer_start, msg.layer_stop)
         pages = range(msg.page_start, msg.page_start + msg.page_count)
+        if not self._claim(transfer, writer, msg, layers, pages):
+            return
         expected = staged_chunk_bytes(self.pool.layout, len(layers), len(pages),
                                       plan.heads.num_heads)
         if (msg.ring_offset, msg.size_bytes) != (region.offset_bytes, region.size_bytes) or (
-                expected != msg.size_bytes or not layers or layers.start < plan.layers.start
-                or layers.stop > plan.layers.stop or pages.stop > len(transfer.dst_pages)):
+                expected != msg.size_bytes):
             self.reject("region_mismatch", f"part {msg.part}: [{msg.ring_offset}, "
                         f"+{msg.size_bytes}) layers {layers} pages {pages}; granted "
                         f"[{region.offset_bytes}, +{region.size_bytes}), {expected} expected")
             self._violation(transfer, writer.peer, "notification does not match its grant")
             return
-        if msg.final_parts is not None:
-            self._set_final(transfer, writer, msg.final_parts)
-            if transfer.lifecycle.finished:
-                return
         self.part_machine.apply(part, PartEvent.LAND)
         view = self.ring_buffer[region.offset_bytes : region.offset_bytes + region.size_bytes]
         local_layers = [g - plan.layers.start + plan.dst_layer_start for g in layers]
@@ -454,15 +458,37 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         if part.state is PartState.ARRIVED:
             self.reject("duplicate", f"notification for part {msg.part} again")
             return
+        layers = range(msg.layer_start, msg.layer_stop)
+        pages = range(msg.page_start, msg.page_start + msg.page_count)
+        if self._claim(transfer, writer, msg, layers, pages):
+            self._move(writer, part, PartEvent.NOTIFY)
+
+    def _claim(self, transfer: ReceiveTransfer, writer: _Writer,
+               msg: wire.StagedPart | wire.PartDone, layers: range, pages: range) -> bool:
+        """Check a landing part against the plan (docs/failure-modes.md #28): its final count
+        agrees, its index is below it, its cells are inside the writer's promise and none
+        landed before; then they count as covered. False: a counted violation failed the
+        request (nothing claimed)."""
         if msg.final_parts is not None:
             self._set_final(transfer, writer, msg.final_parts)
-        self._move(writer, part, PartEvent.NOTIFY)
+            if transfer.lifecycle.finished:
+                return False
+        if writer.final is not None and msg.part >= writer.final:
+            self._violation(transfer, writer.peer, f"part {msg.part} landed but the writer's "
+                            f"final part count is {writer.final} (parts 0..{writer.final - 1})")
+            return False
+        try:
+            writer.coverage.claim(layers, pages)
+        except CoverageError as exc:
+            self._violation(transfer, writer.peer, f"part {msg.part}: {exc}")
+            return False
+        return True
 
     def _set_final(self, transfer: ReceiveTransfer, writer: _Writer, final: int) -> None:
-        arrived = writer.arrived()
-        if (writer.final not in (None, final)) or any(p >= final for p in arrived):
+        beyond = sorted(p for p in writer.parts if p >= final)  # queued, granted or landed
+        if (writer.final not in (None, final)) or beyond:
             self._violation(transfer, writer.peer, f"final part count {final} conflicts with "
-                            f"{writer.final} / arrived {arrived[-3:]}")
+                            f"{writer.final} / parts already named {beyond[-3:]}")
             return
         writer.final = final
 
@@ -562,8 +588,13 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         if transfer.lifecycle.state is not State.TRANSFERRING:
             return
         for writer in transfer.writers.values():
-            if writer.final is None or len(writer.arrived()) != writer.final or writer.in_state(
-                    PartState.QUEUED, PartState.GRANTED, PartState.SCATTERING):
+            if writer.final is None or writer.arrived() != list(range(writer.final)) or (
+                    writer.in_state(PartState.QUEUED, PartState.GRANTED, PartState.SCATTERING)):
+                return
+        for writer in transfer.writers.values():
+            if not writer.coverage.complete:  # every part landed, yet cells are missing
+                self._violation(transfer, writer.peer, f"all {writer.final} parts landed but "
+                                f"{writer.coverage.missing()} were never written")
                 return
         slots = len(transfer.dst_pages) * self.pool.layout.page_size
         for writer in transfer.writers.values():

@@ -28,7 +28,9 @@ import torch
 
 from pd_transfer._endpoint import RankIdentity, Timeouts
 from pd_transfer._paths import PathMode, choose_path
+from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import DTYPES, BootstrapServer, GeometryDoc
+from pd_transfer.errors import TransferError
 from pd_transfer.kvdata import compute_request_source, fill_pool, verify_pool
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.plan import (
@@ -93,8 +95,10 @@ class RequestSpec:
     mode: PathMode
 
 
-def _rank_main(conn: Connection, role: str, pp_rank: int, tp_rank: int,
-               config: SelftestConfig) -> None:
+def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional args
+    conn: Connection, role: str, pp_rank: int, tp_rank: int, config: SelftestConfig,
+    auth: PeerAuth,
+) -> None:
     """One rank's process: build the endpoint, serve the parent's commands."""
     torch.set_num_threads(1)
     geometry = GeometryDoc(num_layers=config.layers, total_kv_heads=config.kv_heads,
@@ -120,19 +124,22 @@ def _rank_main(conn: Connection, role: str, pp_rank: int, tp_rank: int,
                         quarantine_grace_s=config.timeout_s)
     endpoint: PrefillSender | DecodeReceiver
     if role == "prefill":
-        endpoint = PrefillSender(transport, pool, identity, timeouts=timeouts,
+        endpoint = PrefillSender(transport, pool, identity, auth=auth, timeouts=timeouts,
                                  staging_bytes=config.prefill_buffer_mib << 20)
     else:
-        endpoint = DecodeReceiver(transport, pool, identity, timeouts=timeouts,
+        endpoint = DecodeReceiver(transport, pool, identity, auth=auth, timeouts=timeouts,
                                   ring_bytes=config.decode_pool_mib << 20, mode=config.mode)
-    server = BootstrapServer(endpoint.document)
+    server = BootstrapServer(endpoint.document, auth)
     worker = Worker(endpoint, name=f"pd-transfer-{role}-{pp_rank}-{tp_rank}").start()
     conn.send(("ready", server.address))
     specs: dict[str, RequestSpec] = {}
     while True:
         command, *args = conn.recv()
         if command == "peers":
-            conn.send([endpoint.add_peer(a).result(READY_TIMEOUT_S) for a in args[0]])
+            try:
+                conn.send([endpoint.add_peer(a).result(READY_TIMEOUT_S) for a in args[0]])
+            except TransferError as exc:  # a refused peer (e.g. unauthenticated): keep serving
+                conn.send(("error", str(exc)))
         elif command == "register":
             futures = []
             for spec in args[0]:
@@ -214,16 +221,20 @@ class SelftestGroup:
         self.config = config
         os.environ.setdefault("UCX_NET_DEVICES", "lo")  # inherited by the spawned ranks
         ctx = mp.get_context("spawn")
+        auth = PeerAuth.generate()  # one random transfer key shared by the group's ranks
+        self.auth = auth
         self.ranks: dict[tuple[str, int, int], tuple[Any, Connection]] = {}
         coords = [("prefill", pp, tp) for pp, tp in itertools.product(
             range(config.prefill_pp), range(config.prefill_tp))]
         coords += [("decode", 0, tp) for tp in range(config.decode_tp)]
         for key in coords:
             parent, child = ctx.Pipe()
-            process = ctx.Process(target=_rank_main, args=(child, *key, config), daemon=True)
+            process = ctx.Process(target=_rank_main, args=(child, *key, config, auth),
+                                  daemon=True)
             process.start()
             self.ranks[key] = (process, parent)
         addresses = {key: self._expect(key, "ready")[1] for key in coords}
+        self.addresses = addresses  # bootstrap address of each rank
         prefill = [a for k, a in addresses.items() if k[0] == "prefill"]
         decode = [a for k, a in addresses.items() if k[0] == "decode"]
         self.broadcast("prefill", "peers", decode)

@@ -42,6 +42,7 @@ import torch
 
 from pd_transfer._endpoint import Endpoint, RankIdentity, ResizeResult, Timeouts, Transfer
 from pd_transfer._paths import compute_contiguous_spans, compute_layout, compute_sliced_spans
+from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import RankDocument, RegionDoc
 from pd_transfer.errors import (
     DescriptorError,
@@ -60,6 +61,7 @@ from pd_transfer.plan import (
     compute_transfer_topology,
 )
 from pd_transfer.protocol import messages as wire
+from pd_transfer.protocol.coverage import Coverage, CoverageError
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Role, State
 from pd_transfer.protocol.parts import Part, PartEvent, PartState
 from pd_transfer.ring import StagingRing
@@ -134,6 +136,8 @@ class SendTransfer(Transfer):
         self.num_tokens = num_tokens
         self.lease_deadline = self.created + sender.timeouts.kv_lease_s
         self.specs: list[_PartSpec] = []
+        stage = sender._stage_layers  # what the engine's parts must cover, each cell once
+        self.coverage = Coverage(range(stage.start, stage.stop), len(src_pages))
         self.last_given = False
         self.instance: str | None = None
         self.expected: frozenset[tuple[int, int]] | None = None  # decode (pp, tp) coords
@@ -150,11 +154,11 @@ class PrefillSender(Endpoint[SendTransfer]):
     staging_side = "buffer"
 
     def __init__(self, transport: Transport, pool: KVPool, identity: RankIdentity, *,
-                 staging_bytes: int, timeouts: Timeouts | None = None,
+                 auth: PeerAuth, staging_bytes: int, timeouts: Timeouts | None = None,
                  metrics: TransferMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(transport, pool, identity, timeouts=timeouts, metrics=metrics,
-                         clock=clock)
+        super().__init__(transport, pool, identity, auth=auth, timeouts=timeouts,
+                         metrics=metrics, clock=clock)
         self.staging_buffer = torch.zeros(staging_bytes, dtype=torch.uint8, device=pool.device)
         self.staging_region = transport.register(
             self.staging_buffer, name=f"{transport.agent_name}/staging"
@@ -249,8 +253,20 @@ class PrefillSender(Endpoint[SendTransfer]):
         span = LayerRange(layers.start, layers.stop) if layers is not None else stage
         if span.count <= 0 or span.start < stage.start or span.stop > stage.stop:
             raise ValueError(f"room {room!r}: layers {layers} not inside this stage's {stage}")
+        try:
+            transfer.coverage.claim(range(span.start, span.stop), pages)
+        except CoverageError as exc:
+            raise ValueError(f"room {room!r}: {exc}; each page of each layer is sent once") from exc
         transfer.specs.append(_PartSpec(pages, span, last, ready))
         transfer.last_given = last
+        if last and not transfer.coverage.complete:
+            # The engine ended the request without handing over all of its KV: decode would
+            # read stale pages. The engine broke the API, not a peer: InternalError.
+            detail = (f"the parts sent up to last=True leave {transfer.coverage.missing()} "
+                      f"unsent; send every page of every layer of this stage "
+                      f"{_span(stage)} before last=True")
+            self._fail(transfer, FailureReason.INTERNAL_ERROR, detail)
+            raise ValueError(f"room {room!r}: {detail}")
 
     # Messages ------------------------------------------------------------------------------
 
@@ -461,10 +477,12 @@ class PrefillSender(Endpoint[SendTransfer]):
                 self.pool.layout, src_bases=src_bases, dst=stream.layout, dst_bases=dst_bases,
                 layers=layers, pages=pages, plan=stream.plan)
         note = wire.PartDone(room=transfer.room, part=out.index,
-                             sender_id=stream.plan.sender_id, final_parts=out.final)
+                             sender_id=stream.plan.sender_id, layer_start=out.layers.start,
+                             layer_stop=out.layers.stop, page_start=out.spec.pages.start,
+                             page_count=len(out.spec.pages), final_parts=out.final)
         regions = [r.to_region() for r in stream.document.kv_regions]
         out.size_bytes = sum(length for _, length in local)
-        self._post(transfer, stream, out, local, remote, regions, wire.encode_message(note))
+        self._post(transfer, stream, out, local, remote, regions, self.seal(stream.peer, note))
 
     def _stage_part(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
         if self._resize is not None:
@@ -535,7 +553,8 @@ class PrefillSender(Endpoint[SendTransfer]):
                                    ring.to_region().kind, ring.device_id)
         local = [(self.staging_region.base_address + staging.offset_bytes, out.size_bytes)]
         remote = [(granted.base_address, grant.size_bytes)]
-        self._post(transfer, stream, out, local, remote, [granted], wire.encode_message(note))
+        self._post(transfer, stream, out, local, remote, [granted],
+                   self.seal(stream.peer, note))
         return True
 
     def _post(  # noqa: PLR0917 - private, one caller per path
@@ -649,6 +668,8 @@ class PrefillSender(Endpoint[SendTransfer]):
             return
         if not transfer.last_given or len(transfer.streams) < len(transfer.expected):
             return
+        if not transfer.coverage.complete:
+            return  # unreachable: a last part that leaves cells unsent fails the request
         for stream in transfer.streams.values():
             if stream.next_spec < len(transfer.specs) or stream.out or not stream.released:
                 return
@@ -689,18 +710,17 @@ class PrefillSender(Endpoint[SendTransfer]):
                 self.reject("stale_registration", f"RingUpdate {message.ring_version} from "
                             f"{peer}; version {document.ring_version} is in force")
             return
+        # The message's MAC (checked at intake) proves ``peer`` sent it; the transport
+        # loads the metadata only if it embeds that same name (docs/failure-modes.md #26).
         try:
+            ring = RegionDoc(name=message.name, base_address=message.base_address,
+                             size_bytes=message.size_bytes, kind=message.kind,
+                             device_id=message.device_id)
             metadata = base64.b64decode(message.transport_metadata_b64, validate=True)
-            name = self.transport.add_peer(metadata)  # reload: its registrations changed
-        except (ValueError, TransportError) as exc:
+            self.transport.add_peer(metadata, expected_name=peer)  # its registrations changed
+        except (ValueError, TransportError) as exc:  # pydantic's ValidationError included
             self.reject("invalid_ring_update", f"from {peer}: {exc}")
             return
-        if name != peer:
-            self.reject("invalid_ring_update", f"from {peer}: metadata names {name!r}")
-            return
-        ring = RegionDoc(name=message.name, base_address=message.base_address,
-                         size_bytes=message.size_bytes, kind=message.kind,
-                         device_id=message.device_id)
         self.peers[peer] = document.model_copy(update={
             "ring": ring, "ring_version": message.ring_version,
             "transport_metadata_b64": message.transport_metadata_b64})
@@ -737,3 +757,7 @@ class PrefillSender(Endpoint[SendTransfer]):
                 self.identity.geometry.kv_geometry(), self.identity.parallelism, decode)
             self._topologies[decode] = topology
         return topology
+
+
+def _span(layers: LayerRange) -> str:
+    return f"[{layers.start}, {layers.stop})"

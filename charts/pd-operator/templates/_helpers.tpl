@@ -112,6 +112,16 @@ integration test tests/integration/test_chart_install.py runs the operator under
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+# The per-PDDeployment transfer key Secret: watched (a deleted one is recreated at once),
+# read to keep its key, server-side applied (create, patch). Never updated nor deleted: the
+# garbage collector removes it with its PDDeployment. Engine pods need no RBAC for it: the
+# key reaches them as a volume.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 # Events about PDDeployments. Both kopf and the operator (kube.create_event) POST core/v1
 # Events and never update them, so neither `patch` nor events.k8s.io is granted.
 - apiGroups: [""]

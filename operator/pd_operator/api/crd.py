@@ -19,7 +19,7 @@ import yaml
 from pd_contract.api import GROUP, VERSION
 from pd_contract.transferagent import TransferAgentSpec, TransferAgentStatus
 from pd_operator.api.resources import CustomResource, PDDeployment, TransferAgent
-from pd_operator.api.rules import RULES
+from pd_operator.api.rules import NAME_RULES, RULES
 from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import PDDeploymentStatus
 
@@ -136,7 +136,10 @@ def pddeployment_schema() -> Schema:
     status = _model_schema(PDDeploymentStatus, in_status=True)
     _strip_defaults(status)
     _mark_condition_lists(status)
-    return _object_schema(PDDeployment.__doc__ or "", spec, status)
+    schema = _object_schema(PDDeployment.__doc__ or "", spec, status)
+    # Rules on metadata.name must sit at the root: CEL sees metadata nowhere else.
+    schema["x-kubernetes-validations"] = [rule.to_validation() for rule in NAME_RULES]
+    return schema
 
 
 def transferagent_schema() -> Schema:

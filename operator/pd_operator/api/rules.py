@@ -12,6 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pd_operator.api.naming import (
+    DNS_1035_LABEL,
+    LABEL_VALUE_MAX,
+    MAX_NAME_LENGTH,
+    REVISION_HASH_MAX,
+    name_violation,
+)
 from pd_operator.api.sizing import compute_staging_footprint, staging_in_use
 from pd_operator.api.spec import PDDeploymentSpec, RoleSpec
 from pd_operator.api.types import Attention, StagingMode
@@ -343,6 +350,90 @@ RULES: tuple[CrossFieldRule, ...] = (
         field_path=".transfer.layerPipeline.minGroups",
     ),
 )
+
+
+@dataclass(frozen=True)
+class NameRule:
+    """A rule on `metadata.name`: the Python check and its CEL form at the CRD root (the only
+    place CEL may read metadata, and only name and generateName)."""
+
+    name: str
+    check: Callable[[str], str | None]
+    cel: str
+    cel_message: str
+    cel_message_expression: str
+
+    def to_validation(self) -> dict[str, str]:
+        """The rule as an entry of `x-kubernetes-validations` on the object's root schema."""
+        return {
+            "rule": self.cel,
+            "message": self.cel_message,
+            "messageExpression": self.cel_message_expression,
+            "reason": "FieldValueInvalid",
+        }
+
+
+def _name_too_long(name: str) -> str | None:
+    return name_violation(name) if DNS_1035_LABEL.match(name) else None
+
+
+def _name_not_label(name: str) -> str | None:
+    return None if DNS_1035_LABEL.match(name) else name_violation(name)
+
+
+# Past MAX_NAME_LENGTH the prefill pods' controller-revision-hash label is always the longest
+# derived value (`api.naming`), so the CEL message names that one.
+_REVISION_OVERHEAD = len("-prefill-") + REVISION_HASH_MAX
+_N = "self.metadata.name"
+
+def _cel_concat(*parts: str) -> str:
+    """A CEL string concatenation: plain text parts become double-quoted literals, parts in
+    `{...}` are CEL expressions (`{self.metadata.name}`)."""
+    out = []
+    for part in parts:
+        if part.startswith("{") and part.endswith("}"):
+            out.append(part[1:-1])
+        else:
+            out.append('"' + part.replace("\\", "\\\\").replace('"', '\\"') + '"')
+    return " + ".join(out)
+
+
+NAME_RULES: tuple[NameRule, ...] = (
+    NameRule(
+        name="name-is-dns-1035-label",
+        check=_name_not_label,
+        cel=f"{_N}.matches('{DNS_1035_LABEL.pattern}')",
+        cel_message="metadata.name must be a DNS-1035 label (lowercase letters, digits and "
+        "'-', starting with a letter): the Services are named after it",
+        cel_message_expression=_cel_concat(
+            "metadata.name '", f"{{{_N}}}",
+            "' is not a DNS-1035 label: the Services are named after it. Use lowercase "
+            "letters, digits and '-', starting with a letter and ending with a letter or "
+            "digit.",
+        ),
+    ),
+    NameRule(
+        name="name-fits-child-names",
+        check=_name_too_long,
+        cel=f"{_N}.size() <= {MAX_NAME_LENGTH}",
+        cel_message=f"metadata.name must have at most {MAX_NAME_LENGTH} characters: the prefill "
+        "StatefulSet's pods carry the label controller-revision-hash '<name>-prefill-<hash>' "
+        f"(at most {LABEL_VALUE_MAX} characters)",
+        cel_message_expression=_cel_concat(
+            "metadata.name '", f"{{{_N}}}", "' (", f"{{string({_N}.size())}}",
+            " characters) is too long: the prefill StatefulSet's pods carry the label "
+            "controller-revision-hash '", f"{{{_N}}}",
+            f"-prefill-<{REVISION_HASH_MAX}-char hash>' (",
+            f"{{string({_N}.size() + {_REVISION_OVERHEAD})}}",
+            f" > {LABEL_VALUE_MAX}). Use at most {MAX_NAME_LENGTH} characters.",
+        ),
+    ),
+)
+
+
+def name_violations(name: str) -> list[str]:
+    """Messages of every `metadata.name` rule the name breaks (at most one applies)."""
+    return [msg for rule in NAME_RULES if (msg := rule.check(name)) is not None]
 
 
 def violations(spec: PDDeploymentSpec) -> list[str]:

@@ -35,6 +35,7 @@ __all__ = [
     "StagingMode",
     "StagingRollout",
     "Timeouts",
+    "TransferAuth",
     "TransferBackend",
     "TransferHealthPolicy",
     "TransferSpec",
@@ -358,6 +359,26 @@ class TransportHints(APIModel):
     )
 
 
+class TransferAuth(APIModel):
+    """The per-PDDeployment transfer key that authenticates peers to each other.
+
+    The operator keeps the key in the Secret `<name>-transfer-key` (owned by the
+    PDDeployment) and mounts it read-only into every pod whose engine runs pd_transfer.
+    """
+
+    key_rotation: int = Field(
+        default=0,
+        ge=0,
+        le=2_147_483_647,
+        description="Rotation number of the transfer key: increase it (any change) to rotate. "
+        "The operator then writes a new random key first in the Secret and keeps the previous "
+        "one as the second line, so pods still verify peers that have not yet re-read the file; "
+        "the next rotation drops it. No pod restarts: pods re-read the key file when the "
+        "kubelet updates it (about a minute). A hand-deleted Secret is recreated with a new key "
+        "and no previous one: peers fail authentication until every pod has re-read the file.",
+    )
+
+
 class TransferSpec(APIModel):
     """How KV cache moves from prefill to decode."""
 
@@ -374,6 +395,13 @@ class TransferSpec(APIModel):
     timeouts: Timeouts = Field(default_factory=Timeouts, description="Protocol deadlines.")
     health: TransferHealthPolicy = Field(
         default_factory=TransferHealthPolicy, description="Health reporting and thresholds."
+    )
+    auth: TransferAuth = Field(
+        default_factory=TransferAuth,
+        description="Peer authentication: only pods holding this PDDeployment's transfer key "
+        "may exchange metadata and control messages. The operator keeps the key in the Secret "
+        "<name>-transfer-key (owned by the PDDeployment; never logged nor shown in the status) "
+        "and mounts it read-only into every pod whose engine runs pd_transfer.",
     )
 
 
@@ -409,10 +437,50 @@ class RDMASpec(APIModel):
     )
 
 
+class PeerSelector(APIModel):
+    """Pods allowed in by a NetworkPolicy rule: those matching both selectors."""
+
+    namespace_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels of their namespace (matchLabels); empty matches every namespace.",
+    )
+    pod_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels of the pods (matchLabels); empty matches every pod.",
+    )
+
+
+class NetworkPolicySpec(APIModel):
+    """NetworkPolicies that admit ingress to the engine pods only from this PDDeployment's
+    own pods, its router, the metrics scraper and the listed HTTP clients."""
+
+    enabled: bool = Field(
+        default=True, description="Create a NetworkPolicy per role and one for the router."
+    )
+    # A plain default (not a factory) so that the generated CRD carries it too and the API
+    # server stores what the operator parses.
+    metrics_scraper: PeerSelector = Field(
+        default=PeerSelector(
+            namespace_labels={"kubernetes.io/metadata.name": "monitoring"},
+            pod_labels={"app.kubernetes.io/name": "prometheus"},
+        ),
+        description="Who may scrape the engines' HTTP (/metrics) and transfer metrics ports; "
+        "the default is Prometheus in the monitoring namespace.",
+    )
+    http_clients: list[PeerSelector] = Field(
+        default_factory=list,
+        description="Other clients of the engines' HTTP port (an external router or gateway, "
+        "needed when router.enabled is false).",
+    )
+
+
 class NetworkSpec(APIModel):
     """Networking of the engine pods."""
 
     rdma: RDMASpec = Field(default_factory=RDMASpec, description="RDMA settings.")
+    policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="Ingress NetworkPolicies."
+    )
 
 
 class RouterPolicy(StrEnum):

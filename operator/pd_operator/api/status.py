@@ -109,7 +109,13 @@ class TransferStatus(APIModel):
         default=None,
         ge=0,
         alias="recommendedDecodePoolMiB",
-        description="Decode pool size suggested by the observed high-water marks, in MiB.",
+        description="Decode pool per rank suggested by the observed high-water marks, in "
+        "MiB: whole prefill chunks, at least one (the admission minimum).",
+    )
+    recommendation_basis: str = Field(
+        default="",
+        description="How recommendedDecodePoolMiB was derived: the high-water mark, the pod "
+        "and the chunk size it rests on.",
     )
     summary: str = Field(default="", description="One-word health, for `kubectl get`.")
 

@@ -8,6 +8,7 @@ from pd_operator.build.capabilities import Capabilities
 from pd_operator.build.config import build_transfer_configmap
 from pd_operator.build.meta import Manifest, desired_hash, stamp
 from pd_operator.build.network import build_headless_service
+from pd_operator.build.network_policy import build_network_policies
 from pd_operator.build.rbac import build_role, build_role_binding, build_service_account
 from pd_operator.build.router import build_router_deployment, build_router_service
 from pd_operator.build.workloads import build_pod_disruption_budget, build_statefulset
@@ -25,6 +26,8 @@ def build_children(pdd: PDDeployment, capabilities: Capabilities) -> list[Manife
     ]
     for role in (Role.PREFILL, Role.DECODE):
         children.append(build_headless_service(pdd, role))
+    # Before the workloads, so no engine pod starts reachable by every pod of the cluster.
+    children += build_network_policies(pdd)
     for role in (Role.PREFILL, Role.DECODE):
         children.append(build_statefulset(pdd, role))
     if capabilities.pod_disruption_budgets:

@@ -19,9 +19,17 @@ from pd_contract.names import (
     TRANSFER_READY_CONDITION,
 )
 from pd_contract.transferagent import Role
+from pd_operator.api.naming import (
+    agent_service_account,
+    role_workload,
+    router_name,
+    transfer_config_name,
+    transfer_key_name,
+)
 
-# The names the in-pod side reads too come from `pd_contract.names`; re-exported here so the
-# operator finds every name in one module.
+# The names the in-pod side reads too come from `pd_contract.names`, and the names derived
+# from the PDDeployment's name from `api.naming` (where their length limits are checked);
+# re-exported here so the operator finds every name in one module.
 __all__ = [
     "ANNOTATION_DESIRED_HASH",
     "ANNOTATION_TRANSFER_CONFIG_HASH",
@@ -46,6 +54,7 @@ __all__ = [
     "router_selector",
     "selector_string",
     "transfer_config_name",
+    "transfer_key_name",
 ]
 
 MANAGER: Final = "pd-operator"
@@ -59,24 +68,6 @@ LABEL_TEMPLATE_HASH: Final = "pd.serving.dev/template-hash"
 
 ANNOTATION_DESIRED_HASH: Final = "pd.serving.dev/desired-hash"
 ANNOTATION_TRANSFER_CONFIG_HASH: Final = "pd.serving.dev/transfer-config-hash"
-
-
-def role_workload(name: str, role: Role) -> str:
-    """StatefulSet (and headless Service) of a role: `<name>-prefill`, `<name>-decode`."""
-    return f"{name}-{role.value}"
-
-
-def router_name(name: str) -> str:
-    return f"{name}-router"
-
-
-def transfer_config_name(name: str) -> str:
-    return f"{name}-transfer"
-
-
-def agent_service_account(name: str) -> str:
-    """ServiceAccount of the engine pods; its Role lets the in-pod agent report."""
-    return f"{name}-transfer-agent"
 
 
 def base_labels(name: str, component: str) -> dict[str, str]:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Final
 
+from pd_contract.names import (
+    ENV_TRANSFER_AUTH_KEY_FILE,
+    TRANSFER_AUTH_MOUNT,
+    TRANSFER_AUTH_PATH,
+)
 from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
 from pd_operator.build.config import transfer_config_hash
@@ -29,13 +34,26 @@ from pd_operator.build.names import (
     role_selector,
     role_workload,
     transfer_config_name,
+    transfer_key_name,
 )
-from pd_operator.engines import engine_adapter, role_spec
+from pd_operator.engines import KVConnector, engine_adapter, role_spec
 
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 # Volcano reads the annotation, the scheduler-plugins coscheduling plugin the label.
 GANG_ANNOTATION = "scheduling.k8s.io/group-name"
 GANG_LABEL = "scheduling.x-k8s.io/pod-group"
+
+# What GPU/RDMA serving needs and no more. IPC_LOCK lets the NIC driver pin (register) KV
+# memory for RDMA; every other capability is dropped. The user is left to the image: the
+# engine images (vLLM, SGLang, CUDA bases) run as root and write caches (Triton, torch
+# compile, model downloads) into the root filesystem, so neither runAsNonRoot nor a
+# read-only root is set; without capabilities, root cannot override file permissions.
+# /dev/shm is a memory emptyDir (see _volumes): NCCL and the engines' worker processes
+# share tensors through it.
+_ENGINE_SECURITY_CONTEXT: Final[dict[str, Any]] = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+}
 
 
 def _affinity(pdd: PDDeployment, role: Role) -> dict[str, Any] | None:
@@ -72,9 +90,32 @@ def _volumes(pdd: PDDeployment, role: Role) -> tuple[list[Any], list[Any]]:
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "transfer-config", "mountPath": TRANSFER_CONFIG_MOUNT, "readOnly": True},
     ]
+    if runs_pd_transfer(pdd):
+        # The whole directory, not a subPath: the kubelet then updates the file when the
+        # key rotates (a subPath mount never is), and pd_transfer re-reads it. Readable by
+        # the owner only.
+        volumes.append({"name": "transfer-key",
+                        "secret": {"secretName": transfer_key_name(pdd.metadata.name),
+                                   "defaultMode": 0o400}})
+        mounts.append({"name": "transfer-key", "mountPath": TRANSFER_AUTH_MOUNT,
+                       "readOnly": True})
     volumes += copy.deepcopy(rs.pod.volumes)
     mounts += copy.deepcopy(rs.pod.volume_mounts)
     return volumes, mounts
+
+
+def runs_pd_transfer(pdd: PDDeployment) -> bool:
+    """Whether the engine moves KV with pd_transfer, the only reader of the transfer key."""
+    return engine_adapter(pdd).kv_connector is KVConnector.PD_TRANSFER
+
+
+def _env(pdd: PDDeployment, role: Role) -> list[dict[str, Any]]:
+    """The engine's environment, then where the transfer key is: listed last, so a user
+    variable of the same name cannot point pd_transfer at another key."""
+    env = engine_env(pdd, role)
+    if runs_pd_transfer(pdd):
+        env.append({"name": ENV_TRANSFER_AUTH_KEY_FILE, "value": TRANSFER_AUTH_PATH})
+    return env
 
 
 def reports_transfer_health(pdd: PDDeployment) -> bool:
@@ -112,19 +153,19 @@ def build_pod_template(pdd: PDDeployment, role: Role) -> dict[str, Any]:
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.image_pull_policy.value,
         "command": engine_command(pdd, role),
-        "env": engine_env(pdd, role),
+        "env": _env(pdd, role),
         "ports": engine_ports(pdd),
         "resources": engine_resources(pdd, role),
         "volumeMounts": mounts,
-        # IPC_LOCK lets the NIC driver pin (register) KV memory; nothing more is needed.
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"add": ["IPC_LOCK"]},
-        },
+        "securityContext": copy.deepcopy(_ENGINE_SECURITY_CONTEXT),
         **engine_probes(pdd),
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": agent_service_account(name),
+        # Only pd_transfer's agent talks to the API server (it writes the pod's
+        # TransferAgent); an engine with its own connector gets no token to leak.
+        "automountServiceAccountToken": reports_transfer_health(pdd),
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
         "containers": [container],

@@ -62,7 +62,10 @@ def build_router_deployment(pdd: PDDeployment) -> Manifest:
         "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 15,
                           "failureThreshold": 4},
-        "securityContext": {"allowPrivilegeEscalation": False},
+        # The router only serves HTTP and calls the engines: no capability is needed. The
+        # user stays the image's (the SGLang image, which also holds sglang_router, is root).
+        "securityContext": {"allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
     }
     command = _router_command(pdd)
     if command is not None:
@@ -87,7 +90,9 @@ def build_router_deployment(pdd: PDDeployment) -> Manifest:
             "template": {
                 "metadata": {"labels": dict(meta["labels"])},
                 "spec": {
+                    # Given every engine's URL, the router never calls the API server.
                     "automountServiceAccountToken": False,
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                     "enableServiceLinks": False,
                     "containers": [container],
                 },

@@ -17,7 +17,14 @@ from pd_operator.devcluster.cluster import (
 from pd_operator.devcluster.components import Ports
 from pd_operator.devcluster.errors import DevClusterError, ToolchainMissingError
 from pd_operator.devcluster.paths import cache_dir, default_state_dir
-from pd_operator.devcluster.toolchain import Toolchain, ensure_toolchain, find_toolchain, helm_path
+from pd_operator.devcluster.toolchain import (
+    Toolchain,
+    checkov_path,
+    ensure_checkov,
+    ensure_toolchain,
+    find_toolchain,
+    helm_path,
+)
 
 __all__ = [
     "ControlPlaneHandle",
@@ -27,8 +34,10 @@ __all__ = [
     "ToolchainMissingError",
     "apply_crds",
     "cache_dir",
+    "checkov_path",
     "cli",
     "default_state_dir",
+    "ensure_checkov",
     "ensure_toolchain",
     "find_toolchain",
     "helm_path",

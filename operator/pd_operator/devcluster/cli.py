@@ -24,7 +24,12 @@ from pd_operator.devcluster.errors import DevClusterError
 from pd_operator.devcluster.kubelet import stop_recorded_engines
 from pd_operator.devcluster.paths import default_state_dir
 from pd_operator.devcluster.processes import is_running
-from pd_operator.devcluster.toolchain import ensure_toolchain, find_toolchain
+from pd_operator.devcluster.toolchain import (
+    checkov_path,
+    ensure_checkov,
+    ensure_toolchain,
+    find_toolchain,
+)
 
 __all__ = ["add_parser"]
 
@@ -54,6 +59,7 @@ def _build(args: argparse.Namespace) -> int:
     toolchain = ensure_toolchain(quiet_if_cached=False)
     for name, path in toolchain.as_dict().items():
         print(f"{name}\t{path}")
+    print(f"checkov\t{ensure_checkov()}")
     _say(f"done in {time.monotonic() - started:.1f} s")
     return 0
 
@@ -62,6 +68,7 @@ def _tools(args: argparse.Namespace) -> int:
     """Print `<tool>\\t<path>` for every cached binary."""
     for name, path in find_toolchain().as_dict().items():
         print(f"{name}\t{path}")
+    print(f"checkov\t{checkov_path()}")
     return 0
 
 

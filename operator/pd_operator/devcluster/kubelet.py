@@ -11,9 +11,16 @@ For each such pod, once (``sync_once``, polled):
 - the container's environment resolved as a kubelet would: plain values, downward-API
   ``fieldRef`` (``metadata.name/namespace/uid``, ``status.podIP``, ``spec.nodeName``,
   ``spec.serviceAccountName``, labels/annotations), ``configMapKeyRef``;
-- ConfigMap volumes written under the pod's directory; their mount paths are rewritten in
-  the command and the environment (no mount namespaces here), so ``PD_TRANSFER_CONFIG``
-  points at the pod's copy of ``transfer.json``;
+- ConfigMap and Secret volumes written under the pod's directory (Secret files with the
+  volume's ``defaultMode``, 0644 when unset, as a kubelet does); their mount paths are
+  rewritten in the command and the environment (no mount namespaces here), so
+  ``PD_TRANSFER_CONFIG`` points at the pod's copy of ``transfer.json`` and
+  ``PD_TRANSFER_AUTH_KEY_FILE`` at its copy of the transfer key. A pod whose Secret does not
+  exist yet is not started (retried at the next sync), like a kubelet's ContainerCreating.
+  Secret files follow their Secret at every sync (a rotated transfer key reaches running
+  engines, as a kubelet's periodic volume sync does), each replaced atomically and only
+  when its content changed; a deleted Secret leaves the last files in place. ConfigMap files
+  are written once, at start;
 - ``KUBECONFIG`` = a token for the pod's ServiceAccount (``service_account_kubeconfig``),
   so the in-pod agent runs with the per-PDDeployment RBAC, not as admin;
 - the engine started as a recorded daemon (``processes.spawn_daemon``), one log per pod;
@@ -29,6 +36,7 @@ Records of the running engines are kept in ``<work_dir>/kubelet.json`` so
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import logging
@@ -36,7 +44,7 @@ import os
 import sys
 import threading
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
@@ -53,7 +61,13 @@ from pd_operator.devcluster.processes import (
     stop_process,
 )
 
-__all__ = ["ENGINE_COMMAND", "FakeKubelet", "resolve_env", "stop_recorded_engines"]
+__all__ = [
+    "ENGINE_COMMAND",
+    "FakeKubelet",
+    "resolve_env",
+    "stop_recorded_engines",
+    "write_secret_volume",
+]
 
 ENGINE_COMMAND: Final = ("pd-transfer", "engine")
 MANAGED_SELECTOR: Final = "app.kubernetes.io/managed-by=pd-operator"
@@ -74,6 +88,8 @@ class _PodProcess:
     record: ProcessRecord
     started_at: str
     last_status: Obj | None = None
+    # (Secret name, directory, defaultMode) of each Secret volume, refreshed at every sync.
+    secret_volumes: list[tuple[str, Path, int | None]] = field(default_factory=list)
 
 
 def _now() -> str:
@@ -121,6 +137,34 @@ def resolve_env(pod: Obj, container: Obj, ip: str, config_maps: dict[str, Obj],
                                   f"supported by the fake kubelet")
         env[name] = _rewrite(value, mounts)
     return env
+
+
+# A kubelet's default for Secret volume files (the API's default defaultMode).
+SECRET_DEFAULT_MODE: Final = 0o644
+
+
+def write_secret_volume(directory: Path, secret: Obj, mode: int | None) -> bool:
+    """The files of a Secret volume: each data key decoded, with `mode` (None: 0644).
+
+    A file is replaced (write aside, then rename: a reader sees the old or the new content,
+    never a mix) only when its content changed; returns whether any was.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    file_mode = SECRET_DEFAULT_MODE if mode is None else mode
+    changed = False
+    for key, encoded in sorted((secret.get("data") or {}).items()):
+        content = base64.b64decode(encoded)
+        path = directory / key
+        if path.is_file() and path.read_bytes() == content:
+            continue
+        aside = directory / f".{key}.new"
+        aside.unlink(missing_ok=True)
+        with os.fdopen(os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(content)
+            os.fchmod(f.fileno(), file_mode)  # exactly the pod's mode, whatever the umask
+        os.replace(aside, path)
+        changed = True
+    return changed
 
 
 def _rewrite(value: str, mounts: dict[str, str]) -> str:
@@ -196,6 +240,25 @@ class FakeKubelet:
             gone = [p for uid, p in self._pods.items() if uid not in seen]
         for process in gone:
             self._stop(process)
+        self._refresh_secret_volumes()
+
+    def _refresh_secret_volumes(self) -> None:
+        """Rewrite the Secret volume files of running pods whose Secret changed."""
+        with self._lock:
+            volumes = [(p.namespace, *v) for p in self._pods.values() for v in p.secret_volumes]
+        secrets: dict[tuple[str, str], Obj | None] = {}
+        for namespace, secret_name, directory, mode in volumes:
+            if (namespace, secret_name) not in secrets:
+                try:
+                    secrets[namespace, secret_name] = self._plain(
+                        self._core.read_namespaced_secret(secret_name, namespace))
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+                    secrets[namespace, secret_name] = None
+            secret = secrets[namespace, secret_name]
+            if secret is not None and write_secret_volume(directory, secret, mode):
+                _log.info("updated %s from Secret %s/%s", directory, namespace, secret_name)
 
     def stop_all(self) -> None:
         with self._lock:
@@ -231,7 +294,18 @@ class FakeKubelet:
         container = spec["containers"][0]
         config_maps: dict[str, Obj] = {}
         volume_dirs: dict[str, str] = {}
+        secret_volumes: list[tuple[str, Path, int | None]] = []
         for volume in spec.get("volumes") or []:
+            if "secret" in volume:
+                source = volume["secret"]
+                secret = self._plain(self._core.read_namespaced_secret(source["secretName"],
+                                                                       namespace))
+                directory = pod_dir / "volumes" / volume["name"]
+                write_secret_volume(directory, secret, source.get("defaultMode"))
+                volume_dirs[volume["name"]] = str(directory)
+                secret_volumes.append((source["secretName"], directory,
+                                       source.get("defaultMode")))
+                continue
             if "configMap" not in volume:
                 continue
             cm_name = volume["configMap"]["name"]
@@ -266,7 +340,8 @@ class FakeKubelet:
             with self._lock:
                 self._used_ips.discard(ip)
             raise
-        process = _PodProcess(uid, namespace, name, ip, _engine_port(command), record, _now())
+        process = _PodProcess(uid, namespace, name, ip, _engine_port(command), record, _now(),
+                              secret_volumes=secret_volumes)
         with self._lock:
             self._pods[uid] = process
             self._save()

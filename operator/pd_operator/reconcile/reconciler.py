@@ -1,10 +1,11 @@
 """One level-based reconcile of a PDDeployment: parse, build, apply, observe, write status.
 
 `Reconciler.reconcile(namespace, name)` never asks what changed. Steps, in order:
-1. read and parse the PDDeployment (cross-field rules included); an invalid spec writes
+1. read and parse the PDDeployment (cross-field and name rules included); an invalid spec writes
    SpecValid=False (plus a Warning Event) and touches nothing else, so children of an earlier
    valid generation keep running;
-2. build the desired children (pure builders);
+2. build the desired children (pure builders), and the transfer key Secret with the keys
+   of the live one, or new ones on a rotation or when it is gone (`transfer_key`);
 3. list live children by label and server-side apply only those that `diff.needs_apply`
    names: hand edits are restored and a steady state sends no write at all; delete our
    children that are no longer desired (router disabled, PDBs on a server without
@@ -49,6 +50,7 @@ from pd_operator.api import (
     parse_spec,
 )
 from pd_operator.api.resources import ObjectMeta
+from pd_operator.api.rules import name_violations
 from pd_operator.build import Capabilities, build_children, child_key
 from pd_operator.build.names import (
     LABEL_DEPLOYMENT,
@@ -78,6 +80,7 @@ from pd_operator.metrics import (
 from pd_operator.reconcile.diff import needs_apply, owned_by
 from pd_operator.reconcile.events import EventSpec, gate_events, transition_events
 from pd_operator.reconcile.gates import GateChange, transfer_gate_changes
+from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
 from pd_operator.rollout.executor import (
     RolloutExecutor,
     RolloutStep,
@@ -188,6 +191,8 @@ class Reconciler:
         selector = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_DEPLOYMENT}={name}"
         live = {child_key(obj): obj for obj in self.kube.list_children(namespace, selector,
                                                                         self._kinds)}
+        # First: the pods about to be created mount it.
+        desired.insert(0, desired_transfer_key_secret(self.kube, pdd, live))
         created: list[str] = []
         failure: str | None = None
         pending: OperatorError | None = None
@@ -227,10 +232,15 @@ class Reconciler:
             log.warning("%s: ignoring unreadable status: %s", body["metadata"].get("name"),
                         format_validation_error(exc, "status"))
             previous = PDDeploymentStatus()
+        # The name is checked with the spec: a name whose children cannot exist creates none
+        # (docs/failure-modes.md #29).
+        problems = name_violations(str(body["metadata"].get("name", "")))
         try:
             spec = parse_spec(body)
         except ValidationError as exc:
-            return _Parsed(body, previous, None, format_validation_error(exc, "spec"))
+            problems.append(format_validation_error(exc, "spec"))
+        if problems:
+            return _Parsed(body, previous, None, "; ".join(problems))
         pdd = PDDeployment(
             metadata=ObjectMeta.model_validate(body["metadata"]), spec=spec, status=previous
         )
@@ -302,6 +312,9 @@ class Reconciler:
             router=router,
             failure=failure,
             transfer_gate=reports_transfer_health(pdd),
+            workloads=tuple(obj for key, obj in live.items()
+                            if key[1] in ("StatefulSet", "Deployment")
+                            and owned_by(obj, pdd.metadata.uid)),
         )
 
     @staticmethod

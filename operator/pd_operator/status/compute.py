@@ -19,6 +19,7 @@ Truth rules (docs/failure-modes.md #20-22):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -63,6 +64,7 @@ __all__ = [
 # for image pulls and model loading of large engines; short enough to page someone the same
 # hour.
 NOT_READY_DEADLINE: Final = timedelta(minutes=15)
+_CAMEL_WORD: Final = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 T, F, U = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
 
 
@@ -104,6 +106,8 @@ class Observed:
     (a permanent API refusal, or retryable errors that keep coming).
     `transfer_gate`: whether its pods carry the transfer readiness gate
     (`build.pod.reports_transfer_health`).
+    `workloads`: the live StatefulSets and router Deployment, whose own conditions report
+    failures the operator's writes cannot see (a pod the controller could not create).
     """
 
     prefill: RoleObservation
@@ -115,6 +119,7 @@ class Observed:
     router: Mapping[str, Any] | None = None
     failure: str | None = None
     transfer_gate: bool = False
+    workloads: Sequence[Mapping[str, Any]] = ()
 
 
 def _role_status(role: RoleObservation, pods: Sequence[PodObservation]) -> RoleStatus:
@@ -184,9 +189,31 @@ def _progressing_condition(
                  "Every child is applied and every pod runs the current revision.", at)
 
 
+def _workload_failure(workload: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) of a failure a StatefulSet or Deployment reports in its conditions:
+    `ReplicaFailure=True` (e.g. FailedCreate), or a Deployment's `Progressing=False`
+    (ProgressDeadlineExceeded). None when it reports none."""
+    kind = workload.get("kind", "")
+    name = workload.get("metadata", {}).get("name", "")
+    for c in workload.get("status", {}).get("conditions") or []:
+        failed = (c.get("type") == "ReplicaFailure" and c.get("status") == "True") or (
+            kind == "Deployment" and c.get("type") == "Progressing"
+            and c.get("status") == "False")
+        if failed:
+            reason = str(c.get("reason") or c.get("type"))
+            return reason, f"{kind} {name}: {reason}: {c.get('message') or 'no message'}"
+    return None
+
+
 def _degraded_condition(observed: Observed, ready: Condition, at: At) -> Condition:
     if observed.failure is not None:
         return cond(DEGRADED, T, Reason.RECONCILE_FAILED, observed.failure, at)
+    failures = [f for w in observed.workloads if (f := _workload_failure(w)) is not None]
+    if failures:
+        reasons = {reason for reason, _ in failures}
+        reason = failures[0][0] if len(reasons) == 1 and _CAMEL_WORD.match(failures[0][0]) \
+            else Reason.CHILD_FAILED
+        return cond(DEGRADED, T, reason, " ".join(m for _, m in failures), at)
     not_ready_for = at.now - ready.last_transition_time
     if ready.status is not T and not_ready_for > NOT_READY_DEADLINE:
         minutes = int(not_ready_for.total_seconds() // 60)

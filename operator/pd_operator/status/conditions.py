@@ -74,6 +74,12 @@ class Reason:
     RECONCILE_FAILED: Final = "ReconcileFailed"
     NOT_READY_TOO_LONG: Final = "NotReadyTooLong"
     TRANSFER_UNHEALTHY: Final = "TransferUnhealthy"  # gated pods; see TransferHealthy
+    # A child workload reports a failure: Degraded takes the child's own reason when one
+    # child reason applies (e.g. FailedCreate, ProgressDeadlineExceeded), CHILD_FAILED when
+    # several differ.
+    FAILED_CREATE: Final = "FailedCreate"
+    PROGRESS_DEADLINE_EXCEEDED: Final = "ProgressDeadlineExceeded"
+    CHILD_FAILED: Final = "ChildFailed"
     # TransferHealthy (False uses the top failure code itself when it is one CamelCase word,
     # e.g. GrantTimeout, the FailureReason codes of pd_transfer; TransferFailing otherwise)
     TRANSFERS_HEALTHY: Final = "TransfersHealthy"

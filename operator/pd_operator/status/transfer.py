@@ -42,8 +42,8 @@ from pd_operator.status.fleet import FleetObservation, PodReport, ReportState, t
 __all__ = [
     "NEAR_CAPACITY_FRACTION",
     "POOL_HEADROOM",
-    "POOL_ROUNDING_MIB",
     "RECENT_FAILURES_LIMIT",
+    "PoolRecommendation",
     "TransportClass",
     "classify_transport",
     "compute_transfer_status",
@@ -52,10 +52,10 @@ __all__ = [
 ]
 
 RECENT_FAILURES_LIMIT: Final = 10
-# Recommended decode pool = highest observed per-rank occupancy x 1.25, rounded up to
-# 256 MiB: a quarter of headroom over the worst burst seen, in steps an allocator likes.
+# Recommended decode pool = highest observed per-rank occupancy x 1.25, rounded up to whole
+# prefill chunks: a quarter of headroom over the worst burst seen, in the unit a ring is
+# granted in, and never below one chunk, the size admission requires (`api.sizing`).
 POOL_HEADROOM: Final = 1.25
-POOL_ROUNDING_MIB: Final = 256
 # A ring more than 90% full (or with allocation requests waiting) is about to stall writers.
 NEAR_CAPACITY_FRACTION: Final = 0.9
 # How many pods a condition message names before it says "and N more".
@@ -117,23 +117,45 @@ def _per_rank_high_water_bytes(report: PodReport) -> float:
     return ring.high_water_bytes * pool_bytes / ring.capacity_bytes
 
 
-def recommend_decode_pool_mib(spec: PDDeploymentSpec, reports: Sequence[PodReport]) -> int | None:
+@dataclass(frozen=True)
+class PoolRecommendation:
+    """A decode pool size per rank, and the sentence saying what it rests on."""
+
+    mib: int
+    basis: str
+
+
+def recommend_decode_pool_mib(
+    spec: PDDeploymentSpec, reports: Sequence[PodReport]
+) -> PoolRecommendation | None:
     """Decode pool per rank that fits the worst observed burst with headroom.
 
-    max per-rank decode high water x POOL_HEADROOM, rounded up to POOL_ROUNDING_MIB, never
-    below the pool that holds one chunk. None when staging is not in use or no decode pod has
-    reported any occupancy yet (no evidence to size from).
+    max per-rank decode high water x POOL_HEADROOM, rounded up to whole prefill chunks, at
+    least one chunk (`min_decode_pool_mib`, the admission minimum, so a recommendation is
+    never refused). None when staging is not in use or no decode pod has reported any
+    occupancy yet (no evidence to size from).
     """
     if not staging_in_use(spec):
         return None
-    high = [_per_rank_high_water_bytes(r) for r in reports
+    high = [(_per_rank_high_water_bytes(r), r.pod) for r in reports
             if r.role == "decode" and r.report is not None]
-    worst = max(high, default=0.0)
+    worst, pod = max(high, key=lambda h: h[0], default=(0.0, ""))
     if worst <= 0:
         return None
+    footprint = compute_staging_footprint(spec)
+    chunk_mib = footprint.min_decode_pool_mib
     wanted_mib = worst * POOL_HEADROOM / MIB
-    rounded = math.ceil(wanted_mib / POOL_ROUNDING_MIB) * POOL_ROUNDING_MIB
-    return max(rounded, compute_staging_footprint(spec).min_decode_pool_mib)
+    chunks = max(1, math.ceil(wanted_mib / chunk_mib))
+    seen = (f"the highest per-rank decode occupancy, {worst / MIB:.1f} MiB ({pod}), × "
+            f"{POOL_HEADROOM} headroom = {wanted_mib:.1f} MiB")
+    minimum = (f"one prefill chunk ({footprint.decode_chunk_bytes} bytes per decode rank, "
+               f"rounded up to {chunk_mib} MiB: the admission minimum)")
+    if chunks == 1:
+        basis = f"{chunk_mib} MiB = {minimum}; {seen}, fits in it."
+    else:
+        basis = (f"{chunks * chunk_mib} MiB = {chunks} × {minimum}: {seen}, rounded up to "
+                 "whole chunks.")
+    return PoolRecommendation(chunks * chunk_mib, basis)
 
 
 def _near_capacity(report: PodReport) -> bool:
@@ -238,7 +260,8 @@ def _transport_verified(
 
 
 def _staging_pool_ready(
-    spec: PDDeploymentSpec, reports: Sequence[PodReport], recommended: int | None, at: At
+    spec: PDDeploymentSpec, reports: Sequence[PodReport],
+    recommended: PoolRecommendation | None, at: At,
 ) -> Condition:
     if not staging_in_use(spec):
         return cond(STAGING_POOL_READY, T, Reason.NOT_IN_USE,
@@ -261,8 +284,8 @@ def _staging_pool_ready(
                      f"{'; '.join(mismatched[:NAMED_PODS])}.", at)
     full = [r.pod for r in fresh if r.role == "decode" and _near_capacity(r)]
     if full:
-        advice = (f" Consider spec.transfer.staging.decodePoolMiB: {recommended}."
-                  if recommended is not None else "")
+        advice = (f" Consider spec.transfer.staging.decodePoolMiB: {recommended.mib} "
+                  f"({recommended.basis})" if recommended is not None else "")
         return cond(STAGING_POOL_READY, T, Reason.NEAR_CAPACITY,
                      f"Pools are at the spec's size, but the decode rings of {_names(full)} "
                      f"are over {NEAR_CAPACITY_FRACTION:.0%} full or have allocation "
@@ -334,7 +357,8 @@ def summarize_reports(
         recent_failures=recent,
         watermarks=watermarks,
         observed_transports=[ObservedTransport(pod=p, transport=t) for p, t in transports],
-        recommended_decode_pool_mib=recommended,
+        recommended_decode_pool_mib=recommended.mib if recommended is not None else None,
+        recommendation_basis=recommended.basis if recommended is not None else "",
         summary=_summary(healthy, window.ratio),
     )
     conditions = [

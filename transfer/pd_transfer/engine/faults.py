@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 
+from pd_transfer.auth import outgoing_body
 from pd_transfer.protocol.messages import Grant, decode_message
 from pd_transfer.transport.base import (
     RegisteredRegion,
@@ -103,8 +104,8 @@ class FaultyTransport:
     def local_metadata(self) -> bytes:
         return self._inner.local_metadata()
 
-    def add_peer(self, metadata: bytes) -> str:
-        return self._inner.add_peer(metadata)
+    def add_peer(self, metadata: bytes, *, expected_name: str) -> str:
+        return self._inner.add_peer(metadata, expected_name=expected_name)
 
     def remove_peer(self, name: str) -> None:
         self._inner.remove_peer(name)
@@ -133,7 +134,7 @@ class FaultyTransport:
         self._inner.release(handle)
 
     def send_message(self, peer: str, payload: bytes) -> None:
-        if self._plan.active() and isinstance(decode_message(payload), Grant) and (
+        if self._plan.active() and isinstance(decode_message(outgoing_body(payload)), Grant) and (
                 self._plan.fires("drop_grants")):
             return
         self._inner.send_message(peer, payload)

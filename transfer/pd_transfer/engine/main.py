@@ -1,8 +1,9 @@
 """``pd-transfer engine``: the reference engine process of one pod, and its agent.
 
 Start-up order matters:
-1. config (``$PD_TRANSFER_CONFIG`` / ``--config``) and pod identity (downward API), so a
-   broken pod spec fails at once with a message naming what to fix;
+1. config (``$PD_TRANSFER_CONFIG`` / ``--config``), pod identity (downward API) and the
+   PDDeployment's transfer key (``$PD_TRANSFER_AUTH_KEY_FILE``), so a broken pod spec fails
+   at once with a message naming what to fix;
 2. the UCX environment for the transport probe (``UCX_PROTO_INFO``, ``UCX_LOG_FILE``)
    BEFORE the first NIXL agent exists;
 3. ranks (memory registered before any bootstrap server publishes), the HTTP API, the
@@ -23,7 +24,7 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pd_contract.config import TransferConfig
+from pd_contract.names import ENV_TRANSFER_AUTH_KEY_FILE, TRANSFER_AUTH_PATH
 from pd_contract.transferagent import AgentEndpoints, AgentStaging
 from pd_transfer.agent.errors import AgentError, IdentityError
 from pd_transfer.agent.identity import PodIdentity, read_identity
@@ -40,12 +42,13 @@ from pd_transfer.agent.report import ReportFacts
 from pd_transfer.agent.reporter import Reporter, ReporterTuning
 from pd_transfer.agent.spec_watch import SpecWatch
 from pd_transfer.agent.transport_probe import ProtoInfoParser, UcxLogTail, configure_environment
+from pd_transfer.auth import AuthKeyError, PeerAuth
 from pd_transfer.engine.errors import EngineConfigError
 from pd_transfer.engine.faults import FaultKind, FaultPlan
 from pd_transfer.engine.http_api import EngineHTTPServer
 from pd_transfer.engine.service import EngineOptions, EngineService
 
-__all__ = ["load_config", "run_engine"]
+__all__ = ["load_auth", "load_config", "run_engine"]
 
 _log = logging.getLogger("pd_transfer.engine")
 
@@ -109,6 +112,21 @@ def _facts(identity: PodIdentity, config: TransferConfig, service: EngineService
     )
 
 
+def load_auth(environ: Mapping[str, str]) -> PeerAuth:
+    """The PDDeployment's transfer key, from the file ``$PD_TRANSFER_AUTH_KEY_FILE`` names;
+    EngineConfigError when it is unset, missing or malformed (the engine must not start)."""
+    path = environ.get(ENV_TRANSFER_AUTH_KEY_FILE, "")
+    if not path:
+        raise EngineConfigError(
+            f"{ENV_TRANSFER_AUTH_KEY_FILE} is not set: the engine needs the PDDeployment's "
+            f"transfer key file (the operator mounts its Secret at {TRANSFER_AUTH_PATH} and "
+            f"sets the variable); without it no peer could be authenticated")
+    try:
+        return PeerAuth.from_file(path)
+    except AuthKeyError as exc:
+        raise EngineConfigError(str(exc)) from exc
+
+
 def run_engine(args: argparse.Namespace) -> int:
     logging.basicConfig(level=os.environ.get("PD_TRANSFER_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -118,6 +136,7 @@ def run_engine(args: argparse.Namespace) -> int:
         if identity.role != args.role:
             raise IdentityError(f"--role {args.role} but PD_ROLE={identity.role}; the pod "
                                 f"template sets both from the same role")
+        auth = load_auth(os.environ)
     except (EngineConfigError, IdentityError) as exc:
         print(f"pd-transfer engine: {exc}", file=sys.stderr)
         return 2
@@ -131,7 +150,8 @@ def run_engine(args: argparse.Namespace) -> int:
         # Rank and incarnation first: UCX keeps only 31 characters of a worker (agent) name.
         agent_prefix=f"{hashlib.sha1(identity.incarnation.encode()).hexdigest()[:10]}-"
                      f"{identity.name}",
-        num_pages=args.num_pages, q_heads_per_kv=args.q_heads_per_kv, seed=args.seed)
+        auth=auth, num_pages=args.num_pages, q_heads_per_kv=args.q_heads_per_kv,
+        seed=args.seed)
     try:
         service = EngineService(options, faults, probe)
     except EngineConfigError as exc:

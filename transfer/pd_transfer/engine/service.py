@@ -42,6 +42,7 @@ from pd_contract.config import TransferConfig
 from pd_contract.transferagent import AgentStaging, PeerTransport
 from pd_transfer._endpoint import RankIdentity, ResizeResult, Timeouts
 from pd_transfer.agent.transport_probe import ProtoInfoParser
+from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import (
     DTYPES,
     BootstrapServer,
@@ -83,6 +84,7 @@ class EngineOptions:
     port: int
     instance: str
     agent_prefix: str  # agents are named r<rank>-<agent_prefix>
+    auth: PeerAuth  # the PDDeployment's transfer key: only its pods may talk to this one
     num_pages: int = 512
     q_heads_per_kv: int = 2
     seed: int = 0
@@ -236,12 +238,14 @@ class EngineService:
                                 self.geometry)
         endpoint: PrefillSender | DecodeReceiver
         if self.role == "prefill":
-            endpoint = PrefillSender(transport, pool, identity, timeouts=self.timeouts,
+            endpoint = PrefillSender(transport, pool, identity, auth=options.auth,
+                                     timeouts=self.timeouts,
                                      staging_bytes=options.config.staging.prefill_buffer_mib << 20)
         else:
-            endpoint = DecodeReceiver(transport, pool, identity, timeouts=self.timeouts,
+            endpoint = DecodeReceiver(transport, pool, identity, auth=options.auth,
+                                      timeouts=self.timeouts,
                                       ring_bytes=options.config.staging.decode_pool_mib << 20)
-        server = BootstrapServer(endpoint.document, options.host,
+        server = BootstrapServer(endpoint.document, options.auth, options.host,
                                  options.config.network.bootstrap_port + rank)
         worker = Worker(endpoint, f"pd-transfer-{self.role}-{rank}",
                         options.max_idle_sleep_s).start()
@@ -313,11 +317,13 @@ class EngineService:
     # Peers --------------------------------------------------------------------------------------
 
     def _fetch_pod(self, address: str) -> list[RankDocument]:
-        first = fetch_document(address, self.timeouts.bootstrap_s)
+        auth = self.options.auth
+        first = fetch_document(address, self.timeouts.bootstrap_s, auth)
         host, _, port = address.rpartition(":")
         docs = [first]
         for offset in range(1, first.tp * first.pp):
-            docs.append(fetch_document(f"{host}:{int(port) + offset}", self.timeouts.bootstrap_s))
+            docs.append(fetch_document(f"{host}:{int(port) + offset}", self.timeouts.bootstrap_s,
+                                       auth))
         for doc in docs:
             check_compatible(self.geometry, doc, address)
             if doc.instance != first.instance:

@@ -64,12 +64,17 @@ __all__ = [
     "expand_runs",
 ]
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 # Version history of PROTOCOL_VERSION (bump on any change a peer could misread):
 #   1: first version: RequestKV, AllocRequest, Grant, GrantRefused, StagedPart, PartDone,
 #      Finish, Release, Abort, Watermark.
 #   2: hot resize of the staging ring: StagedPart carries the ``ring_version`` of the grant
 #      it wrote into (decode rejects a stale one); new ``RingUpdate`` (decode → prefill).
+#   3: complete-or-fail: ``PartDone`` names the layers and pages its WRITE covered, as
+#      ``StagedPart`` does, so decode can check every part against the plan.
+#      Authenticated peers: every message and WRITE notification travels in a
+#      ``pd_transfer.auth`` frame, an HMAC-SHA256 with the deployment's transfer key over
+#      (sender, receiver, this version, the message).
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_DEPTH: Final = 4  # object → page runs → run → value; anything deeper is hostile
 MAX_WIRE_INT: Final = (1 << 63) - 1  # every count, size and offset fits a signed 64-bit address
@@ -90,7 +95,7 @@ PageRuns = tuple[tuple[Count, Size], ...]
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    v: Literal[2] = PROTOCOL_VERSION
+    v: Literal[3] = PROTOCOL_VERSION
 
 
 class RequestKV(_Message):
@@ -161,12 +166,18 @@ class StagedPart(_Message):
 
 
 class PartDone(_Message):
-    """NOTIFICATION of the WRITE that put a contiguous or sliced part into decode's pages."""
+    """NOTIFICATION of the WRITE that put a contiguous or sliced part into decode's pages:
+    global layers ``[layer_start, layer_stop)`` × request pages ``[page_start, +page_count)``
+    (decode checks them against the writer's plan; docs/failure-modes.md #28)."""
 
     type: Literal["part_done"] = "part_done"
     room: Room
     part: PartIndex
     sender_id: SenderId
+    layer_start: Count
+    layer_stop: Count
+    page_start: Count
+    page_count: Size
     final_parts: Annotated[int, Field(gt=0, le=MAX_PARTS)] | None = None
 
 

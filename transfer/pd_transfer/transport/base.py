@@ -164,8 +164,16 @@ class Transport(Protocol):
         """Opaque bytes a peer passes to ``add_peer`` to reach us (connection info + regions)."""
         ...
 
-    def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's ``local_metadata``; returns its agent name. Raises TransportError."""
+    def add_peer(self, metadata: bytes, *, expected_name: str) -> str:
+        """Load a peer's ``local_metadata``; returns its agent name, ``expected_name``.
+
+        Call only with metadata from an authenticated peer (a verified bootstrap document or
+        RingUpdate, docs/failure-modes.md #26); ``expected_name`` is the agent name that peer
+        claims there. The metadata is checked (size, framing, the name it embeds equals
+        ``expected_name``) before the backend sees it; a refusal changes no transport state.
+        Reloading a known peer's metadata (its registrations changed) replaces only its
+        memory regions. Raises TransportError.
+        """
         ...
 
     def remove_peer(self, name: str) -> None:

@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 _METADATA_MAGIC = b"pd-loopback/1\x00"
+_MAX_METADATA_BYTES = 4096
 
 
 class FaultAction(enum.Enum):
@@ -268,14 +269,30 @@ class LoopbackTransport:
         self._check_open()
         return _METADATA_MAGIC + f"{self._incarnation}\x00{self._name}".encode()
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, *, expected_name: str) -> str:
         self._check_open()
-        if not metadata.startswith(_METADATA_MAGIC):
+        if not metadata.startswith(_METADATA_MAGIC) or len(metadata) > _MAX_METADATA_BYTES:
             raise TransportError(
                 f"not loopback metadata ({len(metadata)} bytes, starts {metadata[:16]!r})"
             )
-        incarnation, _, name = metadata[len(_METADATA_MAGIC) :].decode().partition("\x00")
-        self._peers[name] = int(incarnation)
+        try:
+            text = metadata[len(_METADATA_MAGIC) :].decode()
+            incarnation_text, _, name = text.partition("\x00")
+            incarnation = int(incarnation_text)
+        except ValueError as exc:  # UnicodeDecodeError is a ValueError
+            raise TransportError(f"malformed loopback metadata: {exc}") from exc
+        if name != expected_name:
+            raise TransportError(
+                f"loopback metadata names agent {name!r} but its authenticated sender is "
+                f"{expected_name!r}: refused"
+            )
+        known = self._peers.get(name)
+        if known is not None and incarnation < known:
+            raise TransportError(
+                f"metadata of {name!r} incarnation {incarnation} is older than the loaded "
+                f"incarnation {known}: refused"
+            )
+        self._peers[name] = incarnation
         return name
 
     def remove_peer(self, name: str) -> None:

@@ -23,6 +23,11 @@ Facts this module relies on (measured with nixl 1.5.1, UCX, two processes on one
   choice per endpoint to stdout (on one host: RMA ``cma/memory``, messages ``tcp/lo``).
 * NIXL's own metadata listener (``enable_listen_thread``, ``fetch_remote_metadata``) is not
   used: our control plane carries ``local_metadata`` bytes to ``add_peer`` itself.
+* ``add_remote_agent`` can abort the process (a UCX assertion) on a malformed connection
+  blob. ``add_peer`` is only called with metadata from an authenticated peer, and checks it
+  first (``nixl_metadata.parse_nixl_metadata``: size, framing, the agent name); a reload for
+  a known agent must carry the connection blob already loaded for it (docs/failure-modes.md
+  #26).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from pd_transfer.transport.base import (
     TransportStats,
 )
 from pd_transfer.transport.descriptors import Placed, RegionTable, validate_write
+from pd_transfer.transport.nixl_metadata import NixlMetadata, parse_nixl_metadata
 
 __all__ = ["NixlConfig", "NixlTransport"]
 
@@ -118,6 +124,7 @@ class NixlTransport:
         self._regions = RegionTable()
         self._registrations: dict[str, tuple[torch.Tensor, Any]] = {}  # name -> (tensor, dlist)
         self._peers: set[str] = set()
+        self._loaded: dict[str, NixlMetadata] = {}  # what each peer's metadata said
         self._posted: dict[TransferHandle, _Posted] = {}
         self._serials = itertools.count(1)
         self._region_serials = itertools.count(1)
@@ -177,8 +184,12 @@ class NixlTransport:
         self._check_open()
         return bytes(self._agent.get_agent_metadata())
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, *, expected_name: str) -> str:
         self._check_open()
+        checked = parse_nixl_metadata(metadata, expected_name)  # before UCX sees a byte
+        known = self._loaded.get(expected_name)
+        if known is not None:
+            _check_reload(known, checked)
         try:
             loaded = self._agent.add_remote_agent(metadata)
         except _NIXL_ERRORS as exc:
@@ -186,13 +197,19 @@ class NixlTransport:
                 f"NIXL could not load peer metadata ({len(metadata)} bytes): {exc}"
             ) from exc
         name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if name != expected_name:  # parse_nixl_metadata read another name than NIXL did
+            if name not in self._peers:  # never disturb an agent loaded before
+                self._agent.remove_remote_agent(name)
+            raise TransportError(f"NIXL loaded agent {name!r}, expected {expected_name!r}")
         self._peers.add(name)
+        self._loaded[name] = checked
         return name
 
     def remove_peer(self, name: str) -> None:
         if name not in self._peers:
             return
         self._peers.discard(name)
+        self._loaded.pop(name, None)
         try:
             self._agent.remove_remote_agent(name)
         except _NIXL_ERRORS as exc:  # a dead peer may fail to disconnect cleanly: forget it
@@ -346,3 +363,22 @@ class NixlTransport:
             raise TransportError(f"NIXL failed to fetch notifications: {exc}") from exc
         for peer, payloads in notifs.items():
             self._inbox.extend((str(peer), bytes(payload)) for payload in payloads)
+
+
+def _check_reload(known: NixlMetadata, new: NixlMetadata) -> None:
+    """A known agent's new metadata may only add or drop regions: its connection blob and the
+    remote key of every region it listed before must be unchanged (docs/failure-modes.md #26).
+    """
+    name = new.agent_name
+    if new.connections != known.connections:
+        raise TransportError(
+            f"peer {name!r} sent metadata whose connection info differs from the one loaded for "
+            f"it: an agent's worker address never changes (a restarted process has a new agent "
+            f"name); refused before NIXL loads it")
+    before = known.backend_keys()
+    for region, key in new.backend_keys().items():
+        if region in before and before[region] != key:
+            raise TransportError(
+                f"peer {name!r} sent metadata whose remote key for its region at "
+                f"{region[2]:#x} (+{region[3]}) differs from the loaded one although the region "
+                f"did not change; refused before NIXL loads it")

@@ -44,6 +44,7 @@ from pd_operator.metrics import API_WRITES
 __all__ = [
     "CHILD_KINDS",
     "EVENT_COMPONENT",
+    "FAILED_CREATE_SELECTOR",
     "PDDEPLOYMENTS",
     "PODS",
     "SECRETS",
@@ -62,6 +63,8 @@ Obj = dict[str, Any]
 # (connect, read) seconds: a hung API server must fail a reconcile, not wedge a worker.
 REQUEST_TIMEOUT_S: Final = (5.0, 30.0)
 EVENT_COMPONENT: Final = "pd-operator"
+# The StatefulSet controller reports a pod it cannot create only as such an Event.
+FAILED_CREATE_SELECTOR: Final = "involvedObject.kind=StatefulSet,reason=FailedCreate,type=Warning"
 
 
 @dataclass(frozen=True)
@@ -281,6 +284,15 @@ class KubeClient:
         items = (listed or {}).get("items") or []
         # List items lack apiVersion/kind; children are keyed by them.
         return [{**item, "apiVersion": ref.api_version, "kind": ref.kind} for item in items]
+
+    def list_failed_creates(self, namespace: str) -> list[Obj]:
+        """Warning `FailedCreate` Events about StatefulSets in `namespace` (every
+        StatefulSet's: the caller matches them by `involvedObject.uid`)."""
+        listed = self._request(
+            "GET", EVENTS.collection_path(namespace), kind=EVENTS.kind,
+            query={"fieldSelector": FAILED_CREATE_SELECTOR},
+        )
+        return list((listed or {}).get("items") or [])
 
     def list_children(
         self, namespace: str, label_selector: str, kinds: Sequence[KindRef]

@@ -7,7 +7,10 @@ loopback, hot staging resize) + steady load, with the bookkeeping a rollout is j
 - every request of the load (start, end, outcome, failure reason, KV-ready latency), so any
   time window can be summarised (`LoadLog.window`);
 - from the TransferAgents, polled every 0.2 s: the most pods resizing at once (report says
-  `resizing`, or its own report differs from its spec) and every spec size each pod had;
+  `resizing`, or its report differs from its spec in the size its role allocates: the
+  decode ring on decode pods, the prefill buffer on prefill pods; a spec that changes only
+  the other size is confirmed by the agent at once and resizes nothing) and every spec size
+  each pod had;
 - the engines' PIDs from the kubelet (a hot resize must not restart them);
 - the operator's log lines at ERROR or with a traceback, over all its incarnations.
 
@@ -282,8 +285,9 @@ class LiveFleet:
                 if not seen or seen[-1] != spec:
                     seen.append(spec)
                 status = agent.get("status") or {}
-                if status.get("resizing") or (status.get("staging") and
-                                              _size(status["staging"]) != spec):
+                role = (agent.get("spec") or {}).get("role", "")
+                if status.get("resizing") or (status.get("staging") and _allocated(
+                        role, _size(status["staging"])) != _allocated(role, spec)):
                     now.add(name)
             self.resizing_now = now
             self.max_resizing = max(self.max_resizing, len(now))
@@ -316,6 +320,11 @@ class LiveFleet:
                                          float(got.get("latency_s", 0.0))))
                 pool.submit(one, next(pairs))
                 self.stop.wait(1.0 / config.rate)
+
+
+def _allocated(role: str, size: Size) -> int:
+    """The MiB of `size` a pod of `role` allocates: its decode ring or its prefill buffer."""
+    return size[0] if role == "decode" else size[1]
 
 
 def _size(staging: Obj | None) -> Size:

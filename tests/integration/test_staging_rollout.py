@@ -4,8 +4,11 @@ agents (docs/failure-modes.md #25).
 Each engine pod's agent is a `SimAgent` thread that behaves as the in-pod agent does, through
 the per-PDDeployment agent ServiceAccount's token: it creates its TransferAgent with the
 ConfigMap's sizes, follows its `spec.staging` after a short resize (reporting `resizing`,
-then the new size in force with `stagingSince`), and reports every ~0.5 s. The agents record
-from their own side how many of them were resizing at once, and every spec size they saw.
+then the new size in force with `stagingSince`), and reports every ~0.5 s. Like the real agent,
+it takes at once, without a resize, a spec that changes only the size its role does not
+allocate (a decode pod allocates decodePoolMiB, a prefill pod prefillBufferMiB). The agents
+record from their own side how many of them were resizing at once, in which order they began
+and finished, and every spec size they saw.
 """
 
 from __future__ import annotations
@@ -51,21 +54,35 @@ def stamp(at: datetime) -> str:
 
 
 class Fleet:
-    """Book-keeping shared by the simulated agents: who is resizing, the most at once."""
+    """Book-keeping shared by the simulated agents: who is resizing, the most at once, and
+    the order of what they did: ("begin", pod, size) when a resize starts, ("in force", pod,
+    size) when a size takes effect (at once for a spec its role allocates nothing of)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.resizing: set[str] = set()
         self.max_resizing = 0
+        self.log: list[tuple[str, str, Size]] = []
 
-    def begin(self, pod: str) -> None:
+    def begin(self, pod: str, size: Size) -> None:
         with self.lock:
             self.resizing.add(pod)
             self.max_resizing = max(self.max_resizing, len(self.resizing))
+            self.log.append(("begin", pod, size))
 
-    def end(self, pod: str) -> None:
+    def end(self, pod: str, size: Size) -> None:
         with self.lock:
             self.resizing.discard(pod)
+            self.log.append(("in force", pod, size))
+
+    def index(self, what: str, pod: str, size: Size) -> int:
+        with self.lock:
+            return self.log.index((what, pod, size))
+
+
+def allocated(role: str, size: Size) -> int:
+    """The MiB of `size` a pod of `role` allocates: its decode ring or its prefill buffer."""
+    return size[0] if role == "decode" else size[1]
 
 
 class SimAgent(threading.Thread):
@@ -133,14 +150,19 @@ class SimAgent(threading.Thread):
         if self.resize_started is None:
             if want == self.in_force:
                 return False
+            if allocated(self.role, want) == allocated(self.role, self.in_force):
+                # Nothing of ours changes size: in force at once, as the real agent does.
+                self.in_force = want
+                self.fleet.end(self.pod, want)
+                return True
             self.resize_started = time.monotonic()
-            self.fleet.begin(self.pod)
+            self.fleet.begin(self.pod, want)
             return True
         if time.monotonic() - self.resize_started < RESIZE_S:
             return False
         # The resize is done: whatever the spec asks for now is what takes effect.
         self.in_force, self.since, self.resize_started = want, datetime.now(UTC), None
-        self.fleet.end(self.pod)
+        self.fleet.end(self.pod, want)
         return True
 
     def run(self) -> None:
@@ -252,7 +274,9 @@ def test_grow_then_shrink_rolls_out_one_pod_at_a_time(
         harness_factory: Callable[..., Harness]) -> None:
     """Grow, then shrink the decode pool over 2 prefill + 2 decode pods with maxUnavailable 1:
     each rollout completes, every agent runs the new size, never two resizing at once, and
-    the steps are announced as Events. Once complete, nothing more is written."""
+    the steps are announced as Events. Once complete, nothing more is written. The prefill
+    pods, whose buffer never changes, are never a batch (issue 12 item 8), yet take each new
+    spec in the safe order: after the decode rings grew, before they shrink."""
     fleet = harness_factory()
     first = fleet.wait_phase("Idle", to=OLD)
     assert first["summary"] == "4096MiB"
@@ -272,11 +296,19 @@ def test_grow_then_shrink_rolls_out_one_pod_at_a_time(
     reasons = [e["reason"] for e in fleet.events_with("StagingRolloutComplete", 2)]
     assert reasons.count("StagingRolloutStarted") == 2
     assert reasons.count("StagingRolloutComplete") == 2
-    assert reasons.count("StagingBatchResizing") == 8
-    # A grow resizes decode rings first; a shrink, prefill chunk limits first.
+    assert reasons.count("StagingBatchResizing") == 4
+    # Only the decode pods are batches: a decodePoolMiB-only change resizes no prefill pod.
     batches = [e["message"] for e in fleet.events() if e["reason"] == "StagingBatchResizing"]
-    assert [m.split()[1] for m in batches[:2]] == [f"{NAME}-decode-0", f"{NAME}-decode-1"]
-    assert [m.split()[1] for m in batches[4:6]] == [f"{NAME}-prefill-0", f"{NAME}-prefill-1"]
+    decode = [f"{NAME}-decode-0", f"{NAME}-decode-1"]
+    prefill = [f"{NAME}-prefill-0", f"{NAME}-prefill-1"]
+    assert [m.split()[1] for m in batches] == decode * 2
+    assert not any(what == "begin" and pod in prefill for what, pod, _ in fleet.fleet.log)
+    # A grow resizes decode rings first; a shrink, prefill chunk limits first.
+    log = fleet.fleet.index
+    assert (max(log("in force", p, BIG) for p in decode)
+            < min(log("in force", p, BIG) for p in prefill))
+    assert (max(log("in force", p, SMALL) for p in prefill)
+            < min(log("begin", p, SMALL) for p in decode))
 
     # Steady state: no TransferAgent spec or annotation changes any more.
     versions = {name: a.objects.get_namespaced_custom_object(

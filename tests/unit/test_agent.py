@@ -8,6 +8,7 @@ import itertools
 import random
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -515,3 +516,54 @@ def test_spec_watch_resumes_from_the_last_version_and_relists_after_410() -> Non
     assert seen == ["5", "7", "9", "12"]
     assert stream.calls == [None, "7", "9", None, None, "12"]
     assert (watch.events, watch.errors) == (4, 2)
+
+
+@pytest.mark.parametrize(("role", "field"), [("decode", "prefillBufferMiB"),
+                                             ("prefill", "decodePoolMiB")])
+def test_a_spec_that_moves_only_the_other_roles_size_is_confirmed_at_once(
+        role: str, field: str) -> None:
+    """Guards issue 12 item 8 (docs/failure-modes.md #30): a spec change that leaves the
+    size this pod allocates as it is (a decode pod's ring is decodePoolMiB, a prefill pod's
+    buffer prefillBufferMiB) is confirmed by the very next report, never through the
+    resizer, never `resizing: true`, so the rollout need not walk the pod through a resize;
+    and the status never says the new sizes before the pod has taken them."""
+    api, source, clock = FakeAPI(), Source(), Clock()
+    asked: list[AgentStaging] = []
+
+    def resizer(staging: AgentStaging) -> Future[int]:
+        asked.append(staging)
+        return Future()
+
+    facts = make_facts()
+    facts = replace(facts, identity=replace(facts.identity, role=role))
+    later = datetime(2026, 1, 1, 12, 5, tzinfo=UTC)
+    walls = iter([NOW] * 3 + [later] * 50)
+    reporter = Reporter(facts, source, api, ReporterTuning(report_interval_s=5.0),
+                        clock=clock, wall=lambda: next(walls), rng=random.Random(0),
+                        resizer=resizer)
+    assert reporter.tick()
+    first = api.status_writes[-1]
+    assert first["staging"] == {"decodePoolMiB": 8, "prefillBufferMiB": 8}
+    obj = copy.deepcopy(next(iter(api.objects.values())))
+    obj["spec"]["staging"][field] = 16
+    obj["metadata"]["generation"] = 2
+    clock.now += 1
+    reporter.notify_spec(obj)
+    assert reporter.tick()  # written at once: a transition
+    status = api.status_writes[-1]
+    assert asked == []
+    assert status["resizing"] is False
+    assert status["staging"] == {"decodePoolMiB": 8, "prefillBufferMiB": 8} | {field: 16}
+    assert status["observedGeneration"] == 2
+    assert status["stagingSince"] == first["stagingSince"]
+    assert status["registrationVersion"] == first["registrationVersion"]
+    assert [w["resizing"] for w in api.status_writes] == [False, False]
+    # The size this role allocates still goes through the resizer.
+    mine = "decodePoolMiB" if role == "decode" else "prefillBufferMiB"
+    obj["spec"]["staging"][mine] = 32
+    obj["metadata"]["generation"] = 3
+    clock.now += 1
+    reporter.notify_spec(obj)
+    assert reporter.tick()
+    assert asked == [AgentStaging.model_validate(obj["spec"]["staging"])]
+    assert api.status_writes[-1]["resizing"] is True

@@ -72,7 +72,7 @@ EXPECTED_PERMISSIONS: dict[tuple[str, str], set[str]] = {
     ("policy", "poddisruptionbudgets"): CRUD,
     ("networking.k8s.io", "networkpolicies"): CRUD,
     ("", "secrets"): {"get", "list", "watch", "create", "patch"},
-    ("", "events"): {"create"},
+    ("", "events"): {"create", "list"},
 }
 
 

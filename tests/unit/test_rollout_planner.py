@@ -1,6 +1,7 @@
 """The staging rollout planner, as data: a small simulated fleet, a fixed clock, exact step
 sequences, and two invariants checked after every step of every scenario:
-- never more than maxUnavailable pods resizing (spec ≠ report, or `resizing`);
+- never more than maxUnavailable pods resizing (what the pod's role allocates, the decode ring
+  or the prefill buffer, differs between spec and report, or `resizing`);
 - no prefill chunk limit above the smallest decode ring (a pod in transition counts at its
   worse size: rings at the smaller, limits at the larger).
 No cluster, no NIXL and no GPU needed."""
@@ -41,6 +42,8 @@ STALE_S = 60.0
 OLD = StagingTarget(4096, 2048)
 BIG = StagingTarget(6144, 2048)
 SMALL = StagingTarget(2048, 2048)
+# Grows what both roles allocate (decode ring and prefill buffer): prefill pods are batched too.
+BOTH = StagingTarget(6144, 3072)
 FLEET = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 
 
@@ -130,7 +133,14 @@ class Fleet:
         for pod in self.pods.values():
             if pod.silent:
                 continue
-            if pod.spec is not None and pod.spec != pod.reported and not pod.stuck:
+            if pod.spec is None or pod.spec == pod.reported:
+                pass
+            elif pod.reported is not None and allocates(role_of(pod.name), pod.spec) == \
+                    allocates(role_of(pod.name), pod.reported):
+                # Like the real agent: a spec that leaves the size this role allocates as
+                # it is gets confirmed at once, even by a pod whose resizes never finish.
+                pod.reported = pod.spec
+            elif not pod.stuck:
                 pod.reported, pod.applied_at = pod.spec, None
             pod.report_time = self.now
 
@@ -144,9 +154,15 @@ class Fleet:
         raise AssertionError(f"no {until} after {max_steps} steps: {self.trace[-3:]}")
 
 
+def allocates(role: Role, size: StagingTarget) -> int:
+    """The MiB of `size` a pod of `role` allocates (its ring, or its buffer)."""
+    return size.decode_pool_mib if role is Role.DECODE else size.prefill_buffer_mib
+
+
 def assert_invariants(pods: list[PodRollout], max_unavailable: int) -> None:
-    resizing = [p.name for p in pods
-                if p.reported is not None and (p.spec != p.reported or p.resizing)]
+    resizing = [p.name for p in pods if p.reported is not None and (
+        p.spec is None or p.resizing
+        or allocates(p.role, p.spec) != allocates(p.role, p.reported))]
     assert len(resizing) <= max_unavailable, resizing
     rings = [min(s.decode_pool_mib for s in (p.spec, p.reported) if s)
              for p in pods if p.role is Role.DECODE and (p.spec or p.reported)]
@@ -163,20 +179,26 @@ def dedup(trace: list[tuple[str, str]]) -> list[tuple[str, str]]:
 @pytest.mark.parametrize(
     ("target", "max_unavailable", "batches", "summaries"),
     [
-        # Grow: decode rings first (decode-0, decode-1), then prefill limits.
-        (BIG, 1, [("decode-0",), ("decode-1",), ("prefill-0",), ("prefill-1",)],
+        # Grow: decode rings first (decode-0, decode-1), one batch each; the prefill pods
+        # allocate nothing more (their buffer stays 2048), so their specs follow in one write
+        # once every ring is large enough, and count only once they confirm it (2/4 → done).
+        (BIG, 1, [("decode-0",), ("decode-1",), ("prefill-0", "prefill-1")],
+         ["4096→6144MiB 0/4", "4096→6144MiB 1/4", "4096→6144MiB 2/4", "6144MiB"]),
+        (BIG, 2, [("decode-0", "decode-1"), ("prefill-0", "prefill-1")],
+         ["4096→6144MiB 0/4", "4096→6144MiB 2/4", "6144MiB"]),
+        # Both sizes grow: every pod changes, one batch per pod, decode rings first.
+        (BOTH, 1, [("decode-0",), ("decode-1",), ("prefill-0",), ("prefill-1",)],
          ["4096→6144MiB 0/4", "4096→6144MiB 1/4", "4096→6144MiB 2/4", "4096→6144MiB 3/4",
           "4096→6144MiB 4/4", "6144MiB"]),
-        (BIG, 2, [("decode-0", "decode-1"), ("prefill-0", "prefill-1")],
-         ["4096→6144MiB 0/4", "4096→6144MiB 2/4", "4096→6144MiB 4/4", "6144MiB"]),
-        # Shrink: prefill limits first, then decode rings.
-        (SMALL, 1, [("prefill-0",), ("prefill-1",), ("decode-0",), ("decode-1",)],
-         ["4096→2048MiB 0/4", "4096→2048MiB 1/4", "4096→2048MiB 2/4", "4096→2048MiB 3/4",
-          "4096→2048MiB 4/4", "2048MiB"]),
+        # Shrink: prefill limits first (one write, nothing to resize; confirmed by the next
+        # reports), then decode rings.
+        (SMALL, 1, [("prefill-0", "prefill-1"), ("decode-0",), ("decode-1",)],
+         ["4096→2048MiB 0/4", "4096→2048MiB 2/4", "4096→2048MiB 3/4", "4096→2048MiB 4/4",
+          "2048MiB"]),
         (SMALL, 2, [("prefill-0", "prefill-1"), ("decode-0", "decode-1")],
          ["4096→2048MiB 0/4", "4096→2048MiB 2/4", "4096→2048MiB 4/4", "2048MiB"]),
     ],
-    ids=["grow-mu1", "grow-mu2", "shrink-mu1", "shrink-mu2"],
+    ids=["grow-mu1", "grow-mu2", "grow-both-mu1", "shrink-mu1", "shrink-mu2"],
 )
 def test_rollout_moves_rings_and_limits_in_safe_batches(
     target: StagingTarget, max_unavailable: int, batches: list[tuple[str, ...]],
@@ -247,10 +269,10 @@ def test_rollback_of_a_late_failure_restores_rings_last() -> None:
     fleet = Fleet.at(OLD)
     pol = policy(1)
     while fleet.batches[-1:] != [("prefill-0",)]:
-        fleet.step(BIG, pol)
+        fleet.step(BOTH, pol)
         fleet.tick()
     fleet.pods["prefill-0"].failures = 50
-    fleet.run(BIG, pol, until={RolloutPhase.ROLLED_BACK})
+    fleet.run(BOTH, pol, until={RolloutPhase.ROLLED_BACK})
     assert fleet.batches == [("decode-0",), ("decode-1",), ("prefill-0",),
                              ("prefill-0",), ("decode-0",), ("decode-1",)]
 
@@ -285,16 +307,16 @@ def test_restarted_operator_makes_the_same_next_decision() -> None:
     fleet = Fleet.at(OLD, ("prefill-0", "prefill-1", "prefill-2", "decode-0", "decode-1",
                            "decode-2"))
     for _ in range(4):
-        fleet.step(BIG, pol)
+        fleet.step(BOTH, pol)
         fleet.tick()
-    assert fleet.decide(BIG, pol) == fleet.decide(BIG, pol)
+    assert fleet.decide(BOTH, pol) == fleet.decide(BOTH, pol)
     # Run to the next write, then replay it as if the status write had been lost.
     before = fleet.status
-    while not (decision := fleet.step(BIG, pol)).writes:
+    while not (decision := fleet.step(BOTH, pol)).writes:
         before = fleet.status
         fleet.tick()
     fleet.status = before
-    replay = fleet.decide(BIG, pol)
+    replay = fleet.decide(BOTH, pol)
     assert replay.writes == ()
     assert replay.status.phase is RolloutPhase.PROGRESSING
     assert replay.status.updated_pods == decision.status.updated_pods
@@ -310,18 +332,18 @@ def test_new_pods_get_the_size_of_their_revision() -> None:
     pol = policy(1)
     fleet = Fleet.at(OLD)
     while fleet.status.updated_pods != ["decode-0", "decode-1", "prefill-0"]:
-        fleet.step(BIG, pol)
+        fleet.step(BOTH, pol)
         fleet.tick()
     fleet.pods["prefill-0"] = SimPod("prefill-0", None, None, report_time=None)
     fleet.pods["prefill-2"] = SimPod("prefill-2", None, None, report_time=None)
     fleet.pods["decode-2"] = SimPod("decode-2", None, None, report_time=None)
-    decision = fleet.step(BIG, pol)
+    decision = fleet.step(BOTH, pol)
     initial = {w.pod: w.size for w in decision.writes if w.pod in
                ("prefill-0", "prefill-2", "decode-2")}
-    assert initial == {"prefill-0": BIG, "prefill-2": OLD, "decode-2": BIG}
+    assert initial == {"prefill-0": BOTH, "prefill-2": OLD, "decode-2": BOTH}
     fleet.tick()
-    fleet.run(BIG, pol, until={RolloutPhase.COMPLETE})
-    assert all(p.reported == BIG for p in fleet.pods.values())
+    fleet.run(BOTH, pol, until={RolloutPhase.COMPLETE})
+    assert all(p.reported == BOTH for p in fleet.pods.values())
     assert ("prefill-2",) in fleet.batches
 
 
@@ -494,3 +516,111 @@ def test_a_stopped_rollout_is_read_back_from_its_fields_never_its_message() -> N
     assert final.status.mode is RolloutMode.ROLLBACK
     assert final.status.message == f"{reason}; rolled back to {OLD}"
     assert all(p.spec == OLD for p in fleet.pods.values())
+
+
+def test_decode_pool_only_rollout_skips_prefill_pods() -> None:
+    """A decodePoolMiB-only rollout (issue 12 item 8; docs/failure-modes.md #25) walks only
+    the decode pods through write → in force → analysisSeconds; the prefill pods, whose buffer
+    does not change, get their spec in one write that is neither a batch (no
+    StagingBatchResizing event) nor analysed, and the rollout completes on the next reconcile.
+    Guards against the demo's 4-pod rollout taking twice as long as its 2 decode pods need.
+    Exact steps, 30 s apart (write, apply, 2 × 30 s analysis per decode batch):"""
+    fleet = Fleet.at(OLD)
+    steps = []
+    for _ in range(8):
+        d = fleet.step(BIG, policy())
+        steps.append((d.status.phase.value, d.status.message, [e.reason.value for e in d.events],
+                      tuple(w.pod for w in d.writes)))
+        fleet.tick()
+    size = "decodePoolMiB=6144/prefillBufferMiB=2048"
+    analysing = "Batch {}: analysing transfer health for 60s"
+    assert steps == [
+        ("Progressing", f"Resizing decode-0 to {size}",
+         ["StagingRolloutStarted", "StagingBatchResizing"], ("decode-0",)),      # t=0
+        ("Progressing", analysing.format("decode-0"), [], ()),                   # t=30
+        ("Progressing", analysing.format("decode-0"), [], ()),                   # t=60
+        ("Progressing", f"Resizing decode-1 to {size}", ["StagingBatchResizing"],
+         ("decode-1",)),                                                           # t=90
+        ("Progressing", analysing.format("decode-1"), [], ()),                   # t=120
+        ("Progressing", analysing.format("decode-1"), [], ()),                   # t=150
+        ("Progressing", f"Writing {size} to prefill-0, prefill-1 (size in force unchanged)",
+         [], ("prefill-0", "prefill-1")),                                         # t=180
+        ("Complete", f"Rolled out {size}", ["StagingRolloutComplete"], ()),      # t=210
+    ]
+    # The old planner took 4 batches of 90 s (360 s) plus the final step; now 210 s.
+    assert fleet.batches == [("decode-0",), ("decode-1",), ("prefill-0", "prefill-1")]
+
+
+def test_prefill_buffer_only_rollout_skips_decode_pods() -> None:
+    """The mirror case: a prefillBufferMiB-only rollout batches only prefill pods; decode
+    pods get their spec in one unbatched write; never more than maxUnavailable (1) pods
+    resizing at any step (checked by `Fleet.step`). Guards against #25's invariant being
+    bought by walking unchanged pods."""
+    target = StagingTarget(4096, 3072)
+    fleet = Fleet.at(OLD)
+    final = fleet.run(target, policy(1), until={RolloutPhase.COMPLETE})
+    # The first write resizes prefill-0 and brings both decode specs along (not counted).
+    assert fleet.batches == [("prefill-0", "decode-0", "decode-1"), ("prefill-1",)]
+    # 0/4 at the write: the decode pods count once their reports confirm the new spec.
+    assert [s for _, s in dedup(fleet.trace)] == [
+        "buffer 2048→3072MiB 0/4", "buffer 2048→3072MiB 3/4", "buffer 2048→3072MiB 4/4",
+        "4096MiB"]
+    assert final.status.updated_pods == sorted(FLEET)
+    assert final.status.message == "Rolled out decodePoolMiB=4096/prefillBufferMiB=3072"
+    assert fleet.now - T0 == timedelta(seconds=180)  # 2 batches × 90 s
+
+
+def test_unchanged_pods_count_only_once_their_reports_confirm_the_target() -> None:
+    """Guards docs/failure-modes.md #30 (issue 12 item 8): a pod whose size in force does not
+    change is written without a batch, but it is neither updated nor lets the rollout
+    complete, and in a shrink no decode ring shrinks, until its own report says the target;
+    a pod that never confirms fails like one that never resizes (NOT_APPLIED at 2 × 60 +
+    120 = 240 s), and is rolled back. Prefill pods here report on time but never take a
+    new spec."""
+    fleet = Fleet.at(OLD)
+    pol = policy(1)
+    first = fleet.step(SMALL, pol)
+    assert [w.pod for w in first.writes] == ["prefill-0", "prefill-1"]
+    assert [e.reason for e in first.events] == [RolloutReason.STARTED]
+    assert first.status.message == (f"Writing {SMALL} to prefill-0, prefill-1 (size in force "
+                                    "unchanged)")
+    waiting = f"Waiting for prefill-0, prefill-1 to confirm {SMALL} (size in force unchanged)"
+    for elapsed in (30, 60, 90, 120, 150, 180, 210, 240):
+        fleet.now = T0 + timedelta(seconds=elapsed)
+        for pod in fleet.pods.values():
+            pod.report_time = fleet.now
+        decision = fleet.step(SMALL, pol)
+        assert (decision.status.phase, decision.status.message, decision.writes,
+                decision.status.updated_pods, decision.status.summary) == (
+            RolloutPhase.PROGRESSING, waiting, (), [], "4096→2048MiB 0/4"), elapsed
+    fleet.now = T0 + timedelta(seconds=270)
+    failed = fleet.step(SMALL, pol)
+    assert failed.status.rollback_reason is RollbackReason.NOT_APPLIED
+    assert failed.status.rollback_message == (f"prefill-0: {SMALL} not in force 240s after it "
+                                              "was written")
+    assert [(w.pod, w.size) for w in failed.writes] == [("prefill-0", OLD), ("prefill-1", OLD)]
+
+
+def test_a_late_confirmation_completes_the_grow_only_when_it_arrives() -> None:
+    """Guards docs/failure-modes.md #30: after a decodePoolMiB-only grow wrote the prefill
+    specs, the status says Complete only at the step after both prefill pods reported the
+    target, never on their write alone (the earlier attempt declared Complete at once)."""
+    fleet = Fleet.at(OLD)
+    pol = policy(2)
+    fleet.step(BIG, pol)
+    fleet.tick()
+    while not (decision := fleet.step(BIG, pol)).writes:
+        fleet.tick()
+    assert [w.pod for w in decision.writes] == ["prefill-0", "prefill-1"]
+    assert decision.status.updated_pods == ["decode-0", "decode-1"]
+    fleet.now += TICK
+    fleet.pods["prefill-0"].reported = BIG  # prefill-1 has not reported the new spec yet
+    decision = fleet.step(BIG, pol)
+    assert decision.status.phase is RolloutPhase.PROGRESSING
+    assert decision.status.updated_pods == ["decode-0", "decode-1", "prefill-0"]
+    assert decision.status.message == (f"Waiting for prefill-1 to confirm {BIG} (size in "
+                                       "force unchanged)")
+    fleet.tick()
+    done = fleet.step(BIG, pol)
+    assert done.status.phase is RolloutPhase.COMPLETE
+    assert done.status.updated_pods == sorted(FLEET)

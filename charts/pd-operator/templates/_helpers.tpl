@@ -123,8 +123,10 @@ integration test tests/integration/test_chart_install.py runs the operator under
   resources: ["secrets"]
   verbs: ["get", "list", "watch", "create", "patch"]
 # Events about PDDeployments. Both kopf and the operator (kube.create_event) POST core/v1
-# Events and never update them, so neither `patch` nor events.k8s.io is granted.
+# Events and never update them, so neither `patch` nor events.k8s.io is granted. `list`
+# reads the StatefulSet controller's FailedCreate Warnings (kube.list_failed_creates), only
+# while a StatefulSet has fewer pods than it wants: it reports such failures no other way.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "list"]
 {{- end }}

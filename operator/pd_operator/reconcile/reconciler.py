@@ -11,7 +11,9 @@
    children that are no longer desired (router disabled, PDBs on a server without
    policy/v1);
 4. list the pods of both roles and the pods' TransferAgents, and observe them once
-   (`status.observe_fleet`): every later step reads that one `FleetObservation`;
+   (`status.observe_fleet`): every later step reads that one `FleetObservation`; only while
+   a StatefulSet has fewer pods than it wants, also list the namespace's `FailedCreate`
+   Warning Events (all the StatefulSet controller says about a pod it cannot create);
 5. plan the next staging rollout step (`rollout.executor.plan_step`, pure: the planner on the
    fleet and the stored `status.stagingRollout`);
 6. compute the status (pure, `status.compute_status`), the rollout's part from step 5;
@@ -24,7 +26,8 @@
    and the rollout's steps, only after the status write succeeded.
 A reconcile that saw fresh TransferAgent reports asks to run again when the first of them
 would turn stale (`RecheckAfter`): staleness is the absence of events, so no watch brings it;
-likewise while a staging rollout moves (its analysis periods end without events).
+likewise while a staging rollout moves (its analysis periods end without events), and while
+a StatefulSet lacks pods (its controller's `FailedCreate` Events bring no watch event either).
 No finalizer: children carry a controller ownerReference, so the garbage collector removes
 them with the PDDeployment and the operator has nothing to clean up (and needs no write on
 deletion, nor blocks deletion while it is down).
@@ -36,7 +39,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -95,10 +98,12 @@ from pd_operator.status import (
     compute_status,
     observe_fleet,
 )
+from pd_operator.status.child_events import short_of_pods
 from pd_operator.workqueue import RecheckAfter
 
 __all__ = [
     "DEGRADED_AFTER_FAILURES",
+    "MISSING_PODS_RECHECK_S",
     "STALE_RECHECK_SLACK_S",
     "Reconciler",
     "utc_now",
@@ -114,6 +119,10 @@ DEGRADED_AFTER_FAILURES: Final = 3
 # Come back this long after a report's staleness limit, so that second-precision report
 # times never make the recheck land a moment before the report is stale.
 STALE_RECHECK_SLACK_S: Final = 1.0
+# Come back this soon while a StatefulSet has fewer pods than it wants: its controller may
+# record a FailedCreate Event after this reconcile read the Events, and neither an Event nor
+# the failed creation changes an object the operator watches.
+MISSING_PODS_RECHECK_S: Final = 10.0
 
 
 def utc_now() -> datetime:
@@ -214,13 +223,16 @@ class Reconciler:
         fleet = observe_fleet(pods, agents, self.clock(), health=pdd.spec.transfer.health,
                               revisions={r: o.revision for r, o in roles.items()})
         observed = self._observe(pdd, roles, fleet, live, created=created, failure=failure)
+        short = any(short_of_pods(w, pods) for w in observed.workloads)
+        if short:
+            observed = replace(observed, child_events=self._failed_creates(namespace))
         step = plan_step(pdd.spec, parsed.previous.staging_rollout, fleet)
         status = compute_status(pdd, observed, fleet.now,
                                 staging_rollout=step.decision.status if step else None)
         self._write_status(parsed, status, transfer_gate_changes(fleet), rollout=step)
         if pending is not None:
             raise pending
-        return self._recheck(pdd, fleet, step), "success"
+        return self._recheck(pdd, fleet, step, missing_pods=short), "success"
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -317,14 +329,27 @@ class Reconciler:
                             and owned_by(obj, pdd.metadata.uid)),
         )
 
+    def _failed_creates(self, namespace: str) -> list[Obj]:
+        """The namespace's FailedCreate Events; none when they cannot be read (a reconcile
+        must not fail over advisory data, e.g. under an older Role without `list events`)."""
+        try:
+            return self.kube.list_failed_creates(namespace)
+        except OperatorError as exc:
+            log.warning("%s: cannot read FailedCreate Events, so pods a StatefulSet fails to "
+                        "create do not show as Degraded: %s", namespace, exc)
+            return []
+
     @staticmethod
     def _recheck(
-        pdd: PDDeployment, fleet: FleetObservation, step: RolloutStep | None
+        pdd: PDDeployment, fleet: FleetObservation, step: RolloutStep | None, *,
+        missing_pods: bool = False,
     ) -> bool | RecheckAfter:
         """When time alone changes the status: a fresh report turning stale, a rollout's
-        analysis period ending."""
+        analysis period ending, a StatefulSet's controller failing to create a pod."""
         stale = fleet.next_stale_in()
         due = [] if stale is None else [stale + STALE_RECHECK_SLACK_S]
+        if missing_pods:
+            due.append(MISSING_PODS_RECHECK_S)
         if step is not None:
             moving = recheck_seconds(step, pdd.spec.transfer.staging.rollout)
             if moving is not None:

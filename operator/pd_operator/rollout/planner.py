@@ -17,10 +17,15 @@ that size in force (`applied_at`; the executor stamps `now` for the pods a decis
 `applied_now`). A pod of which either time is unknown is judged as if it happened now, which
 can only lengthen analysis and deadlines, never shorten them.
 
-Terms. A pod is *resizing* when its report differs from its spec or says `resizing` (a pod
-with no report yet is starting, not resizing). A pod's *ring* is the decode pool it may hold
-(decode pods: the smaller of spec and report); its *chunk limit* is the decode pool it may
-assume when it writes (prefill pods: the larger of spec and report).
+Terms. A pod's *effective size* is the size its own role allocates: the decode ring
+(decodePoolMiB) on decode pods, the prefill buffer (prefillBufferMiB) on prefill pods. A pod
+is *resizing* when the effective size of its report differs from its spec's or its report says
+`resizing` (a pod with no report yet is starting, not resizing); a pod whose report differs
+from its spec only in the other role's size is *confirming*: its agent takes such a spec at
+once, without a resize. A rollout *changes* a pod when its source and target differ in the
+pod's effective size (a decodePoolMiB-only rollout changes no prefill pod). A pod's *ring* is
+the decode pool it may hold (decode pods: the smaller of spec and report); its *chunk limit*
+is the decode pool it may assume when it writes (prefill pods: the larger of spec and report).
 
 Modes, from `previous` (its `mode`) and `desired`:
 - Refused: `desired` is below the one-chunk `minimum` → Paused, no mode, no rollout starts.
@@ -31,15 +36,20 @@ Modes, from `previous` (its `mode`) and `desired`:
   `autoRollback` off) writes no sizes until `desired` changes; Rollback (Paused under
   `autoRollback`, then RolledBack, which stays so) has source = to, target = from.
 
-Step formula. Let B = pods that have a spec equal to the target and are resizing, or report the
-target in force for less than `analysisSeconds` (the current batch), R = reported pods not yet
-at the target, U = `maxUnavailable`.
+Step formula. Let B = pods that have a spec equal to the target and are resizing, or that the
+rollout changes and report the target in force for less than `analysisSeconds` (the current
+batch), R = reported pods not yet at the target (a confirming pod is not at it yet: no pod
+counts as updated, and no rollout completes, before its own report says the target), U =
+`maxUnavailable`.
 - Forward: a pod of B, or one already updated, that fails analysis (report older than
   `staleAfterSeconds`, window failure ratio above `maxFailureRatio`, agent says unhealthy, or
-  its write not in force within 2 × analysisSeconds + 120 s) stops the rollout (Rollback or
-  Hold); the message names the pod and the reason. Otherwise, if B and R are both empty →
-  Complete; if B is empty → write the target to the first min(U, |R|) pods of R, in order,
-  that keep the ring rule below; else wait.
+  its write not in force, resizing or confirming, within 2 × analysisSeconds + 120 s) stops
+  the rollout (Rollback or Hold); the message names the pod and the reason. Otherwise, if B
+  and R are both empty → Complete; if B is empty → write the target to the first
+  min(U, |R|) pods of R, in order, that keep the ring rule below, together with every pod of
+  R the rollout does not change that keeps it (they are not resizing: no batch, no
+  analysis, not counted in U), or, with nothing to write, wait for confirming pods; else
+  wait.
 - Rollback: write the source size back to pods of R in order while the resizing count stays
   ≤ U and the ring rule holds; no analysis (there is nowhere further back to go). Re-targeting a
   pod that is already resizing does not add to the count. When R is empty → RolledBack.
@@ -182,8 +192,21 @@ class PodRollout:
     written_at: datetime | None = None
     applied_at: datetime | None = None
 
+    def effective(self, size: StagingTarget) -> int:
+        """The MiB of `size` this pod's role allocates (module docstring)."""
+        return size.decode_pool_mib if self.role is Role.DECODE else size.prefill_buffer_mib
+
     @property
     def is_resizing(self) -> bool:
+        if self.reported is None:
+            return False
+        if self.spec is None or self.resizing:
+            return True
+        return self.effective(self.spec) != self.effective(self.reported)
+
+    @property
+    def is_pending(self) -> bool:
+        """Reported, and its report not yet its spec: resizing or confirming."""
         return self.reported is not None and (self.spec != self.reported or self.resizing)
 
     def settled_at(self, size: StagingTarget) -> bool:
@@ -359,8 +382,10 @@ class _Context:
             # Done: health is the TransferHealthy condition's business from here on.
             return self.finish(RolloutPhase.COMPLETE, source, target, started_at=started_at,
                                message=self.previous.message, writes=writes)
-        batch = [p for p in view if p.spec == target and p.reported is not None
-                 and (p.is_resizing or self._analysing(p))]
+        # A pod resizing towards the target is waited for even where the rollout does not
+        # change it (a mixed state left by an earlier rollout).
+        batch = [p for p in view if p.spec == target and p.reported is not None and (
+            p.is_resizing or (_changes(p, source, target) and self._analysing(p)))]
         # The batch first (its failure is the likely one to name), then every pod already
         # updated: a step is taken only while all of them report fresh, healthy numbers.
         judged = batch + [p for p in view if p not in batch and p.spec == target
@@ -397,12 +422,16 @@ class _Context:
                                message=message, writes=writes, events=events)
         moves = self._moves(view, source, target, limit=self.policy.max_unavailable)
         if moves:
-            names = ", ".join(w.pod for w in moves)
-            events.append(RolloutEvent(EventType.NORMAL, RolloutReason.BATCH,
-                                       f"Resizing {names} to {target}"))
+            message = _moves_message(view, moves, source, target)
+            if any(_changes(p, source, target) for p in view if p.name in _pods(moves)):
+                events.append(RolloutEvent(EventType.NORMAL, RolloutReason.BATCH, message))
             return self.finish(RolloutPhase.PROGRESSING, source, target, started_at=started_at,
-                               message=f"Resizing {names} to {target}",
-                               writes=writes + moves, events=events)
+                               message=message, writes=writes + moves, events=events)
+        confirming = [p for p in view if p.spec == target and p.is_pending]
+        if confirming:
+            return self.finish(RolloutPhase.PROGRESSING, source, target, started_at=started_at,
+                               message=f"Waiting for {_names(confirming)} to confirm {target} "
+                               "(size in force unchanged)", writes=writes, events=events)
         return self.finish(RolloutPhase.PROGRESSING, source, target, started_at=started_at,
                            message=self._blocked_message(view, target), writes=writes,
                            events=events)
@@ -575,7 +604,7 @@ class _Context:
                            f"{pod.name}: its agent reports transfers unhealthy")
         deadline_s = apply_deadline_seconds(self.policy.analysis_seconds)
         written = pod.written_at or self.now
-        if pod.is_resizing and (self.now - written).total_seconds() > deadline_s:
+        if pod.is_pending and (self.now - written).total_seconds() > deadline_s:
             return Failure(RollbackReason.NOT_APPLIED,
                            f"{pod.name}: {target} not in force {deadline_s:.0f}s after it was "
                            "written")
@@ -598,6 +627,28 @@ def _at(pod: PodRollout, size: StagingTarget) -> bool:
     if pod.reported is None:
         return pod.spec == size
     return pod.settled_at(size)
+
+
+def _changes(pod: PodRollout, source: StagingTarget, target: StagingTarget) -> bool:
+    """Whether a rollout from `source` to `target` changes what `pod` allocates."""
+    return pod.effective(source) != pod.effective(target)
+
+
+def _pods(writes: Iterable[SpecWrite]) -> set[str]:
+    return {w.pod for w in writes}
+
+
+def _moves_message(view: Sequence[PodRollout], moves: Sequence[SpecWrite],
+                   source: StagingTarget, target: StagingTarget) -> str:
+    """"Resizing <changed pods> to <target>", naming apart the pods whose spec only follows
+    (their size in force does not change)."""
+    moved = _pods(moves)
+    resized = [p.name for p in view if p.name in moved and _changes(p, source, target)]
+    along = [p.name for p in view if p.name in moved and not _changes(p, source, target)]
+    parts = [f"Resizing {', '.join(resized)} to {target}"] if resized else []
+    if along:
+        parts.append(f"Writing {target} to {', '.join(along)} (size in force unchanged)")
+    return "; ".join(parts)
 
 
 def _apply(pods: Iterable[PodRollout], writes: Iterable[SpecWrite]) -> list[PodRollout]:

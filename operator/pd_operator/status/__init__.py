@@ -1,7 +1,7 @@
 """Status of a PDDeployment, computed as data: conditions and their reasons (`conditions`),
 one observation of the engine pods and their TransferAgents per reconcile (`fleet`), transfer
-health from its verdicts (`transfer`), and the aggregation into `PDDeploymentStatus`
-(`compute`).
+health from its verdicts (`transfer`), the StatefulSet pod-creation failures that exist only
+as Events (`child_events`), and the aggregation into `PDDeploymentStatus` (`compute`).
 
 Reading order: `conditions` (types, reasons, `set_condition`), `fleet`, `transfer`, then
 `compute`. Nothing here performs I/O or reads the clock.

@@ -24,7 +24,11 @@ writes a report at once with ``resizing: true``; when the resize ends it writes 
 once: on success ``staging`` = the new sizes, ``stagingSince`` = the completion time,
 ``registrationVersion`` = the ring's new version and ``observedGeneration`` = the spec's
 generation; on failure ``lastError`` says why, the old sizes stay in force and reported,
-and the same generation is not retried (a new spec change is).
+and the same generation is not retried (a new spec change is). A spec that changes only the
+size the pod's role does not allocate (a decode pod allocates the ring, ``decodePoolMiB``; a
+prefill pod its buffer, ``prefillBufferMiB``) is confirmed at once, without the resizer: the
+next report says the new sizes are in force, with ``resizing`` never true and
+``stagingSince`` unchanged (the memory in force is the same).
 
 ``Reporter.tick()`` is one iteration, driven by the thread or directly by tests with a
 manual clock and an in-process fake client.
@@ -341,7 +345,23 @@ class Reporter:
             return False
         if paused or generation == self._failed_generation:
             return False
+        if _allocated(staging, self.facts.identity.role) == _allocated(
+                self.facts.staging, self.facts.identity.role):
+            # Only the other role's size moved: nothing of ours to drain or re-register, so
+            # the new sizes are in force now (the rollout counts this pod as never resizing).
+            self.facts = replace(self.facts, staging=staging)
+            self._observed_generation = generation
+            self._resize_error = ""
+            _log.info("staging %s confirmed without a resize (generation %d)",
+                      staging.to_wire(), generation)
+            return True
         _log.info("resizing staging %s → %s (generation %d)", self.facts.staging.to_wire(),
                   staging.to_wire(), generation)
         self._resize = (self.resizer(staging), staging, generation)
         return True
+
+
+def _allocated(staging: AgentStaging, role: str) -> int:
+    """The MiB of `staging` a pod of `role` allocates: the decode ring (decode) or the
+    prefill buffer (prefill); the other size is the peers' business."""
+    return staging.decode_pool_mib if role == Role.DECODE else staging.prefill_buffer_mib

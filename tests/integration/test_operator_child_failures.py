@@ -1,0 +1,138 @@
+"""The operator against a real control plane (kube-apiserver and kube-controller-manager
+v1.20): pods a StatefulSet cannot create surface as Degraded, and PDDeployment names at and
+past the longest one whose children all fit.
+
+The StatefulSet controller reports a pod it cannot create only as a Warning `FailedCreate`
+Event; a ResourceQuota of zero pods makes it do so. No kubelet runs, so pods stay Pending.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kopf.testing import KopfRunner
+from kubernetes import client as k8s
+
+from pd_operator.api.naming import MAX_NAME_LENGTH
+from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_ROLE
+from pd_operator.devcluster import ControlPlaneHandle
+from pd_operator.kube import PODS
+from pd_operator.metrics import RECONCILES
+from tests.integration.cluster import KINDS, NAME, Cluster, example_body
+from tests.integration.test_operator_reconcile import run_operator
+from tests.polling import wait_for
+
+pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
+
+Obj = dict[str, Any]
+QUOTA = "no-pods"
+REVISION_LABEL = "controller-revision-hash"
+
+
+@pytest.fixture
+def operator(control_plane: ControlPlaneHandle, namespace: str,
+             monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
+    """The operator serving the test's namespace; asserts it ended without an exception."""
+    with run_operator(control_plane, namespace, monkeypatch) as runner:
+        yield runner
+    assert runner.exception is None, runner.output
+    assert runner.exit_code == 0, runner.output
+
+
+def named(cluster: Cluster, name: str) -> Obj:
+    body = example_body(cluster.ns)
+    body["metadata"]["name"] = name
+    return body
+
+
+def pods_of(cluster: Cluster, name: str) -> list[Obj]:
+    """The engine pods of PDDeployment `name` (the router's carry no role label)."""
+    return cluster.kube.list_objects(PODS, cluster.ns, f"{LABEL_DEPLOYMENT}={name},{LABEL_ROLE}")
+
+
+def reconciles() -> float:
+    return sum(RECONCILES.labels(result=r)._value.get() for r in ("success", "invalid"))
+
+
+def test_pods_the_statefulset_cannot_create_make_degraded_until_they_exist(
+        operator: KopfRunner, cluster: Cluster) -> None:
+    """With a `pods: 0` quota the StatefulSets' pods are refused: the PDDeployment turns
+    Degraded=True/FailedCreate naming each StatefulSet and the quota refusal; once the quota
+    is deleted the pods are created and Degraded clears. Guards against issue 12 item 6
+    (docs/failure-modes.md #29): the PDDeployment said "Progressing: Creating" forever."""
+    cluster.core.create_namespaced_resource_quota(cluster.ns, k8s.V1ResourceQuota(
+        metadata=k8s.V1ObjectMeta(name=QUOTA), spec=k8s.V1ResourceQuotaSpec(hard={"pods": "0"})))
+    # Quota admission enforces `status.hard`, which the quota controller fills in.
+    wait_for("the quota to be in force", lambda: (cluster.core.read_namespaced_resource_quota(
+        QUOTA, cluster.ns).status.hard or {}).get("pods") == "0")
+    cluster.create(example_body(cluster.ns))
+
+    def degraded_naming_both() -> Obj | None:
+        c = cluster.condition("Degraded")
+        message = str(c.get("message", ""))
+        return c if c.get("status") == "True" and all(
+            f"StatefulSet {NAME}-{role}: FailedCreate: " in message
+            for role in ("prefill", "decode")) else None
+
+    condition = wait_for("Degraded=True naming both StatefulSets", degraded_naming_both)
+    assert condition["reason"] == "FailedCreate"
+    # The Events' own messages: the quota admission refusing the pod by name.
+    assert f'"{NAME}-prefill-0" is forbidden' in condition["message"] or \
+        f'"{NAME}-prefill-1" is forbidden' in condition["message"]
+    assert QUOTA in condition["message"]
+    assert cluster.status()["phase"] == "Degraded"
+    assert pods_of(cluster, NAME) == []
+
+    cluster.core.delete_namespaced_resource_quota(QUOTA, cluster.ns)
+    wait_for("the 4 engine pods", lambda: len(pods_of(cluster, NAME)) == 4, timeout_s=60)
+    wait_for("Degraded to clear",
+             lambda: cluster.condition("Degraded").get("status") == "False", timeout_s=30)
+    assert cluster.condition("Degraded")["reason"] == "AsExpected"
+    # Every pod exists and runs the current revision; none is Ready (no kubelet).
+    assert cluster.status()["phase"] == "Pending"
+
+
+def test_longest_name_gets_pods_and_one_more_character_gets_nothing(
+        operator: KopfRunner, cluster: Cluster) -> None:
+    """A 45-character name is refused with SpecValid=False naming the 44 limit and the label
+    that would not fit, and no child of any kind is created; a 44-character name gets its
+    StatefulSets and their pods (the controller-revision-hash label fits). Guards against
+    issue 12 item 6 (docs/failure-modes.md #29): a long name half-created children, or
+    StatefulSets whose pods could never exist."""
+    assert MAX_NAME_LENGTH == 44
+    too_long, longest = "llama-" + "x" * 39, "llama-" + "y" * 38
+    assert (len(too_long), len(longest)) == (45, 44)
+
+    refused = cluster.create(named(cluster, too_long))
+    wait_for("SpecValid=False",
+             lambda: cluster.condition("SpecValid", too_long).get("status") == "False")
+    condition = cluster.condition("SpecValid", too_long)
+    assert condition["reason"] == "InvalidSpec"
+    assert f"metadata.name '{too_long}' (45 characters) is too long" in condition["message"]
+    assert "(64 > 63). Use at most 44 characters." in condition["message"]
+    assert cluster.status(too_long)["phase"] == "Invalid"
+    done = reconciles()
+    wait_for("2 more reconciles", lambda: reconciles() >= done + 2, timeout_s=10)
+
+    cluster.create(named(cluster, longest))
+    names = wait_for("the 44-character name's 4 pods", lambda: sorted(
+        p["metadata"]["name"] for p in pods_of(cluster, longest))
+        if len(pods_of(cluster, longest)) == 4 else None, timeout_s=60)
+    assert names == [f"{longest}-decode-0", f"{longest}-decode-1", f"{longest}-prefill-0",
+                     f"{longest}-prefill-1"]
+    # <StatefulSet name>-<hash of up to 10 characters>: at most 44 + 9 + 10 = 63.
+    labels = [p["metadata"]["labels"][REVISION_LABEL] for p in pods_of(cluster, longest)]
+    assert all(label.startswith(f"{longest}-{role}-") and len(label) <= 63
+               for label, role in zip(labels, ("decode", "decode", "prefill", "prefill"),
+                                      strict=True)), labels
+    assert cluster.condition("SpecValid", longest)["status"] == "True"
+
+    # Nothing anywhere in the namespace belongs to, or is named after, the refused one.
+    uid = refused["metadata"]["uid"]
+    strays = [f"{ref.kind}/{obj['metadata']['name']}"
+              for ref in (*KINDS, PODS) for obj in cluster.kube.list_objects(ref, cluster.ns, "")
+              if obj["metadata"]["name"].startswith(too_long)
+              or any(o.get("uid") == uid for o in obj["metadata"].get("ownerReferences") or [])]
+    assert strays == []

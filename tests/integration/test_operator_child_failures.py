@@ -8,20 +8,19 @@ Event; a ResourceQuota of zero pods makes it do so. No kubelet runs, so pods sta
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kopf.testing import KopfRunner
 from kubernetes import client as k8s
 
 from pd_operator.api.naming import MAX_NAME_LENGTH
 from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_ROLE
-from pd_operator.devcluster import ControlPlaneHandle
 from pd_operator.kube import PODS
 from pd_operator.metrics import RECONCILES
 from tests.integration.cluster import KINDS, NAME, Cluster, example_body
-from tests.integration.test_operator_reconcile import run_operator
+
+# The operator fixture of the reconcile tests: one definition of how a test runs it.
+from tests.integration.test_operator_reconcile import operator  # noqa: F401
 from tests.polling import wait_for
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
@@ -29,16 +28,6 @@ pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 Obj = dict[str, Any]
 QUOTA = "no-pods"
 REVISION_LABEL = "controller-revision-hash"
-
-
-@pytest.fixture
-def operator(control_plane: ControlPlaneHandle, namespace: str,
-             monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
-    """The operator serving the test's namespace; asserts it ended without an exception."""
-    with run_operator(control_plane, namespace, monkeypatch) as runner:
-        yield runner
-    assert runner.exception is None, runner.output
-    assert runner.exit_code == 0, runner.output
 
 
 def named(cluster: Cluster, name: str) -> Obj:
@@ -56,8 +45,9 @@ def reconciles() -> float:
     return sum(RECONCILES.labels(result=r)._value.get() for r in ("success", "invalid"))
 
 
+@pytest.mark.usefixtures("operator")
 def test_pods_the_statefulset_cannot_create_make_degraded_until_they_exist(
-        operator: KopfRunner, cluster: Cluster) -> None:
+        cluster: Cluster) -> None:
     """With a `pods: 0` quota the StatefulSets' pods are refused: the PDDeployment turns
     Degraded=True/FailedCreate naming each StatefulSet and the quota refusal; once the quota
     is deleted the pods are created and Degraded clears. Guards against issue 12 item 6
@@ -94,8 +84,9 @@ def test_pods_the_statefulset_cannot_create_make_degraded_until_they_exist(
     assert cluster.status()["phase"] == "Pending"
 
 
+@pytest.mark.usefixtures("operator")
 def test_longest_name_gets_pods_and_one_more_character_gets_nothing(
-        operator: KopfRunner, cluster: Cluster) -> None:
+        cluster: Cluster) -> None:
     """A 45-character name is refused with SpecValid=False naming the 44 limit and the label
     that would not fit, and no child of any kind is created; a 44-character name gets its
     StatefulSets and their pods (the controller-revision-hash label fits). Guards against

@@ -47,8 +47,8 @@ def test_cited_design_notes_exist_and_cited_failure_modes_are_entries() -> None:
 
 
 def test_no_reference_to_design_files_outside_the_repository() -> None:
-    """The design notes were once cited by bare names (FAILURES #N, STYLE.md, TESTBED.md)
-    that resolve nowhere in the repository."""
+    """The design notes were once cited by bare names (the failure list by number, the
+    style and test-bed notes by file name) that resolve nowhere in the repository."""
     bare = re.compile(r"\b(FAILURES(\.md)? ?#?\d|STYLE\.md|TESTBED\.md|ARCHITECTURE\.md)")
     offenders = [
         str(path.relative_to(ROOT))

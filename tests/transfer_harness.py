@@ -17,9 +17,9 @@ import torch
 from pd_transfer._endpoint import Endpoint, RankIdentity, Timeouts
 from pd_transfer._paths import PathMode
 from pd_transfer.auth import PeerAuth, Purpose, outgoing_body
-from pd_transfer.bootstrap import DTYPES, GeometryDoc
+from pd_transfer.bootstrap import DTYPES, GeometryDoc, PackingName, PageFormatName
 from pd_transfer.kvdata import compute_request_source, fill_pool, verify_pool
-from pd_transfer.layout import KVLayout, KVPool
+from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.protocol.lifecycle import FailureReason, RequestStatus, State
 from pd_transfer.protocol.messages import PROTOCOL_VERSION, Message, decode_message, encode_message
@@ -78,6 +78,9 @@ class Cluster:
     timeouts: Timeouts = FAST
     tick_s: float = 0.01
     dtype: str = "bfloat16"
+    page_format: PageFormatName = "nhd"
+    packing: PackingName = "separate"
+    per_layer: bool = False  # vLLM-shaped per-layer tensors (always unless nhd/separate)
     clock: ManualClock = field(default_factory=ManualClock)
     senders: list[PrefillSender] = field(default_factory=list)
     receivers: list[DecodeReceiver] = field(default_factory=list)
@@ -86,13 +89,14 @@ class Cluster:
         self.fabric = LoopbackFabric(self.clock)
         self.geometry = GeometryDoc(num_layers=self.layers, total_kv_heads=self.kv_heads,
                                     head_dim=self.head_dim, dtype=self.dtype,
-                                    page_size=self.page_size)
+                                    page_size=self.page_size, page_format=self.page_format,
+                                    packing=self.packing)
         self.prefill_par = Parallelism(self.prefill_tp, self.prefill_pp)
         self.decode_par = Parallelism(self.decode_tp, 1)
         for pp, tp in itertools.product(range(self.prefill_pp), range(self.prefill_tp)):
             coord = RankCoord(pp, tp)
             transport = self.fabric.create(f"prefill-{pp}-{tp}")
-            pool = KVPool.allocate(self._layout(self.prefill_par, coord))
+            pool = self._pool(self._layout(self.prefill_par, coord))
             self.senders.append(PrefillSender(
                 transport, pool, RankIdentity("p0", coord, self.prefill_par, self.geometry),
                 auth=TEST_AUTH, staging_bytes=self.staging_bytes, timeouts=self.timeouts,
@@ -100,7 +104,7 @@ class Cluster:
         for tp in range(self.decode_tp):
             coord = RankCoord(0, tp)
             transport = self.fabric.create(f"decode-0-{tp}")
-            pool = KVPool.allocate(self._layout(self.decode_par, coord))
+            pool = self._pool(self._layout(self.decode_par, coord))
             self.receivers.append(DecodeReceiver(
                 transport, pool, RankIdentity("d0", coord, self.decode_par, self.geometry),
                 auth=TEST_AUTH, ring_bytes=self.ring_bytes, mode=self.mode, timeouts=self.timeouts,
@@ -124,7 +128,13 @@ class Cluster:
     def _layout(self, parallelism: Parallelism, coord: RankCoord) -> KVLayout:
         heads = compute_local_heads(self.kv_heads, parallelism.tp, coord.tp_rank)
         return KVLayout(self.layers // parallelism.pp, self.num_pages, self.page_size,
-                        heads.count, self.head_dim, DTYPES[self.dtype])
+                        heads.count, self.head_dim, DTYPES[self.dtype],
+                        page_format=PageFormat(self.page_format), packing=KVPacking(self.packing))
+
+    def _pool(self, layout: KVLayout) -> KVPool:
+        if self.per_layer or not layout.is_token_major:
+            return KVPool.allocate_per_layer(layout)
+        return KVPool.allocate(layout)
 
     @property
     def endpoints(self) -> list[Endpoint]:

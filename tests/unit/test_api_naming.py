@@ -21,6 +21,7 @@ from pd_operator.api.crd import pddeployment_schema
 from pd_operator.api.naming import MAX_NAME_LENGTH, name_violation
 from pd_operator.api.rules import NAME_RULES, name_violations
 from pd_operator.build import Capabilities, build_children
+from tests.cel_functions import KUBERNETES_FUNCTIONS
 from tests.factories import make_pdd
 
 _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
@@ -42,7 +43,8 @@ def cel_root(name: str) -> tuple[set[str], list[str]]:
         assert isinstance(result, celpy.celtypes.BoolType)
         if not result:
             failed.add(rule.name)
-            message = env.program(env.compile(entry["messageExpression"])).evaluate(activation)
+            message = env.program(env.compile(entry["messageExpression"]),
+                                  functions=KUBERNETES_FUNCTIONS).evaluate(activation)
             messages.append(str(message))
     return failed, messages
 

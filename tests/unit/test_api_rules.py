@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from pd_operator.api import RULES, format_validation_error, parse_spec
 from pd_operator.api.crd import pddeployment_schema
+from tests.cel_functions import KUBERNETES_FUNCTIONS
 from tests.factories import make_spec_dict
 
 SPEC_SCHEMA: dict[str, Any] = pddeployment_schema()["properties"]["spec"]
@@ -232,7 +233,8 @@ def test_cel_message_expression_names_minimum() -> None:
                           transfer={"staging": {"decodePoolMiB": 100}})
     env = celpy.Environment()
     activation = {"self": celpy.json_to_cel(apply_schema_defaults(SPEC_SCHEMA, spec))}
-    message = env.program(env.compile(rule.cel_message_expression)).evaluate(activation)
+    message = env.program(env.compile(rule.cel_message_expression),
+                          functions=KUBERNETES_FUNCTIONS).evaluate(activation)
     assert str(message) == (
         "spec.transfer.staging.decodePoolMiB cannot hold one prefill chunk: set it to at "
         "least 640 or lower spec.prefill.chunkedPrefillTokens"

@@ -171,7 +171,7 @@ def test_documents_are_verified_before_they_are_parsed() -> None:
     document = cluster.receivers[0].document()
     sealed = seal_document(document, TEST_AUTH)
     assert open_document(sealed, TEST_AUTH, "d:1") == document
-    assert document.v == DOCUMENT_VERSION == 2
+    assert document.v == DOCUMENT_VERSION == 3
     with pytest.raises(BootstrapError, match="d:1: unauthenticated bootstrap document"):
         open_document(seal_document(document, PeerAuth([KEY_C])), TEST_AUTH, "d:1")
     with pytest.raises(BootstrapError, match="unauthenticated"):

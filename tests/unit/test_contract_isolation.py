@@ -13,14 +13,16 @@ import pytest
 # packages (as if they were not installed), then every module of the packages is imported
 # (but `__main__`, which would run the command line). A module that needs an optional
 # dependency that is absent here (`OPTIONAL`) is skipped: `_staging_kernel` needs Triton,
-# which only CUDA images have (`staging` falls back to torch without it).
+# which only CUDA images have (`staging` falls back to torch without it), and
+# `vllm.connector` needs vLLM, which only vLLM engine images have (the project's tests run
+# it inside the cached vLLM virtualenv).
 _PROBE = textwrap.dedent(
     """
     import importlib, importlib.abc, pkgutil, sys
 
     REFUSED = set(sys.argv[1].split(","))
     PACKAGES = sys.argv[2].split(",")
-    OPTIONAL = {"triton"}
+    OPTIONAL = {"triton", "vllm"}
 
     class Refuse(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):

@@ -74,7 +74,7 @@ def test_apt_steps_without_root_fail_naming_the_commands(
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
     with pytest.raises(DevClusterError) as caught:
-        toolchain._prepare_apt(toolchain._Progress(), install_build_packages=True)
+        toolchain._prepare_apt(toolchain.BuildProgress(), install_build_packages=True)
     message = str(caught.value)
     assert "needs root for apt" in message
     assert "apt-get install --no-install-recommends golang-1.19-go " \

@@ -57,7 +57,7 @@ EVERY_TYPE: list[Message] = [
 def test_every_message_round_trips_as_compact_versioned_json(message: Message) -> None:
     wire = encode_message(message)
     envelope = json.loads(wire)
-    assert envelope["v"] == PROTOCOL_VERSION == 3 and envelope["type"] == message.type
+    assert envelope["v"] == PROTOCOL_VERSION == 4 and envelope["type"] == message.type
     assert b" " not in wire.replace(b'"engine"', b"")  # compact
     assert decode_message(wire) == message
 

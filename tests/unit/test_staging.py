@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pd_transfer import staging
-from pd_transfer.layout import KVLayout, KVPool
+from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
 from pd_transfer.staging import gather, scatter, staged_chunk_bytes
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
@@ -236,3 +236,50 @@ def test_triton_is_used_on_cuda_when_available() -> None:
     """Guards against silently benchmarking the torch fallback on the GPU machine."""
     pytest.importorskip("triton")
     assert staging.TRITON_AVAILABLE
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(("page_format", "packing"),
+                         [(PageFormat.HND, KVPacking.PER_HEAD), (PageFormat.NHD,
+                                                                 KVPacking.SEPARATE),
+                          (PageFormat.HND, KVPacking.SEPARATE)],
+                         ids=["cpu-per-head", "flash-nhd", "hnd"])
+def test_cuda_per_layer_pools_match_cpu_bit_exactly(page_format: PageFormat,
+                                                    packing: KVPacking) -> None:
+    """Per-layer pools (vLLM-shaped tensors) on CUDA: gather and scatter produce the CPU
+    path's bytes; registration tensors alias the CUDA memory."""
+    rng = random.Random(3)
+    layout = KVLayout(num_layers=4, num_pages=30, page_size=16, kv_heads=4, head_dim=64,
+                      dtype=torch.bfloat16, page_format=page_format, packing=packing)
+
+    def pools(seed: int) -> tuple[KVPool, KVPool]:
+        cpu, gpu = KVPool.allocate_per_layer(layout), KVPool.allocate_per_layer(layout, "cuda")
+        gen = torch.Generator().manual_seed(seed)
+        for layer in range(layout.num_layers):
+            for part in layout.parts:
+                raw = torch.randint(0, 256, (layout.layer_bytes,), dtype=torch.uint8,
+                                    generator=gen)
+                cpu.page_bytes(part, layer).view(-1).copy_(raw)
+                gpu.page_bytes(part, layer).view(-1).copy_(raw.cuda())
+        return cpu, gpu
+
+    src_cpu, src_gpu = pools(1)
+    dst_cpu, dst_gpu = pools(2)
+    for item, tensor in zip(src_gpu.registration_ranges(), src_gpu.registration_tensors(),
+                            strict=True):
+        assert tensor.is_cuda and (tensor.data_ptr(), tensor.numel()) == (item.address,
+                                                                            item.length_bytes)
+    layers, pages, dst_pages = [3, 0, 2], rng.sample(range(30), 9), rng.sample(range(30), 9)
+    nbytes = staged_chunk_bytes(layout, 3, 9, 2)
+    ref = torch.empty(nbytes, dtype=torch.uint8)
+    gather(src_cpu, layers, pages, head_start=1, num_heads=2, out=ref)
+    out = torch.zeros(nbytes + 64, dtype=torch.uint8, device="cuda")
+    assert gather(src_gpu, layers, pages, head_start=1, num_heads=2, out=out) == nbytes
+    assert torch.equal(out[:nbytes].cpu(), ref)
+    scatter(ref, dst_cpu, layers, dst_pages, head_start=2, num_heads=2)
+    scatter(out, dst_gpu, layers, dst_pages, head_start=2, num_heads=2)
+    for layer in range(layout.num_layers):
+        for part in layout.parts:
+            assert torch.equal(dst_gpu.page_bytes(part, layer).cpu(),
+                               dst_cpu.page_bytes(part, layer))

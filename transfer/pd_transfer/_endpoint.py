@@ -192,9 +192,10 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         self._resize: PendingResize | None = None
         self._transfers: dict[str, TransferT] = {}  # live requests by room
         self.part_machine = PartMachine(self.metrics.part_transition_refused)
+        _check_pool_format(pool, identity.geometry)
         self.kv_regions = tuple(
-            transport.register(tensor, name=f"{transport.agent_name}/{part.value}")
-            for part, tensor in zip(pool.layout.parts, pool.tensors(), strict=True)
+            transport.register(tensor, name=f"{transport.agent_name}/kv-{index}")
+            for index, tensor in enumerate(pool.registration_tensors())
         )
 
     # Engine-facing (any thread) -------------------------------------------------------------
@@ -245,6 +246,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             geometry=ident.geometry,
             num_pages=self.pool.layout.num_pages,
             kv_regions=tuple(RegionDoc.of(r) for r in self.kv_regions),
+            layer_bases=self.pool.base_table(),
             ring=RegionDoc.of(ring) if ring is not None else None,
             ring_version=self._ring_version(),
             transport_metadata_b64=base64.b64encode(self.transport.local_metadata()).decode(),
@@ -568,3 +570,14 @@ class Endpoint(abc.ABC, Generic[TransferT]):
     def _swap_staging(self, new_bytes: int) -> None:
         """Register new staging memory of ``new_bytes`` in place of the drained one (on an
         error the old one must stay registered and in force)."""
+
+
+def _check_pool_format(pool: KVPool, geometry: GeometryDoc) -> None:
+    """The pool must be laid out as the geometry this rank publishes says."""
+    layout = pool.layout
+    if (layout.page_format.value, layout.packing.value) != (geometry.page_format,
+                                                            geometry.packing):
+        raise ValueError(
+            f"the pool has {layout.page_format.value} pages packed {layout.packing.value} but "
+            f"the rank's geometry says {geometry.page_format}/{geometry.packing}"
+        )

@@ -1,12 +1,19 @@
 """How ranks find each other: a per-process HTTP endpoint serving the rank's document.
 
 A rank registers its memory with the transport FIRST, then publishes (docs/failure-modes.md #2): its
-role, instance, rank coordinates and parallelism, its KV geometry and local layout, the
-registered regions peers may write into (K and V pools, the staging ring with its
-registration version) and its transport metadata (base64). A peer fetches the document
-with a deadline (``fetch_document``), validates it with pydantic (unknown fields and
-versions are refused) and checks geometry compatibility (``check_compatible``), which
-names both values of the first mismatch.
+role, instance, rank coordinates and parallelism, its KV geometry (page format and packing
+included) and local layout, the registered regions peers may write into (its KV memory, one
+region per registered range; the staging ring with its registration version), the address of
+page 0 of every (part, layer) of its pool, and its transport metadata (base64). A peer
+fetches the document with a deadline (``fetch_document``), validates it with pydantic
+(unknown fields and versions are refused) and checks geometry compatibility
+(``check_compatible``), which names both values of the first mismatch.
+
+Documents come from peers (authenticated, but a bug or a mismatched build must not turn into
+writes outside the pool, docs/failure-modes.md #15): counts are bounded (``MAX_KV_REGIONS``
+regions, ``MAX_LAYERS`` layers), and on receipt every page-0 base must leave room for the
+whole layer (``num_pages`` pages) inside one published region, regions must not overlap, and
+the base table must have exactly one entry per (part, local layer).
 
 The server is stdlib ``http.server`` in a daemon thread: one GET route, ``/v1/rank``.
 The document is rendered on each request, so a re-registered ring shows up at once.
@@ -20,32 +27,41 @@ inside the MACed body; ``add_peer`` checks the metadata embeds that same name.
 Version history of ``DOCUMENT_VERSION``:
   1: first version.
   2: the body is sealed in a ``pd_transfer.auth`` frame (HMAC-SHA256 with the transfer key).
+  3: per-layer pools: the geometry gains ``page_format`` and ``packing``; ``kv_regions`` lists
+     every registered KV range (up to ``MAX_KV_REGIONS``) and ``layer_bases`` the page-0
+     address of each (part, local layer).
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
+import itertools
 import json
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pd_transfer.auth import PeerAuth, Purpose, Unauthenticated
-from pd_transfer.errors import BootstrapError, GeometryMismatch
-from pd_transfer.plan import Attention, KVGeometry, Parallelism, RankCoord
+from pd_transfer.errors import BootstrapError, GeometryMismatch, PlanError
+from pd_transfer.plan import Attention, KVGeometry, Parallelism, RankCoord, compute_local_heads
 from pd_transfer.transport.base import MemoryKind, RegisteredRegion
 
 __all__ = [
     "DOCUMENT_VERSION",
     "DTYPES",
+    "MAX_KV_REGIONS",
+    "MAX_LAYERS",
     "BootstrapServer",
     "GeometryDoc",
+    "PackingName",
+    "PageFormatName",
     "RankDocument",
     "RegionDoc",
     "check_compatible",
@@ -54,8 +70,13 @@ __all__ = [
     "seal_document",
 ]
 
-DOCUMENT_VERSION: Final = 2
+DOCUMENT_VERSION: Final = 3
 MAX_DOCUMENT_BYTES: Final = 1 << 20
+MAX_KV_REGIONS: Final = 2 * 1024
+"""Registered KV ranges a document may list (one per layer tensor, two parts at most)."""
+MAX_LAYERS: Final = 1024
+"""Local layers a document's base table may have."""
+_ADDRESS_LIMIT: Final = 1 << 64
 ROUTE: Final = "/v1/rank"
 
 DTYPES: Final[dict[str, torch.dtype]] = {
@@ -66,6 +87,8 @@ DTYPES: Final[dict[str, torch.dtype]] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 DtypeName = Literal["bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"]
+PageFormatName = Literal["nhd", "hnd"]  # layout.PageFormat values
+PackingName = Literal["separate", "per_head"]  # layout.KVPacking values
 
 
 class _Doc(BaseModel):
@@ -73,9 +96,9 @@ class _Doc(BaseModel):
 
 
 class RegionDoc(_Doc):
-    name: str
-    base_address: int = Field(gt=0)
-    size_bytes: int = Field(gt=0)
+    name: str = Field(min_length=1, max_length=512)
+    base_address: int = Field(gt=0, lt=_ADDRESS_LIMIT)
+    size_bytes: int = Field(gt=0, lt=_ADDRESS_LIMIT)
     kind: Literal["DRAM", "VRAM"]
     device_id: int = Field(ge=0)
 
@@ -104,6 +127,20 @@ class GeometryDoc(_Doc):
     dtype: DtypeName
     page_size: int = Field(ge=1)
     attention: Literal["MHA", "MLA"] = "MHA"
+    page_format: PageFormatName = "nhd"
+    packing: PackingName = "separate"
+
+    @model_validator(mode="after")
+    def _per_head_needs_hnd(self) -> GeometryDoc:
+        if self.packing == "per_head" and self.attention != "MHA":
+            raise ValueError(
+                f"packing 'per_head' needs MHA attention (K and V), got {self.attention!r}")
+        return self
+
+    @property
+    def num_parts(self) -> int:
+        """Parts of each layer's pool: K and V, K alone (MLA), or one packed KV part."""
+        return 1 if self.packing == "per_head" or self.attention == "MLA" else 2
 
     def kv_geometry(self) -> KVGeometry:
         element = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
@@ -112,10 +149,17 @@ class GeometryDoc(_Doc):
         )
 
 
+_BaseRow = Annotated[
+    tuple[Annotated[int, Field(gt=0, lt=_ADDRESS_LIMIT)], ...],
+    Field(min_length=1, max_length=MAX_LAYERS),
+]
+"""One part's page-0 addresses, one per local layer."""
+
+
 class RankDocument(_Doc):
     """Everything a peer needs to address this rank."""
 
-    v: Literal[2] = DOCUMENT_VERSION
+    v: Literal[3] = DOCUMENT_VERSION
     role: Literal["prefill", "decode"]
     instance: str = Field(min_length=1, max_length=253)
     agent_name: str = Field(min_length=1)
@@ -125,10 +169,46 @@ class RankDocument(_Doc):
     tp: int = Field(ge=1)
     geometry: GeometryDoc
     num_pages: int = Field(ge=1)
-    kv_regions: tuple[RegionDoc, ...] = Field(min_length=1, max_length=2)
+    kv_regions: tuple[RegionDoc, ...] = Field(min_length=1, max_length=MAX_KV_REGIONS)
+    layer_bases: tuple[_BaseRow, ...] = Field(min_length=1, max_length=2)
     ring: RegionDoc | None = None
     ring_version: int = Field(default=0, ge=0)
     transport_metadata_b64: str
+
+    @model_validator(mode="after")
+    def _check_addressing(self) -> RankDocument:
+        _check_regions(self.kv_regions)
+        num_layers = self.geometry.num_layers // self.pp
+        shape = [len(row) for row in self.layer_bases]
+        if shape != [num_layers] * self.geometry.num_parts:
+            raise ValueError(
+                f"layer_bases has rows of {shape} entries, the geometry needs "
+                f"{self.geometry.num_parts} parts x {num_layers} local layers"
+            )
+        layer_bytes = self.num_pages * self.page_bytes_per_layer
+        starts = [r.base_address for r in self.kv_regions]
+        for part, row in enumerate(self.layer_bases):
+            for layer, base in enumerate(row):
+                index = bisect.bisect_right(starts, base) - 1
+                region = self.kv_regions[index] if index >= 0 else None
+                if region is None or base + layer_bytes > region.base_address + region.size_bytes:
+                    raise ValueError(
+                        f"layer_bases[{part}][{layer}] = {base:#x}: its {self.num_pages} pages "
+                        f"({layer_bytes} bytes) do not lie inside one of kv_regions"
+                    )
+        return self
+
+    @property
+    def page_bytes_per_layer(self) -> int:
+        """Bytes of one page of one (part, layer) of this rank's pool."""
+        geometry = self.geometry
+        try:
+            heads = compute_local_heads(geometry.total_kv_heads, self.tp, self.tp_rank).count
+        except PlanError as exc:
+            raise ValueError(str(exc)) from None
+        parts_per_page = 2 if geometry.packing == "per_head" else 1
+        element = DTYPES[geometry.dtype].itemsize
+        return parts_per_page * geometry.page_size * heads * geometry.head_dim * element
 
     @property
     def coord(self) -> RankCoord:
@@ -143,6 +223,18 @@ class RankDocument(_Doc):
         return base64.b64decode(self.transport_metadata_b64)
 
 
+def _check_regions(regions: tuple[RegionDoc, ...]) -> None:
+    """Sorted by address, distinct names, no overlap (what ``RegionTable`` will require)."""
+    if len({r.name for r in regions}) != len(regions):
+        raise ValueError("kv_regions repeat a region name")
+    for before, after in itertools.pairwise(regions):
+        if after.base_address < before.base_address + before.size_bytes:
+            raise ValueError(
+                f"kv_regions must be sorted by address and not overlap: {after.name!r} at "
+                f"{after.base_address:#x} starts before {before.name!r} ends"
+            )
+
+
 def check_compatible(local: GeometryDoc, remote: RankDocument, address: str) -> None:
     """Raise GeometryMismatch naming both values of the first field that differs."""
     for field in GeometryDoc.model_fields:
@@ -151,7 +243,8 @@ def check_compatible(local: GeometryDoc, remote: RankDocument, address: str) -> 
             raise GeometryMismatch(
                 f"peer {remote.agent_name!r} at {address} has {field}={theirs!r} but this "
                 f"rank has {field}={mine!r}. Prefill and decode must serve the same model "
-                f"with the same KV dtype and page size; fix the deployment's model/paging."
+                f"with the same KV dtype, page size and KV cache layout (page format, "
+                f"packing); fix the deployment's model/paging/attention backend."
             )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pd_transfer.bench_cli import add_bench_parser
 from pd_transfer.engine.cli import add_engine_parser
 from pd_transfer.load import add_load_parser
+from pd_transfer.vllm.proxy import add_vllm_proxy_parser
 
 __all__ = ["add_selftest_parser", "main"]
 
@@ -44,6 +45,12 @@ def add_selftest_parser(subparsers: argparse._SubParsersAction[argparse.Argument
     add("--prefill-buffer-mib", type=int, default=64)
     add("--timeout-seconds", type=float, default=60.0)
     add("--seed", type=int, default=0)
+    add("--page-format", choices=["nhd", "hnd"], default="nhd",
+        help="page format of the KV pools (hnd: head-major, a per-layer pool)")
+    add("--packing", choices=["separate", "per_head"], default="separate",
+        help="per_head: one KV part per layer, K then V rows per head (vLLM CPU; needs hnd)")
+    add("--per-layer", action="store_true",
+        help="vLLM-shaped per-layer tensors instead of stacked K/V tensors")
     add("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(handler=_run_selftest)
 
@@ -63,7 +70,8 @@ def _run_selftest(args: argparse.Namespace) -> int:
         page_size=args.page_size, tokens=args.tokens, dtype=args.dtype, mode=args.mode,
         requests=args.requests, concurrency=args.concurrency, device=args.device,
         decode_pool_mib=args.decode_pool_mib, prefill_buffer_mib=args.prefill_buffer_mib,
-        timeout_s=args.timeout_seconds, seed=args.seed,
+        timeout_s=args.timeout_seconds, seed=args.seed, page_format=args.page_format,
+        packing=args.packing, per_layer=args.per_layer,
     )
     try:
         check_selftest_config(config)
@@ -92,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     add_engine_parser(subparsers)
     add_load_parser(subparsers)
+    add_vllm_proxy_parser(subparsers)
     return parser
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pd_transfer.layout import KVPool
+from pd_transfer.layout import KVPart, KVPool
 from pd_transfer.plan import (
     KVGeometry,
     Parallelism,
@@ -34,19 +34,16 @@ def compute_request_source(seed: int, geometry: KVGeometry, num_slots: int) -> t
     return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
 
 
-def _rank_view(
+def _rank_share(
     pool: KVPool, geometry: KVGeometry, parallelism: Parallelism, coord: RankCoord,
-    pages: Sequence[int],
-) -> tuple[list[torch.Tensor], torch.Tensor, range, range]:
-    layout = pool.layout
-    slots = pool.pages_to_tokens(list(pages)).cpu()
+    source: torch.Tensor,
+) -> tuple[list[KVPart], torch.Tensor]:
+    """The pool's logical parts (K, V) and the slice of ``source`` this rank holds:
+    ``[local_layers, parts, slots, local_heads, head_bytes]``."""
     stage = compute_stage_layers(geometry.num_layers, parallelism.pp, coord.pp_rank)
     heads = compute_local_heads(geometry.total_kv_heads, parallelism.tp, coord.tp_rank)
-    views = [
-        t.view(torch.uint8).view(layout.num_layers, layout.num_tokens, layout.kv_heads, -1)
-        for t in pool.tensors()
-    ]
-    return views, slots, range(stage.start, stage.stop), range(heads.start, heads.stop)
+    parts = [KVPart.K, KVPart.V] if pool.layout.has_v else [KVPart.K]
+    return parts, source[stage.start : stage.stop, :, :, heads.start : heads.stop]
 
 
 def fill_pool(
@@ -56,11 +53,14 @@ def fill_pool(
     pages: Sequence[int], source: torch.Tensor,
 ) -> None:
     """Write this rank's share of ``source`` into ``pages`` of ``pool`` (whole pages)."""
-    views, slots, layers, heads = _rank_view(pool, geometry, parallelism, coord, pages)
-    mine = source[layers.start : layers.stop, :, : len(slots), heads.start : heads.stop]
-    device_slots = slots.to(pool.device)
-    for part, view in enumerate(views):
-        view[:, device_slots] = mine[:, part].to(pool.device)
+    parts, mine = _rank_share(pool, geometry, parallelism, coord, source)
+    layout = pool.layout
+    index = torch.tensor(list(pages), dtype=torch.int64, device=pool.device)
+    shape = (len(index), layout.page_size, layout.kv_heads, -1)
+    for layer in range(layout.num_layers):
+        for part_index, part in enumerate(parts):
+            values = mine[layer, part_index, : len(index) * layout.page_size]
+            pool.token_bytes(part, layer)[index] = values.reshape(shape).to(pool.device)
 
 
 def verify_pool(
@@ -70,10 +70,13 @@ def verify_pool(
     pages: Sequence[int], source: torch.Tensor, num_tokens: int,
 ) -> bool:
     """Whether the first ``num_tokens`` tokens in ``pages`` hold exactly this rank's share."""
-    views, slots, layers, heads = _rank_view(pool, geometry, parallelism, coord, pages)
-    slots = slots[:num_tokens]
-    expected = source[layers.start : layers.stop, :, :num_tokens, heads.start : heads.stop]
-    return all(
-        torch.equal(view[:, slots.to(pool.device)].cpu(), expected[:, part])
-        for part, view in enumerate(views)
-    )
+    parts, mine = _rank_share(pool, geometry, parallelism, coord, source)
+    layout = pool.layout
+    index = torch.tensor(list(pages), dtype=torch.int64, device=pool.device)
+    for layer in range(layout.num_layers):
+        for part_index, part in enumerate(parts):
+            held = pool.token_bytes(part, layer)[index].reshape(
+                -1, layout.kv_heads, layout.head_dim * layout.dtype.itemsize)
+            if not torch.equal(held[:num_tokens].cpu(), mine[layer, part_index, :num_tokens]):
+                return False
+    return True

@@ -1,18 +1,35 @@
-"""The paged KV pool: its geometry, its tensors, and the byte addresses of its pages.
+"""The paged KV pool: its geometry, its memory, and the byte addresses of its pages.
 
-One rank's KV cache is two tensors, K and V, each of shape
-``[num_layers, num_pages * page_size, kv_heads, head_dim]`` (token-major, as SGLang's MHA
-pool), contiguous. Keeping every local layer in one tensor makes each per-layer view
-contiguous (the ``[num_pages * page_size, kv_heads, head_dim]`` pool an attention kernel
-expects) and lets a gather across all layers be a single indexing op (see ``staging``).
+A pool holds, for every local layer and every part (K and V; K alone for MLA; one packed
+KV part for vLLM's CPU backend), ``num_pages`` pages of ``page_bytes_per_layer`` bytes each,
+contiguous in memory. Two kinds of pool hold them:
+
+- stacked (``KVPool(layout, k, v)`` / ``allocate``): two tensors K and V of shape
+  ``[num_layers, num_pages * page_size, kv_heads, head_dim]`` (token-major, as SGLang's MHA
+  pool). Every per-layer view is contiguous, and a gather across all layers is a single
+  indexing op (see ``staging``). Stacked pools use the NHD page format.
+- per-layer (``from_layer_tensors``): one contiguous tensor per (layer, part), owned by an
+  engine (vLLM allocates its KV cache per layer), addressed in place through a table of
+  page-0 base addresses; any page format.
+
+A page of one part, as bytes, is ``[a, kv_heads, b]``: the middle dimension is the head, so
+a head slice of a page is ``[a, heads_in_slice, b]`` and is contiguous only when ``a == 1``:
+
+- NHD (token-major; ours, vLLM FlashAttention): a page is ``[page_size, kv_heads, head
+  bytes]``, so ``(a, b) = (page_size, head_bytes)``.
+- HND (head-major; vLLM's HND layout): a page is ``[kv_heads, page_size, head bytes]``, so
+  ``(a, b) = (1, page_size * head_bytes)``.
+- HND with PER_HEAD packing (vLLM's CPU backend): one KV part whose page is ``[kv_heads,
+  2 * page_size, head bytes]``, each head's slab holding its page_size K rows then its
+  page_size V rows, so ``(a, b) = (1, 2 * page_size * head_bytes)``. Row contents may be
+  ISA-packed by the engine: bytes are moved as opaque.
+- NHD with PER_HEAD packing (vLLM's token-major ``LBNHC`` layout): one KV part whose page is
+  ``[page_size, kv_heads, 2 * head bytes]``, each (token, head) row K then V, so
+  ``(a, b) = (page_size, 2 * head_bytes)``.
 
 MLA models keep one latent vector per token and no separate V: their layout has
-``kv_heads == 1`` and ``has_v == False``, and the pool then holds K only.
-
-A head slice of a page is not contiguous (heads are the second-innermost dimension), which is
-why ``staging`` exists; a whole page of one layer is, which is what the byte address helpers
-here serve (descriptor building for the equal-TP path, and registration with the transport).
-Nothing here does I/O or imports a transport.
+``kv_heads == 1`` and ``has_v == False``, and the pool then holds K only. Nothing here does
+I/O or imports a transport.
 """
 
 from __future__ import annotations
@@ -26,18 +43,36 @@ import torch
 __all__ = [
     "ByteRange",
     "KVLayout",
+    "KVPacking",
     "KVPart",
     "KVPool",
+    "PageFormat",
     "PageRun",
     "compute_page_runs",
+    "merge_byte_ranges",
 ]
 
 
 class KVPart(enum.Enum):
-    """Which of the two pools of a layer: keys or values."""
+    """Which pool of a layer: keys, values, or both packed per head (``KVPacking.PER_HEAD``)."""
 
     K = "k"
     V = "v"
+    KV = "kv"
+
+
+class PageFormat(enum.Enum):
+    """How one page of one part orders its tokens and heads."""
+
+    NHD = "nhd"  # [page_size, kv_heads, head_dim]: token-major
+    HND = "hnd"  # [kv_heads, page_size, head_dim]: head-major
+
+
+class KVPacking(enum.Enum):
+    """How K and V of a layer are split into parts."""
+
+    SEPARATE = "separate"  # K and V are separate parts; MLA: K only
+    PER_HEAD = "per_head"  # one KV part: each head's slab is page_size K rows then V rows
 
 
 @dataclass(frozen=True)
@@ -46,6 +81,11 @@ class ByteRange:
 
     address: int
     length_bytes: int
+
+    @property
+    def end(self) -> int:
+        """One past the last byte."""
+        return self.address + self.length_bytes
 
 
 @dataclass(frozen=True)
@@ -62,7 +102,7 @@ class KVLayout:
 
     ``kv_heads`` is the number of heads this rank holds (its local heads after the TP
     split), not the model's total. Sizes named ``*_bytes`` without ``_kv`` are for one part
-    (K or V); ``*_kv_bytes`` count every part the layout has (two, or one for MLA).
+    (K, V or packed KV); ``*_kv_bytes`` count every part the layout has.
     """
 
     num_layers: int
@@ -72,6 +112,8 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     has_v: bool = True
+    page_format: PageFormat = PageFormat.NHD
+    packing: KVPacking = KVPacking.SEPARATE
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_pages", "page_size", "kv_heads", "head_dim"):
@@ -80,15 +122,26 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.page_format, PageFormat) or not isinstance(
+            self.packing, KVPacking
+        ):
+            raise ValueError(
+                f"KVLayout: page_format must be a PageFormat and packing a KVPacking, got "
+                f"{self.page_format!r}, {self.packing!r}"
+            )
+        if self.packing is KVPacking.PER_HEAD and not self.has_v:
+            raise ValueError("KVLayout: PER_HEAD packing needs a V part (has_v)")
 
     @property
     def parts(self) -> tuple[KVPart, ...]:
-        """The pools this layout has, in staging order: (K, V), or (K,) for MLA."""
+        """The parts this layout has, in staging order: (K, V), (K,) for MLA, or (KV,)."""
+        if self.packing is KVPacking.PER_HEAD:
+            return (KVPart.KV,)
         return (KVPart.K, KVPart.V) if self.has_v else (KVPart.K,)
 
     @property
     def element_size_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def num_tokens(self) -> int:
@@ -101,13 +154,24 @@ class KVLayout:
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        """One token's row (all local heads) in one layer of one part."""
+        """One token's row (all local heads) in one layer of one part (K or V)."""
         return self.kv_heads * self.bytes_per_token_per_head
 
     @property
+    def page_view(self) -> tuple[int, int]:
+        """``(a, b)``: one page of one part, as bytes, is ``[a, kv_heads, b]``."""
+        head_bytes = self.head_dim * self.dtype.itemsize
+        packed = 2 if self.packing is KVPacking.PER_HEAD else 1
+        if self.page_format is PageFormat.NHD:  # PER_HEAD: one (token, head) row is K | V
+            return self.page_size, packed * head_bytes
+        return 1, packed * self.page_size * head_bytes
+
+    @property
     def page_bytes_per_layer(self) -> int:
-        """One page of one layer of one part; contiguous in memory."""
-        return self.page_size * self.bytes_per_token_per_layer
+        """One page of one layer of one part (for PER_HEAD: K and V of every local head);
+        contiguous in memory."""
+        a, b = self.page_view
+        return a * self.kv_heads * b
 
     @property
     def layer_bytes(self) -> int:
@@ -116,7 +180,7 @@ class KVLayout:
 
     @property
     def part_bytes(self) -> int:
-        """All layers of one part: the size of the K tensor (or of the V tensor)."""
+        """All layers of one part: the size of a stacked pool's K tensor (or V tensor)."""
         return self.num_layers * self.layer_bytes
 
     @property
@@ -125,8 +189,14 @@ class KVLayout:
         return len(self.parts) * self.part_bytes
 
     @property
+    def is_token_major(self) -> bool:
+        """NHD pages with separate K and V: a head slice of one token's row is contiguous."""
+        return self.page_format is PageFormat.NHD and self.packing is KVPacking.SEPARATE
+
+    @property
     def tensor_shape(self) -> tuple[int, int, int, int]:
-        """Shape of the K (and V) tensor: ``[num_layers, num_tokens, kv_heads, head_dim]``."""
+        """Shape of a stacked pool's K (and V) tensor: ``[num_layers, num_tokens, kv_heads,
+        head_dim]``."""
         return (self.num_layers, self.num_tokens, self.kv_heads, self.head_dim)
 
 
@@ -146,15 +216,34 @@ def compute_page_runs(page_ids: Sequence[int]) -> tuple[PageRun, ...]:
     return tuple(runs)
 
 
-class KVPool:
-    """The K and V tensors of one rank, with per-layer views and byte address helpers.
+def merge_byte_ranges(ranges: Sequence[ByteRange]) -> list[ByteRange]:
+    """``ranges`` sorted by address, with overlapping or adjacent ones merged."""
+    merged: list[ByteRange] = []
+    for item in sorted(ranges, key=lambda r: r.address):
+        if merged and item.address <= merged[-1].end:
+            last = merged[-1]
+            merged[-1] = ByteRange(last.address, max(last.end, item.end) - last.address)
+        else:
+            merged.append(item)
+    return merged
 
-    Either ``allocate`` fresh tensors or wrap an engine's existing ones (``KVPool(layout, k,
-    v)``). Wrapped tensors must match the layout exactly and be contiguous: the byte address
-    helpers compute offsets from the layout, which is only valid for the contiguous layout.
+
+class KVPool:
+    """One rank's KV memory, stacked or per layer, with byte address helpers.
+
+    Stacked: ``allocate`` fresh tensors or wrap an engine's existing ones (``KVPool(layout,
+    k, v)``); they must match ``layout.tensor_shape`` exactly and be contiguous. Per-layer:
+    ``from_layer_tensors`` (no copy). Either way every page address comes from the table of
+    per-(part, layer) page-0 bases, which only holds for contiguous memory.
     """
 
     def __init__(self, layout: KVLayout, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        if not layout.is_token_major:
+            raise ValueError(
+                f"KVPool: a stacked pool has NHD pages with separate K and V, the layout has "
+                f"{layout.page_format.value}/{layout.packing.value}; use "
+                f"KVPool.from_layer_tensors"
+            )
         self._check_tensor(layout, "k", k)
         if layout.has_v:
             if v is None:
@@ -165,8 +254,66 @@ class KVPool:
         elif v is not None:
             raise ValueError("KVPool: the layout has no V (has_v=False, MLA) but V was given")
         self.layout = layout
-        self.k = k
-        self.v = v
+        self._stacked: tuple[torch.Tensor, ...] | None = (k,) if v is None else (k, v)
+        self._layers: tuple[tuple[torch.Tensor, ...], ...] = tuple(
+            tuple(tensor[layer] for tensor in self._stacked) for layer in range(layout.num_layers)
+        )
+        self._device = k.device
+        self._bases = self._base_table()
+
+    @classmethod
+    def from_layer_tensors(
+        cls, layout: KVLayout, tensors: Sequence[Sequence[torch.Tensor]]
+    ) -> KVPool:
+        """A pool over an engine's per-layer tensors, addressed in place (no copy).
+
+        ``tensors[layer][i]`` is the ``i``-th part of ``layout.parts`` for that layer: a
+        contiguous tensor (any dtype and shape) whose bytes are exactly ``num_pages`` pages
+        of ``layout.page_bytes_per_layer``; all on one device.
+        """
+        checked = _check_layer_tensors(layout, tensors)
+        pool = cls.__new__(cls)
+        pool.layout = layout
+        pool._stacked = None
+        pool._layers = checked
+        pool._device = checked[0][0].device
+        pool._bases = pool._base_table()
+        return pool
+
+    @classmethod
+    def allocate(cls, layout: KVLayout, device: torch.device | str = "cpu") -> KVPool:
+        """Allocate zero-filled stacked K (and V) tensors for ``layout`` on ``device``."""
+        k = torch.zeros(layout.tensor_shape, dtype=layout.dtype, device=device)
+        v = (
+            torch.zeros(layout.tensor_shape, dtype=layout.dtype, device=device)
+            if layout.has_v
+            else None
+        )
+        return cls(layout, k, v)
+
+    @classmethod
+    def allocate_per_layer(cls, layout: KVLayout, device: torch.device | str = "cpu") -> KVPool:
+        """A zero-filled per-layer pool whose tensors are shaped as vLLM allocates them.
+
+        NHD (FlashAttention): per layer ``[2, num_pages, page_size, kv_heads, head_dim]``
+        (``[num_pages, page_size, 1, head_dim]`` for MLA), parts its K and V halves. HND:
+        per layer ``[2, num_pages, kv_heads, page_size, head_dim]``. PER_HEAD (CPU backend):
+        one allocation shared by every layer, layer ``l`` its ``[num_pages, kv_heads,
+        page_size, 2 * head_dim]`` slice (``[num_pages, page_size, kv_heads, 2 * head_dim]``
+        with NHD).
+        """
+        pages, heads, size, dim = (layout.num_pages, layout.kv_heads, layout.page_size,
+                                   layout.head_dim)
+        if layout.packing is KVPacking.PER_HEAD:
+            inner = ((heads, size) if layout.page_format is PageFormat.HND else (size, heads))
+            whole = torch.zeros((layout.num_layers, pages, *inner, 2 * dim),
+                                dtype=layout.dtype, device=device)
+            return cls.from_layer_tensors(layout, [(layer,) for layer in whole])
+        page = (size, heads, dim) if layout.page_format is PageFormat.NHD else (heads, size, dim)
+        count = len(layout.parts)
+        tensors = [torch.zeros((count, pages, *page), dtype=layout.dtype, device=device)
+                   for _ in range(layout.num_layers)]
+        return cls.from_layer_tensors(layout, [tuple(t) for t in tensors])
 
     @staticmethod
     def _check_tensor(layout: KVLayout, name: str, tensor: torch.Tensor) -> None:
@@ -180,35 +327,56 @@ class KVPool:
         if not tensor.is_contiguous():
             raise ValueError(f"KVPool: {name} must be contiguous (byte addressing relies on it)")
 
-    @classmethod
-    def allocate(cls, layout: KVLayout, device: torch.device | str = "cpu") -> KVPool:
-        """Allocate zero-filled K (and V) tensors for ``layout`` on ``device``."""
-        k = torch.zeros(layout.tensor_shape, dtype=layout.dtype, device=device)
-        v = (
-            torch.zeros(layout.tensor_shape, dtype=layout.dtype, device=device)
-            if layout.has_v
-            else None
-        )
-        return cls(layout, k, v)
+    def _base_table(self) -> tuple[tuple[int, ...], ...]:
+        """Page-0 address of each (part, layer): ``[part_index][layer]``."""
+        parts = range(len(self.layout.parts))
+        return tuple(tuple(layer[i].data_ptr() for layer in self._layers) for i in parts)
 
     @property
     def device(self) -> torch.device:
-        return self.k.device
+        return self._device
+
+    @property
+    def is_stacked(self) -> bool:
+        """Whether the pool is two stacked tensors (``tensors``, ``layer`` and
+        ``pages_to_tokens`` work only then)."""
+        return self._stacked is not None
+
+    @property
+    def k(self) -> torch.Tensor:
+        """A stacked pool's K tensor."""
+        return self.tensor(KVPart.K)
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        """A stacked pool's V tensor; None for MLA."""
+        stacked = self._require_stacked("v")
+        return stacked[1] if len(stacked) == 2 else None
+
+    def _require_stacked(self, what: str) -> tuple[torch.Tensor, ...]:
+        if self._stacked is None:
+            raise TypeError(
+                f"KVPool.{what} needs a stacked pool; this pool is per layer: use "
+                f"layer_tensor(part, layer), page_bytes(part, layer) or layer_page_base"
+            )
+        return self._stacked
 
     def tensor(self, part: KVPart) -> torch.Tensor:
-        """The whole ``[num_layers, num_tokens, kv_heads, head_dim]`` tensor of ``part``."""
+        """A stacked pool's whole ``[num_layers, num_tokens, kv_heads, head_dim]`` tensor."""
+        stacked = self._require_stacked("tensor")
         if part is KVPart.K:
-            return self.k
-        if self.v is None:
-            raise ValueError("KVPool: this layout has no V pool (MLA)")
-        return self.v
+            return stacked[0]
+        if part is KVPart.V and len(stacked) == 2:
+            return stacked[1]
+        raise ValueError(f"KVPool: this layout has no {part.value.upper()} pool (parts "
+                         f"{[p.value for p in self.layout.parts]})")
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The tensors of ``layout.parts``, in staging order."""
-        return tuple(self.tensor(part) for part in self.layout.parts)
+        """A stacked pool's tensors of ``layout.parts``, in staging order."""
+        return self._require_stacked("tensors")
 
     def layer(self, part: KVPart, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s ``[num_tokens, kv_heads, head_dim]`` pool; a contiguous view."""
+        """A stacked pool's ``[num_tokens, kv_heads, head_dim]`` view of one layer."""
         self._check_layer(layer)
         return self.tensor(part)[layer]
 
@@ -218,13 +386,63 @@ class KVPool:
     def layer_v(self, layer: int) -> torch.Tensor:
         return self.layer(KVPart.V, layer)
 
+    def layer_tensor(self, part: KVPart, layer: int) -> torch.Tensor:
+        """The tensor holding ``(part, layer)`` (either pool kind): the engine's own tensor
+        of a per-layer pool, a layer view of a stacked one."""
+        self._check_layer(layer)
+        return self._layers[layer][self._part_index(part)]
+
+    def page_bytes(self, part: KVPart, layer: int) -> torch.Tensor:
+        """Byte view ``[num_pages, a, kv_heads, b]`` of ``(part, layer)`` (``layout.page_view``
+        gives ``(a, b)``); aliases the pool, no copy."""
+        a, b = self.layout.page_view
+        tensor = self.layer_tensor(part, layer)
+        return tensor.view(torch.uint8).view(self.layout.num_pages, a, self.layout.kv_heads, b)
+
+    def token_bytes(self, part: KVPart, layer: int) -> torch.Tensor:
+        """Byte view ``[num_pages, page_size, kv_heads, head_bytes]`` of the keys (``part``
+        K) or values (V) of ``layer``, whatever the page format and packing; aliases the
+        pool (not contiguous unless the pages are NHD)."""
+        layout = self.layout
+        if part is KVPart.KV or (part is KVPart.V and not layout.has_v):
+            raise ValueError(f"KVPool.token_bytes: part must be K or V (V only with has_v), "
+                             f"got {part.value}")
+        head_bytes = layout.head_dim * layout.dtype.itemsize
+        shape = (layout.num_pages, layout.kv_heads, layout.page_size, head_bytes)
+        index = 0 if part is KVPart.K else 1
+        if layout.packing is KVPacking.PER_HEAD and layout.page_format is PageFormat.NHD:
+            rows = self.page_bytes(KVPart.KV, layer).view(
+                layout.num_pages, layout.page_size, layout.kv_heads, 2, head_bytes
+            )
+            return rows[:, :, :, index]
+        if layout.packing is KVPacking.PER_HEAD:
+            packed = self.page_bytes(KVPart.KV, layer).view(
+                layout.num_pages, layout.kv_heads, 2, layout.page_size, head_bytes
+            )
+            return packed[:, :, index].transpose(1, 2)
+        pages = self.page_bytes(part, layer)
+        if layout.page_format is PageFormat.HND:
+            return pages.view(shape).transpose(1, 2)
+        return pages
+
     def pages_to_tokens(self, page_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Token slot indices of ``page_ids``, page by page in the given order (int64)."""
+        """Token slot indices of ``page_ids`` in a stacked pool, page by page in the given
+        order (int64)."""
+        self._require_stacked("pages_to_tokens")
         pages = torch.as_tensor(page_ids, dtype=torch.int64, device=self.device).reshape(-1)
         self._check_pages_tensor(pages)
         page_size = self.layout.page_size
         offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
         return (pages[:, None] * page_size + offsets[None, :]).reshape(-1)
+
+    def layer_page_base(self, part: KVPart, layer: int) -> int:
+        """Address of page 0 of ``(part, layer)``."""
+        self._check_layer(layer)
+        return self._bases[self._part_index(part)][layer]
+
+    def base_table(self) -> tuple[tuple[int, ...], ...]:
+        """Every page-0 address, ``[part_index][layer]`` in ``layout.parts`` order."""
+        return self._bases
 
     def page_address(self, part: KVPart, layer: int, page: int) -> ByteRange:
         """Address and length of page ``page`` of layer ``layer`` of ``part``."""
@@ -232,20 +450,52 @@ class KVPool:
 
     def page_run_address(self, part: KVPart, layer: int, run: PageRun) -> ByteRange:
         """Address and length of a run of consecutive pages of one layer of ``part``."""
-        self._check_layer(layer)
         if run.num_pages <= 0:
             raise ValueError(f"KVPool: a page run needs at least one page, got {run}")
         self._check_page(run.first_page)
         self._check_page(run.first_page + run.num_pages - 1)
-        lay = self.layout
-        offset = layer * lay.layer_bytes + run.first_page * lay.page_bytes_per_layer
-        return ByteRange(
-            self.tensor(part).data_ptr() + offset, run.num_pages * lay.page_bytes_per_layer
-        )
+        page_bytes = self.layout.page_bytes_per_layer
+        base = self.layer_page_base(part, layer)
+        return ByteRange(base + run.first_page * page_bytes, run.num_pages * page_bytes)
 
     def region(self, part: KVPart) -> ByteRange:
-        """The whole tensor of ``part`` as one byte range (for transport registration)."""
+        """A stacked pool's whole tensor of ``part`` as one byte range."""
         return ByteRange(self.tensor(part).data_ptr(), self.layout.part_bytes)
+
+    def registration_ranges(self) -> list[ByteRange]:
+        """The byte ranges to register with the transport, by address: each tensor's bytes,
+        overlapping or adjacent ranges of one allocation merged (a FlashAttention layer
+        tensor's K and V halves become one range)."""
+        return [r for r, _ in self._registration()]
+
+    def registration_tensors(self) -> list[torch.Tensor]:
+        """``registration_ranges`` as 1-D uint8 tensors aliasing the pool (what
+        ``Transport.register`` takes), in the same order."""
+        return [t for _, t in self._registration()]
+
+    def _registration(self) -> list[tuple[ByteRange, torch.Tensor]]:
+        tensors = self._stacked or tuple(t for layer in self._layers for t in layer)
+        by_storage: dict[int, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+        out: list[tuple[ByteRange, torch.Tensor]] = []
+        for group in by_storage.values():
+            whole = group[0].view(torch.uint8).reshape(-1)
+            storage_base = group[0].untyped_storage().data_ptr()
+            ranges = [ByteRange(t.data_ptr(), t.numel() * t.element_size()) for t in group]
+            for item in merge_byte_ranges(ranges):
+                view = whole.as_strided((item.length_bytes,), (1,), item.address - storage_base)
+                out.append((item, view))
+        return sorted(out, key=lambda pair: pair[0].address)
+
+    def _part_index(self, part: KVPart) -> int:
+        try:
+            return self.layout.parts.index(part)
+        except ValueError:
+            raise ValueError(
+                f"KVPool: this layout has no {part.value.upper()} pool (parts "
+                f"{[p.value for p in self.layout.parts]})"
+            ) from None
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.layout.num_layers:
@@ -263,3 +513,41 @@ class KVPool:
                 f"KVPool: page ids must lie in [0, {self.layout.num_pages}), got "
                 f"min {int(pages.min())}, max {int(pages.max())}"
             )
+
+
+def _check_layer_tensors(
+    layout: KVLayout, tensors: Sequence[Sequence[torch.Tensor]]
+) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """``tensors`` as a tuple table, after checking counts, sizes, contiguity and device."""
+    if len(tensors) != layout.num_layers:
+        raise ValueError(
+            f"KVPool: {len(tensors)} layers of tensors given, the layout has {layout.num_layers}"
+        )
+    parts = [p.value for p in layout.parts]
+    device: torch.device | None = None
+    for layer, row in enumerate(tensors):
+        if len(row) != len(parts):
+            raise ValueError(
+                f"KVPool: layer {layer} has {len(row)} tensors, the layout's parts are {parts}"
+            )
+        for part, tensor in zip(parts, row, strict=True):
+            _check_layer_tensor(layout, f"layer {layer} part {part}", tensor)
+            if device is None:
+                device = tensor.device
+            if tensor.device != device:
+                raise ValueError(
+                    f"KVPool: layer {layer} part {part} is on {tensor.device}, the first "
+                    f"tensor on {device}; a pool lives on one device"
+                )
+    return tuple(tuple(row) for row in tensors)
+
+
+def _check_layer_tensor(layout: KVLayout, name: str, tensor: torch.Tensor) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes != layout.layer_bytes:
+        raise ValueError(
+            f"KVPool: {name} holds {nbytes} bytes, the layout needs {layout.layer_bytes} "
+            f"({layout.num_pages} pages x {layout.page_bytes_per_layer} bytes)"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(f"KVPool: {name} must be contiguous (byte addressing relies on it)")

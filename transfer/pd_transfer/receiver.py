@@ -115,10 +115,12 @@ class ReceiveTransfer(Transfer):
         num_tokens: int,
         instance: str | None,
         mode: PathMode,
+        first_page: int = 0,
     ) -> None:
         super().__init__(room, receiver.clock(), lambda: receiver._release(self))
         self.dst_pages = dst_pages
         self.num_tokens = num_tokens
+        self.first_page = first_page
         self.instance = instance
         self.mode = mode
         self.bootstrap_deadline = self.created + receiver.timeouts.bootstrap_s
@@ -173,14 +175,16 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         page_ids: Sequence[int],
         num_tokens: int,
         *,
+        first_page: int = 0,
         prefill_instance: str | None = None,
         mode: PathMode | None = None,
     ) -> Future[None]:
         """Ask the prefill ranks of ``prefill_instance`` (the only one known, by default)
-        for ``room``'s KV, into ``page_ids`` (request order)."""
+        for ``room``'s KV, into ``page_ids``: the request's pages from ``first_page`` on, in
+        order (decode's own prefix cache holds the ones before: they are not sent)."""
         pages = [int(p) for p in page_ids]
         return self.submit(lambda: self._expect(room, pages, num_tokens, prefill_instance,
-                                                mode or self.mode))
+                                                mode or self.mode, first_page=first_page))
 
     def abort(self, room: str, detail: str = "aborted by the engine") -> Future[None]:
         return self.submit(lambda: self._abort(room, detail))
@@ -211,11 +215,17 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
 
     def _expect(
         self, room: str, pages: list[int], num_tokens: int, instance: str | None,
-        mode: PathMode,
+        mode: PathMode, *, first_page: int,
     ) -> None:
-        self._check_new(room, pages, num_tokens, "expected")
+        page_size = self.pool.layout.page_size
+        if first_page < 0 or first_page * page_size >= num_tokens:
+            raise ValueError(
+                f"room {room!r}: first_page {first_page} leaves none of the {num_tokens} "
+                f"tokens to receive (the last page holds the last token, which decode never "
+                f"has cached)")
+        self._check_new(room, pages, num_tokens - first_page * page_size, "expected")
         transfer = ReceiveTransfer(self, room, dst_pages=pages, num_tokens=num_tokens,
-                                   instance=instance, mode=mode)
+                                   instance=instance, mode=mode, first_page=first_page)
         self._admit(transfer)
         with self.guard(self._failer(transfer)):
             self._bootstrap(transfer)
@@ -261,7 +271,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             decode_tp_rank=self.identity.coord.tp_rank,
             dst_page_runs=wire.compute_runs(transfer.dst_pages), num_tokens=transfer.num_tokens,
             path=writer.path,  # type: ignore[arg-type]
-            ring_version=self.ring_version,
+            ring_version=self.ring_version, first_page=transfer.first_page,
         ))
 
     def _on_peer_added(self, document: RankDocument) -> None:

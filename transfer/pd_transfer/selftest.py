@@ -29,10 +29,16 @@ import torch
 from pd_transfer._endpoint import RankIdentity, Timeouts
 from pd_transfer._paths import PathMode, choose_path
 from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import DTYPES, BootstrapServer, GeometryDoc
+from pd_transfer.bootstrap import (
+    DTYPES,
+    BootstrapServer,
+    GeometryDoc,
+    PackingName,
+    PageFormatName,
+)
 from pd_transfer.errors import TransferError
 from pd_transfer.kvdata import compute_request_source, fill_pool, verify_pool
-from pd_transfer.layout import KVLayout, KVPool
+from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
 from pd_transfer.plan import (
     Parallelism,
     RankCoord,
@@ -74,6 +80,9 @@ class SelftestConfig:
     prefill_buffer_mib: int = 64
     timeout_s: float = 60.0
     seed: int = 0
+    page_format: PageFormatName = "nhd"  # anything but nhd/separate is a per-layer pool
+    packing: PackingName = "separate"
+    per_layer: bool = False  # vLLM-shaped per-layer tensors (always, unless nhd/separate)
 
     @property
     def pages_per_request(self) -> int:
@@ -101,9 +110,7 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
 ) -> None:
     """One rank's process: build the endpoint, serve the parent's commands."""
     torch.set_num_threads(1)
-    geometry = GeometryDoc(num_layers=config.layers, total_kv_heads=config.kv_heads,
-                           head_dim=config.head_dim, dtype=config.dtype,
-                           page_size=config.page_size)
+    geometry = _geometry(config)
     kv = geometry.kv_geometry()
     parallelism = (Parallelism(config.prefill_tp, config.prefill_pp) if role == "prefill"
                    else Parallelism(config.decode_tp, 1))
@@ -115,8 +122,11 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
         torch.cuda.set_device(device)
     heads = compute_local_heads(config.kv_heads, parallelism.tp, tp_rank)
     layout = KVLayout(config.layers // parallelism.pp, config.num_pages, config.page_size,
-                      heads.count, config.head_dim, DTYPES[config.dtype])
-    pool = KVPool.allocate(layout, device)
+                      heads.count, config.head_dim, DTYPES[config.dtype],
+                      page_format=PageFormat(config.page_format),
+                      packing=KVPacking(config.packing))
+    pool = (KVPool.allocate_per_layer(layout, device)
+            if config.per_layer or not layout.is_token_major else KVPool.allocate(layout, device))
     transport = NixlTransport(f"{role}-{pp_rank}-{tp_rank}-{uuid.uuid4().hex[:8]}")
     identity = RankIdentity(f"{role}-0", coord, parallelism, geometry)
     timeouts = Timeouts(transfer_s=config.timeout_s, kv_lease_s=2 * config.timeout_s,
@@ -217,11 +227,13 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
 class SelftestGroup:
     """The rank processes of one prefill deployment and one decode deployment."""
 
-    def __init__(self, config: SelftestConfig) -> None:
+    def __init__(self, config: SelftestConfig, auth: PeerAuth | None = None) -> None:
+        """``auth``: the transfer key the ranks share; by default a random one of their own
+        (pass another group's ``auth`` to let its ranks authenticate this group's)."""
         self.config = config
         os.environ.setdefault("UCX_NET_DEVICES", "lo")  # inherited by the spawned ranks
         ctx = mp.get_context("spawn")
-        auth = PeerAuth.generate()  # one random transfer key shared by the group's ranks
+        auth = auth or PeerAuth.generate()
         self.auth = auth
         self.ranks: dict[tuple[str, int, int], tuple[Any, Connection]] = {}
         coords = [("prefill", pp, tp) for pp, tp in itertools.product(
@@ -322,7 +334,9 @@ def check_selftest_config(config: SelftestConfig) -> None:
 
     def local(tp: int, rank: int) -> KVLayout:
         heads = compute_local_heads(config.kv_heads, tp, rank).count
-        return KVLayout(1, 1, config.page_size, heads, config.head_dim, DTYPES[config.dtype])
+        return KVLayout(1, 1, config.page_size, heads, config.head_dim, DTYPES[config.dtype],
+                        page_format=PageFormat(config.page_format),
+                        packing=KVPacking(config.packing))
 
     for plan in compute_transfer_topology(geometry, prefill, decode).plans:
         choose_path(config.mode, plan, local(prefill.tp, plan.prefill.tp_rank),
@@ -332,7 +346,8 @@ def check_selftest_config(config: SelftestConfig) -> None:
 def _geometry(config: SelftestConfig) -> GeometryDoc:
     return GeometryDoc(num_layers=config.layers, total_kv_heads=config.kv_heads,
                        head_dim=config.head_dim, dtype=config.dtype,
-                       page_size=config.page_size)
+                       page_size=config.page_size,
+                       page_format=config.page_format, packing=config.packing)
 
 
 def run_selftest(config: SelftestConfig) -> dict[str, Any]:

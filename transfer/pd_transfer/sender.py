@@ -98,6 +98,7 @@ class _OutPart(Part):
     side: Role = Role.PREFILL
     spec: _PartSpec
     layers: LayerRange  # spec.layers within the plan's layers
+    pages: range  # spec.pages from the decode rank's first page on (request indices)
     final: int | None  # final part count, attached to the writer's last part
     gathered: torch.cuda.Event | None = None
     grant: wire.Grant | None = None
@@ -116,6 +117,7 @@ class _Stream:
     plan: TransferPlan
     path: str
     dst_pages: list[int]
+    first_page: int = 0  # decode holds the request's pages before this one
     next_spec: int = 0
     parts_made: int = 0
     final_sent: bool = False
@@ -132,12 +134,13 @@ class SendTransfer(Transfer):
         self, sender: PrefillSender, room: str, src_pages: list[int], num_tokens: int
     ) -> None:
         super().__init__(room, sender.clock(), lambda: sender._release(self))
-        self.src_pages = src_pages
+        self.src_pages = src_pages  # grows with extend_request (chunked prefill)
         self.num_tokens = num_tokens
+        self.total_pages = max(len(src_pages), -(-num_tokens // sender.pool.layout.page_size))
         self.lease_deadline = self.created + sender.timeouts.kv_lease_s
         self.specs: list[_PartSpec] = []
         stage = sender._stage_layers  # what the engine's parts must cover, each cell once
-        self.coverage = Coverage(range(stage.start, stage.stop), len(src_pages))
+        self.coverage = Coverage(range(stage.start, stage.stop), self.total_pages)
         self.last_given = False
         self.instance: str | None = None
         self.expected: frozenset[tuple[int, int]] | None = None  # decode (pp, tp) coords
@@ -181,9 +184,16 @@ class PrefillSender(Endpoint[SendTransfer]):
     def register_request(
         self, room: str, page_ids: Sequence[int], num_tokens: int
     ) -> Future[None]:
-        """Hold ``page_ids`` (the request's KV, in request order) for decode to claim."""
+        """Hold ``page_ids`` (the request's KV, in request order) for decode to claim. With
+        chunked prefill the pages may be the first ones only; ``extend_request`` appends
+        the rest as the engine allocates them, before the parts that send them."""
         pages = [int(p) for p in page_ids]
         return self.submit(lambda: self._register(room, pages, num_tokens))
+
+    def extend_request(self, room: str, page_ids: Sequence[int]) -> Future[None]:
+        """Append ``page_ids`` to a registered request's pages (in request order)."""
+        pages = [int(p) for p in page_ids]
+        return self.submit(lambda: self._extend(room, pages))
 
     def send_part(
         self,
@@ -220,7 +230,11 @@ class PrefillSender(Endpoint[SendTransfer]):
     # Commands (worker thread) -------------------------------------------------------------
 
     def _register(self, room: str, pages: list[int], num_tokens: int) -> None:
-        self._check_new(room, pages, num_tokens, "registered")
+        page_size = self.pool.layout.page_size
+        if num_tokens > 0 and len(pages) * page_size < num_tokens:  # the first chunk's pages
+            self._check_new(room, pages, len(pages) * page_size, "registered")
+        else:
+            self._check_new(room, pages, num_tokens, "registered")
         transfer = SendTransfer(self, room, pages, num_tokens)
         self._admit(transfer)
         decode_pars = {d.parallelism for d in self.peers.values() if d.role == "decode"}
@@ -232,6 +246,21 @@ class PrefillSender(Endpoint[SendTransfer]):
             return
         for peer, message, _ in self._early.pop(room, []):
             self._on_request_kv(peer, message)
+
+    def _extend(self, room: str, pages: list[int]) -> None:
+        transfer = self._transfers.get(room)
+        if transfer is None:
+            raise KeyError(f"room {room!r} is not live (never registered, or finished)")
+        known = transfer.src_pages
+        if len(known) + len(pages) > transfer.total_pages:
+            raise ValueError(f"room {room!r}: {len(known)} + {len(pages)} pages exceed the "
+                             f"{transfer.total_pages} its {transfer.num_tokens} tokens need")
+        layout = self.pool.layout
+        if pages and (min(pages) < 0 or max(pages) >= layout.num_pages
+                      or len(set(pages) | set(known)) != len(known) + len(pages)):
+            raise ValueError(f"room {room!r}: page ids must be distinct, in "
+                             f"[0, {layout.num_pages})")
+        known.extend(pages)
 
     def _add_part(
         self,
@@ -248,7 +277,8 @@ class PrefillSender(Endpoint[SendTransfer]):
             raise ValueError(f"room {room!r}: a part was already sent with last=True")
         pages = pages if pages is not None else range(len(transfer.src_pages))
         if pages.step != 1 or not pages or pages.start < 0 or pages.stop > len(transfer.src_pages):
-            raise ValueError(f"room {room!r}: pages {pages} not inside the request's pages")
+            raise ValueError(f"room {room!r}: pages {pages} not inside the request's "
+                             f"{len(transfer.src_pages)} registered pages")
         stage = self._stage_layers
         span = LayerRange(layers.start, layers.stop) if layers is not None else stage
         if span.count <= 0 or span.start < stage.start or span.stop > stage.stop:
@@ -343,13 +373,20 @@ class PrefillSender(Endpoint[SendTransfer]):
             self._violation(transfer, peer, f"destination pages: {exc}")
             return
         problem = None
-        if len(dst_pages) != len(transfer.src_pages) or message.num_tokens != transfer.num_tokens:
-            problem = (f"decode wants {message.num_tokens} tokens in {len(dst_pages)} pages, "
-                       f"prefill holds {transfer.num_tokens} in {len(transfer.src_pages)}")
+        first = message.first_page
+        if (first + len(dst_pages) != transfer.total_pages
+                or message.num_tokens != transfer.num_tokens
+                or first * self.pool.layout.page_size >= transfer.num_tokens):
+            problem = (f"decode wants {message.num_tokens} tokens in {len(dst_pages)} pages "
+                       f"from page {first}, prefill holds {transfer.num_tokens} in "
+                       f"{transfer.total_pages}")
         elif max(dst_pages) >= document.num_pages or len(set(dst_pages)) != len(dst_pages):
             problem = f"destination pages outside [0, {document.num_pages}) or repeated"
         elif message.path == "contiguous" and plan.heads.num_heads != layout.kv_heads:
             problem = "contiguous path asked for a partial head slice"
+        elif message.path == "sliced" and not layout.is_token_major:
+            problem = (f"sliced path asked for {layout.page_format.value} pages packed "
+                       f"{layout.packing.value} (it needs token-major pages)")
         elif message.path == "staged" and document.ring is None:
             problem = "staged path but the decode rank published no staging ring"
         elif transfer.instance not in (None, document.instance):
@@ -361,7 +398,8 @@ class PrefillSender(Endpoint[SendTransfer]):
         if transfer.expected is None:
             plans = self._topology(document.parallelism).plans_from(self.identity.coord)
             transfer.expected = frozenset((p.decode.pp_rank, p.decode.tp_rank) for p in plans)
-        transfer.streams[peer] = _Stream(peer, document, layout, plan, message.path, dst_pages)
+        transfer.streams[peer] = _Stream(peer, document, layout, plan, message.path, dst_pages,
+                                         first_page=first)
         if transfer.lifecycle.state is State.BOOTSTRAPPING:
             transfer.transfer_deadline = self.clock() + self.timeouts.transfer_s
             self._apply(transfer, Event.START)
@@ -445,16 +483,17 @@ class PrefillSender(Endpoint[SendTransfer]):
             plan_layers = stream.plan.layers
             start, stop = max(spec.layers.start, plan_layers.start), min(
                 spec.layers.stop, plan_layers.stop)
-            if start < stop:
+            pages = range(max(spec.pages.start, stream.first_page), spec.pages.stop)
+            if start < stop and pages:
                 index = stream.parts_made
                 stream.parts_made += 1
                 final = stream.parts_made if spec.last else None
-                stream.out[index] = _OutPart(index=index, spec=spec,
+                stream.out[index] = _OutPart(index=index, spec=spec, pages=pages,
                                              layers=LayerRange(start, stop), final=final)
                 made = True
             if spec.last and not stream.final_sent:
                 stream.final_sent = True
-                if start >= stop:
+                if start >= stop or not pages:
                     if stream.parts_made == 0:
                         raise ValueError(f"no part of {transfer.room!r} had layers for decode "
                                          f"rank {stream.plan.decode}")
@@ -466,8 +505,8 @@ class PrefillSender(Endpoint[SendTransfer]):
     def _post_direct(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> None:
         """Contiguous or sliced: one WRITE straight into decode's pages, PartDone attached."""
         layers, pages = self._pairs(transfer, stream, out)
-        src_bases = [r.base_address for r in self.kv_regions]
-        dst_bases = [r.base_address for r in stream.document.kv_regions]
+        src_bases = self.pool.base_table()
+        dst_bases = stream.document.layer_bases
         if stream.path == "contiguous":
             local, remote = compute_contiguous_spans(
                 self.pool.layout, src_bases=src_bases, dst=stream.layout, dst_bases=dst_bases,
@@ -478,8 +517,9 @@ class PrefillSender(Endpoint[SendTransfer]):
                 layers=layers, pages=pages, plan=stream.plan)
         note = wire.PartDone(room=transfer.room, part=out.index,
                              sender_id=stream.plan.sender_id, layer_start=out.layers.start,
-                             layer_stop=out.layers.stop, page_start=out.spec.pages.start,
-                             page_count=len(out.spec.pages), final_parts=out.final)
+                             layer_stop=out.layers.stop,
+                             page_start=out.pages.start - stream.first_page,
+                             page_count=len(out.pages), final_parts=out.final)
         regions = [r.to_region() for r in stream.document.kv_regions]
         out.size_bytes = sum(length for _, length in local)
         self._post(transfer, stream, out, local, remote, regions, self.seal(stream.peer, note))
@@ -545,7 +585,7 @@ class PrefillSender(Endpoint[SendTransfer]):
             room=transfer.room, part=out.index, sender_id=stream.plan.sender_id,
             ring_offset=grant.ring_offset, size_bytes=grant.size_bytes,
             layer_start=out.layers.start, layer_stop=out.layers.stop,
-            page_start=out.spec.pages.start, page_count=len(out.spec.pages),
+            page_start=out.pages.start - stream.first_page, page_count=len(out.pages),
             ring_version=grant.ring_version, final_parts=out.final,
         )
         granted = RegisteredRegion(f"{ring.name}@{grant.ring_offset}",
@@ -609,7 +649,8 @@ class PrefillSender(Endpoint[SendTransfer]):
         plan = stream.plan
         layers = [(g - self._stage_layers.start, g - plan.layers.start + plan.dst_layer_start)
                   for g in range(out.layers.start, out.layers.stop)]
-        pages = [(transfer.src_pages[i], stream.dst_pages[i]) for i in out.spec.pages]
+        first = stream.first_page
+        pages = [(transfer.src_pages[i], stream.dst_pages[i - first]) for i in out.pages]
         return layers, pages
 
     # Deadlines and endings -----------------------------------------------------------------

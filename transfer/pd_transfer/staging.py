@@ -1,28 +1,37 @@
 """Gather a chunk's head slice out of the paged KV pool into one contiguous buffer, and back.
 
-A head slice of a page is not contiguous in the pool (heads are the second-innermost
-dimension), so a prefill rank sending a subset of its heads first packs them, for every
-layer of the chunk, into one staging buffer that travels as a single bulk WRITE; the decode
-rank unpacks it into its own pages at its own head offset.
+A head slice of a page is not contiguous in the pool in general (see ``layout``: a page of
+one part is the byte array ``[a, kv_heads, b]``), so a prefill rank sending a subset of its
+heads first packs them, for every layer of the chunk, into one staging buffer that travels
+as a single bulk WRITE; the decode rank unpacks it into its own pages at its own head offset.
 
 Staging buffer layout for one chunk of one (prefill rank → decode rank) pair: raw bytes, a
 C-contiguous array of shape::
 
-    [num_parts][num_layers][num_pages][page_size][num_heads][head_dim * element_size]
+    [num_parts][num_layers][num_pages][a][num_heads][b]
 
-- part 0 is K, part 1 is V (MLA layouts have K only, ``num_parts == 1``);
+with ``(a, b) = layout.page_view``: ``(page_size, head_bytes)`` for NHD pages (so the buffer
+is ``[parts][layers][pages][page_size][heads][head_dim * element_size]``), ``(1, page_size
+* head_bytes)`` for HND, ``(1, 2 * page_size * head_bytes)`` for HND with PER_HEAD packing.
+
+- parts follow ``layout.parts``: K then V (MLA: K only; PER_HEAD: the one packed KV part);
 - layer ``i`` is ``layers[i]`` (an index into the pool's local layers), in the given order;
 - page ``j`` is ``page_ids[j]``, in the given order (ids need not be sorted or contiguous);
 - heads are the pool's local heads ``[head_start, head_start + num_heads)``;
-- the innermost dimension is the raw bytes of one head's vector, so any dtype (bf16, fp16,
+- ``b`` is raw bytes of one head within one row of the page, so any dtype (bf16, fp16,
   fp32, fp8) moves bit-exactly and fp8 needs no arithmetic.
 
-Its size is ``staged_chunk_bytes``. On CPU, and on CUDA when Triton is missing or
-``force_torch`` is set, each part is one ``index_select(out=...)`` (gather) or
-``index_copy_`` (scatter) over a ``[layers * pages, page_size, heads, bytes]`` byte view of
-the pool: one op per part across every layer, reading and writing in place with no
-intermediate copy of the data (only the small index tensor is allocated). On CUDA with
-Triton, one fused kernel launch moves K and V for every layer and page.
+Both sides of a transfer have the same page format and packing (a geometry field, checked
+at the handshake), so the buffer means the same thing to both. Its size is
+``staged_chunk_bytes``.
+
+Stacked pools: on CPU, and on CUDA when Triton is missing or ``force_torch`` is set, each
+part is one ``index_select(out=...)`` (gather) or ``index_copy_`` (scatter) over a ``[layers
+* pages, page_size, heads, bytes]`` byte view of the pool: one op per part across every
+layer; on CUDA with Triton, one fused kernel launch moves K and V for every layer and page.
+Per-layer pools: one ``index_select``/``index_copy_`` per (layer, part) over that layer's
+``[num_pages, a, heads, b]`` byte view. Either way data is read and written in place with no
+intermediate copy (only the small index tensor is allocated).
 """
 
 from __future__ import annotations
@@ -50,15 +59,10 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 
 def staged_chunk_bytes(layout: KVLayout, num_layers: int, num_pages: int, num_heads: int) -> int:
-    """Bytes of one staged chunk: parts x layers x pages x page_size x heads x head bytes."""
-    return (
-        len(layout.parts)
-        * num_layers
-        * num_pages
-        * layout.page_size
-        * num_heads
-        * _head_bytes(layout)
-    )
+    """Bytes of one staged chunk: parts x layers x pages x a x heads x b, i.e. the head
+    slice's share of every page of every layer and part (K and V)."""
+    a, b = layout.page_view
+    return len(layout.parts) * num_layers * num_pages * a * num_heads * b
 
 
 def _head_bytes(layout: KVLayout) -> int:
@@ -125,7 +129,9 @@ def _move(  # noqa: PLR0917 - private; gather/scatter name every argument
     nbytes = staged_chunk_bytes(layout, len(layer_list), len(page_list), num_heads)
     if nbytes == 0:
         return 0
-    if not force_torch and TRITON_AVAILABLE and staged.is_cuda:
+    if not pool.is_stacked:
+        _move_layers(pool, layer_list, page_list, head_start, num_heads, staged[:nbytes], scatter)
+    elif not force_torch and TRITON_AVAILABLE and staged.is_cuda:
         _staging_kernel.launch(
             pool.tensors(),
             layout,
@@ -237,3 +243,27 @@ def _move_torch(  # noqa: PLR0917 - private, called once with _move's arguments
             source.index_copy_(0, rows, staged_parts[index])
         else:
             torch.index_select(source, 0, rows, out=staged_parts[index])
+
+
+def _move_layers(  # noqa: PLR0917 - private, called once with _move's arguments
+    pool: KVPool,
+    layers: Sequence[int],
+    pages: Sequence[int],
+    head_start: int,
+    num_heads: int,
+    staged: torch.Tensor,
+    scatter: bool,
+) -> None:
+    """Per-layer pools: one op per (part, layer) over its ``[num_pages, a, heads, b]`` view."""
+    layout = pool.layout
+    a, b = layout.page_view
+    index = _device_index(torch.tensor(pages, dtype=torch.int64), pool.device)
+    staged_view = staged.view(len(layout.parts), len(layers), len(pages), a, num_heads, b)
+    for part_index, part in enumerate(layout.parts):
+        for layer_index, layer in enumerate(layers):
+            source = pool.page_bytes(part, layer)[:, :, head_start : head_start + num_heads]
+            chunk = staged_view[part_index, layer_index]
+            if scatter:
+                source.index_copy_(0, index, chunk)
+            else:
+                torch.index_select(source, 0, index, out=chunk)

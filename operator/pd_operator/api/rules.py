@@ -230,6 +230,17 @@ def _tp_heads_cel(par: str) -> str:
     return f"{par}.tensor % {par}.data != 0 || {_H} % {tp} == 0 || {tp} % {_H} == 0"
 
 
+def _cel_format(template: str, *args: str) -> str:
+    """``'<template>'.format([args...])`` of the CEL strings library (Kubernetes 1.29+).
+
+    Numbers enter a message through ``format`` (``%d``), never ``'...' + string(n)``: the
+    API server estimates the cost of every message expression when the CRD is created, and
+    refuses the whole CRD when a concatenation with ``string(int)`` makes the estimate
+    unbounded (seen on a v1.36 apiextensions-apiserver)."""
+    literal = '"' + template.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return f"{literal}.format([{', '.join(args)}])"
+
+
 RULES: tuple[CrossFieldRule, ...] = (
     CrossFieldRule(
         name="prefill-data-divides-tensor",
@@ -319,9 +330,10 @@ RULES: tuple[CrossFieldRule, ...] = (
         cel=f"!({_SPLIT_OK}) || !{_STAGING_USED} || "
         f"self.transfer.staging.decodePoolMiB * {_MIB} >= {_DECODE_BYTES}",
         cel_message="spec.transfer.staging.decodePoolMiB cannot hold one prefill chunk",
-        cel_message_expression="'spec.transfer.staging.decodePoolMiB cannot hold one "
-        f"prefill chunk: set it to at least ' + string(({_DECODE_BYTES} + {_MIB} - 1) / "
-        f"{_MIB}) + ' or lower spec.prefill.chunkedPrefillTokens'",
+        cel_message_expression=_cel_format(
+            "spec.transfer.staging.decodePoolMiB cannot hold one prefill chunk: set it to at "
+            "least %d or lower spec.prefill.chunkedPrefillTokens",
+            f"({_DECODE_BYTES} + {_MIB} - 1) / {_MIB}"),
         field_path=".transfer.staging.decodePoolMiB",
     ),
     CrossFieldRule(
@@ -330,9 +342,10 @@ RULES: tuple[CrossFieldRule, ...] = (
         cel=f"!({_SPLIT_OK}) || !{_STAGING_USED} || "
         f"self.transfer.staging.prefillBufferMiB * {_MIB} >= {_PREFILL_BYTES}",
         cel_message="spec.transfer.staging.prefillBufferMiB cannot hold one gathered chunk",
-        cel_message_expression="'spec.transfer.staging.prefillBufferMiB cannot hold one "
-        f"gathered chunk: set it to at least ' + string(({_PREFILL_BYTES} + {_MIB} - 1) / "
-        f"{_MIB}) + ' or lower spec.prefill.chunkedPrefillTokens'",
+        cel_message_expression=_cel_format(
+            "spec.transfer.staging.prefillBufferMiB cannot hold one gathered chunk: set it to "
+            "at least %d or lower spec.prefill.chunkedPrefillTokens",
+            f"({_PREFILL_BYTES} + {_MIB} - 1) / {_MIB}"),
         field_path=".transfer.staging.prefillBufferMiB",
     ),
     CrossFieldRule(
@@ -419,14 +432,12 @@ NAME_RULES: tuple[NameRule, ...] = (
         cel_message=f"metadata.name must have at most {MAX_NAME_LENGTH} characters: the prefill "
         "StatefulSet's pods carry the label controller-revision-hash '<name>-prefill-<hash>' "
         f"(at most {LABEL_VALUE_MAX} characters)",
-        cel_message_expression=_cel_concat(
-            "metadata.name '", f"{{{_N}}}", "' (", f"{{string({_N}.size())}}",
-            " characters) is too long: the prefill StatefulSet's pods carry the label "
-            "controller-revision-hash '", f"{{{_N}}}",
-            f"-prefill-<{REVISION_HASH_MAX}-char hash>' (",
-            f"{{string({_N}.size() + {_REVISION_OVERHEAD})}}",
-            f" > {LABEL_VALUE_MAX}). Use at most {MAX_NAME_LENGTH} characters.",
-        ),
+        cel_message_expression=_cel_format(
+            "metadata.name '%s' (%d characters) is too long: the prefill StatefulSet's pods "
+            "carry the label controller-revision-hash "
+            f"'%s-prefill-<{REVISION_HASH_MAX}-char hash>' (%d > {LABEL_VALUE_MAX}). Use at "
+            f"most {MAX_NAME_LENGTH} characters.",
+            _N, f"{_N}.size()", _N, f"{_N}.size() + {_REVISION_OVERHEAD}"),
     ),
 )
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pd_operator.devcluster.cel_apiserver import CEL_APISERVER_NAME, ensure_cel_apiserver
 from pd_operator.devcluster.cluster import (
     apply_crds,
     load_handle,
@@ -30,6 +31,7 @@ from pd_operator.devcluster.toolchain import (
     ensure_toolchain,
     find_toolchain,
 )
+from pd_operator.devcluster.vllm_env import ensure_vllm_env
 
 __all__ = ["add_parser"]
 
@@ -60,6 +62,8 @@ def _build(args: argparse.Namespace) -> int:
     for name, path in toolchain.as_dict().items():
         print(f"{name}\t{path}")
     print(f"checkov\t{ensure_checkov()}")
+    print(f"{CEL_APISERVER_NAME}\t{ensure_cel_apiserver(quiet_if_cached=False)}")
+    print(f"vllm-python\t{ensure_vllm_env().python}")
     _say(f"done in {time.monotonic() - started:.1f} s")
     return 0
 

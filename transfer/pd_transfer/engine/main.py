@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import os
 import signal
@@ -28,8 +27,6 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
-
-from pydantic import ValidationError
 
 from pd_contract.config import TransferConfig
 from pd_contract.names import ENV_TRANSFER_AUTH_KEY_FILE, TRANSFER_AUTH_PATH
@@ -43,6 +40,7 @@ from pd_transfer.agent.reporter import Reporter, ReporterTuning
 from pd_transfer.agent.spec_watch import SpecWatch
 from pd_transfer.agent.transport_probe import ProtoInfoParser, UcxLogTail, configure_environment
 from pd_transfer.auth import AuthKeyError, PeerAuth
+from pd_transfer.config_file import TransferConfigError, load_transfer_config
 from pd_transfer.engine.errors import EngineConfigError
 from pd_transfer.engine.faults import FaultKind, FaultPlan
 from pd_transfer.engine.http_api import EngineHTTPServer
@@ -56,17 +54,9 @@ _log = logging.getLogger("pd_transfer.engine")
 def load_config(path: Path) -> TransferConfig:
     """Parse the rendered transfer config; EngineConfigError names the file and the field."""
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise EngineConfigError(f"cannot read the transfer config {path}: {exc}") from exc
-    version = raw.get("version") if isinstance(raw, dict) else None
-    if version != 1:
-        raise EngineConfigError(f"{path}: config version {version!r}, this engine reads 1; "
-                                f"run matching operator and engine versions")
-    try:
-        return TransferConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise EngineConfigError(f"{path}: invalid transfer config: {exc}") from exc
+        return load_transfer_config(path)
+    except TransferConfigError as exc:
+        raise EngineConfigError(str(exc)) from exc
 
 
 class _Backend:

@@ -48,8 +48,6 @@ from pd_transfer.bootstrap import (
     BootstrapServer,
     GeometryDoc,
     RankDocument,
-    check_compatible,
-    fetch_document,
 )
 from pd_transfer.engine.errors import EngineBusy, EngineConfigError, RequestRejected
 from pd_transfer.engine.faults import FaultPlan, FaultyTransport
@@ -57,6 +55,7 @@ from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.metrics import TransferSnapshot
 from pd_transfer.pipeline import LayerPipeline, compute_chunk_plan
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
+from pd_transfer.pod_peers import PodConnections
 from pd_transfer.protocol.lifecycle import RequestStatus, State
 from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.reference_model import ChunkForward, ModelConfig, ReferenceModel
@@ -221,8 +220,8 @@ class EngineService:
             self.pipeline = LayerPipeline(config.layer_pipeline, config.model.num_layers,
                                           _FanOut(senders))
         self._model_lock = threading.Lock()
-        self._peer_lock = threading.Lock()
-        self._peer_docs: dict[str, list[RankDocument]] = {}
+        self._pods = PodConnections([r.endpoint for r in self.ranks], options.auth,
+                                    self.geometry, self.timeouts.bootstrap_s)
         self._results_lock = threading.Lock()
         self._live: set[str] = set()
         self._results: OrderedDict[str, RequestResult] = OrderedDict()
@@ -316,38 +315,10 @@ class EngineService:
 
     # Peers --------------------------------------------------------------------------------------
 
-    def _fetch_pod(self, address: str) -> list[RankDocument]:
-        auth = self.options.auth
-        first = fetch_document(address, self.timeouts.bootstrap_s, auth)
-        host, _, port = address.rpartition(":")
-        docs = [first]
-        for offset in range(1, first.tp * first.pp):
-            docs.append(fetch_document(f"{host}:{int(port) + offset}", self.timeouts.bootstrap_s,
-                                       auth))
-        for doc in docs:
-            check_compatible(self.geometry, doc, address)
-            if doc.instance != first.instance:
-                raise RequestRejected(f"{address}: ranks of one pod name different instances "
-                                      f"({first.instance}, {doc.instance})")
-        return docs
-
     def connect(self, address: str, peer_role: str) -> list[RankDocument]:
         """The rank documents of the pod at ``address``, every one connected to every local
-        rank. Re-fetched when a local endpoint pruned one of them (dead or restarted)."""
-        with self._peer_lock:
-            docs = self._peer_docs.get(address)
-            if docs is None or any(d.agent_name not in r.endpoint.peers
-                                   for r in self.ranks for d in docs):
-                docs = self._fetch_pod(address)
-                if any(d.role != peer_role for d in docs):
-                    raise RequestRejected(f"{address} serves a {docs[0].role} engine, not "
-                                          f"{peer_role}")
-                futures = [r.endpoint.add_peer_document(d) for r in self.ranks for d in docs
-                           if d.agent_name not in r.endpoint.peers]
-                for future in futures:
-                    future.result(_COMMAND_TIMEOUT_S)
-                self._peer_docs[address] = docs
-            return docs
+        rank (``pod_peers``); raises BootstrapError."""
+        return self._pods.connect(address, peer_role)
 
     # Requests -----------------------------------------------------------------------------------
 

@@ -64,7 +64,7 @@ __all__ = [
     "expand_runs",
 ]
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 # Version history of PROTOCOL_VERSION (bump on any change a peer could misread):
 #   1: first version: RequestKV, AllocRequest, Grant, GrantRefused, StagedPart, PartDone,
 #      Finish, Release, Abort, Watermark.
@@ -75,6 +75,8 @@ PROTOCOL_VERSION: Final = 3
 #      Authenticated peers: every message and WRITE notification travels in a
 #      ``pd_transfer.auth`` frame, an HMAC-SHA256 with the deployment's transfer key over
 #      (sender, receiver, this version, the message).
+#   4: decode-side prefix hits: ``RequestKV.first_page`` (decode holds the request's pages
+#      before it); its page runs and every part's pages count from there.
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_DEPTH: Final = 4  # object → page runs → run → value; anything deeper is hostile
 MAX_WIRE_INT: Final = (1 << 63) - 1  # every count, size and offset fits a signed 64-bit address
@@ -95,7 +97,7 @@ PageRuns = tuple[tuple[Count, Size], ...]
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    v: Literal[3] = PROTOCOL_VERSION
+    v: Literal[4] = PROTOCOL_VERSION
 
 
 class RequestKV(_Message):
@@ -109,6 +111,7 @@ class RequestKV(_Message):
     num_tokens: Size
     path: Path
     ring_version: Count
+    first_page: Count = 0  # decode holds the request's pages before this one already
 
 
 class AllocRequest(_Message):

@@ -1,0 +1,134 @@
+"""Real vLLM (CPU backend) moves its KV cache with PDTransferConnector.
+
+Three vLLM servers as real processes: a single instance (the reference), a prefill
+(``kv_producer``) and a decode (``kv_consumer``), our connector loaded through vLLM's
+``kv_connector_module_path``, real NIXL (UCX) between the two. Greedy completions through
+P then D must be token-identical to the single instance's.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from pd_transfer.vllm.proxy import Engine, ProxyServer
+from tests.e2e.vllm_harness import (
+    CompletionResult,
+    ModelSpec,
+    PdTransferPair,
+    VllmServer,
+    complete,
+    free_ports,
+    pd_transfer_complete,
+    pd_transfer_pair,
+    prompt_ids,
+    running,
+    vllm_env_or_skip,
+)
+
+pytestmark = pytest.mark.e2e
+
+MODEL = ModelSpec(layers=4, kv_heads=2, hidden=256, heads=4)
+BATCH_TOKENS = 256  # the chunked-prefill budget: longer prompts are prefilled in chunks
+MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class HttpTarget:
+    """What ``complete`` needs of a server: the router in front of the engines."""
+
+    role: str
+    host: str
+    port: int
+
+
+@dataclass
+class Deployment:
+    single: VllmServer
+    pair: PdTransferPair
+    proxy: ProxyServer
+
+    def pd(self, prompt: list[int], max_tokens: int = MAX_TOKENS,
+           room: str | None = None) -> CompletionResult:
+        return pd_transfer_complete(self.pair, prompt, max_tokens,
+                                    room=room or uuid.uuid4().hex)
+
+    def timeline(self, role: str) -> list[dict[str, Any]]:
+        return self.pair.timeline(role)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    vllm = vllm_env_or_skip()
+    root = tmp_path_factory.mktemp("vllm-pd-transfer")
+    model_dir = MODEL.write(root / "model")
+    pair = pd_transfer_pair(vllm, MODEL, model_dir, root, max_num_batched_tokens=BATCH_TOKENS)
+    (single_port,) = free_ports(1)
+    single = VllmServer(role="single", port=single_port, vllm=vllm, model_dir=model_dir,
+                        log_dir=root, max_num_batched_tokens=BATCH_TOKENS)
+    with running([single, pair.prefill, pair.decode]):
+        proxy = ProxyServer(
+            [Engine("127.0.0.1", pair.prefill.port, pair.prefill_bootstrap)],
+            [Engine("127.0.0.1", pair.decode.port, pair.decode_bootstrap)])
+        try:
+            yield Deployment(single, pair, proxy)
+        finally:
+            proxy.close()
+
+
+# 22 prompts: 1 to 1500 tokens, page boundaries, several longer than the chunked-prefill
+# budget, and four that share a 600-token prefix.
+LENGTHS = [1, 2, 31, 32, 33, 64, 100, 255, 256, 257, 300, 511, 512, 700, 1000, 1021, 1200, 1500]
+SHARED = prompt_ids(600, seed=99)
+PROMPTS = [prompt_ids(n, seed=n) for n in LENGTHS] + [
+    SHARED + prompt_ids(n, seed=1000 + n) for n in (1, 40, 200, 500)]
+
+
+def test_pd_completions_are_token_identical_to_one_vllm(deployment: Deployment) -> None:
+    expected = [complete(deployment.single, p, MAX_TOKENS).token_ids for p in PROMPTS]
+    assert all(len(tokens) == MAX_TOKENS for tokens in expected)
+    with ThreadPoolExecutor(max_workers=4) as pool:  # several requests in flight
+        got = list(pool.map(lambda p: deployment.pd(p).token_ids, PROMPTS))
+    mismatched = [len(p) for p, e, g in zip(PROMPTS, expected, got, strict=True) if e != g]
+    assert mismatched == [], f"prompt lengths whose P/D tokens differ: {mismatched}"
+
+
+def test_the_router_serves_token_identical_completions(deployment: Deployment) -> None:
+    host, port = deployment.proxy.url.removeprefix("http://").split(":")
+    router = HttpTarget("router", host, int(port))
+    for prompt in (PROMPTS[3], PROMPTS[-1]):
+        expected = complete(deployment.single, prompt, MAX_TOKENS).token_ids
+        assert complete(router,  # type: ignore[arg-type]
+                         prompt, MAX_TOKENS).token_ids == expected
+        assert complete(router,  # type: ignore[arg-type]
+                         prompt, MAX_TOKENS, stream=True).token_ids == expected
+
+
+def test_layer_pipeline_posts_the_first_group_before_the_forward_ends(
+        deployment: Deployment) -> None:
+    room = "pipeline-" + uuid.uuid4().hex
+    prompt = prompt_ids(1500, seed=7)
+    expected = complete(deployment.single, prompt, MAX_TOKENS).token_ids
+    assert deployment.pd(prompt, room=room).token_ids == expected
+    events = [e for e in deployment.timeline("prefill") if room in e["rooms"]]
+    posts = [e for e in events if e["event"] == "post"]
+    ends = [e["t"] for e in events if e["event"] == "forward_end"]
+    # 1500 tokens in chunks of 256: 6 chunks, each >= min_tokens, so each is split into
+    # groups; the first group covers layers [0, k) with k < 4 and is posted mid-forward.
+    first = posts[0]
+    assert first["layers"] is not None and first["layers"][0] == 0
+    assert first["layers"][1] < MODEL.layers
+    assert first["t"] < min(t for t in ends if t >= first["t"])
+    assert len(ends) == 6
+    assert sum(1 for e in posts if e["last"]) == 1
+    # A short prompt takes the plain path: one part, every layer.
+    short_room = "plain-" + uuid.uuid4().hex
+    deployment.pd(prompt_ids(40, seed=8), room=short_room)
+    short = [e for e in deployment.timeline("prefill")
+             if short_room in e["rooms"] and e["event"] == "post"]
+    assert [(e["layers"], e["last"]) for e in short] == [(None, True)]

@@ -1,0 +1,73 @@
+"""The peer pods a rank talks to: fetch every rank document of a pod, connect local ranks.
+
+A pod publishes rank 0's bootstrap address; its other ranks listen on the following ports
+(``bootstrap_port + rank``, rank-major), so one address names the whole pod. Both the
+reference engine and the vLLM connector connect through ``PodConnections``: documents are
+fetched once per address and re-fetched when a local endpoint pruned one of them (the peer
+died or restarted with a new incarnation).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, Final
+
+from pd_transfer._endpoint import Endpoint
+from pd_transfer.auth import PeerAuth
+from pd_transfer.bootstrap import GeometryDoc, RankDocument, check_compatible, fetch_document
+from pd_transfer.errors import BootstrapError
+
+__all__ = ["PodConnections", "fetch_pod_documents"]
+
+CONNECT_TIMEOUT_S: Final = 30.0
+
+
+def fetch_pod_documents(
+    address: str, timeout_s: float, auth: PeerAuth, geometry: GeometryDoc
+) -> list[RankDocument]:
+    """Every rank document of the pod whose rank 0 is at ``address``, checked against this
+    rank's geometry (GeometryMismatch names both values). Raises BootstrapError."""
+    first = fetch_document(address, timeout_s, auth)
+    host, _, port = address.rpartition(":")
+    docs = [first]
+    for offset in range(1, first.tp * first.pp):
+        docs.append(fetch_document(f"{host}:{int(port) + offset}", timeout_s, auth))
+    for doc in docs:
+        check_compatible(geometry, doc, address)
+        if doc.instance != first.instance:
+            raise BootstrapError(f"{address}: ranks of one pod name different instances "
+                                 f"({first.instance}, {doc.instance})")
+    return docs
+
+
+class PodConnections:
+    """Thread-safe: the documents of each peer pod, every one connected to every local rank."""
+
+    def __init__(self, endpoints: Sequence[Endpoint[Any]], auth: PeerAuth,
+                 geometry: GeometryDoc, timeout_s: float) -> None:
+        self._endpoints = list(endpoints)
+        self._auth = auth
+        self._geometry = geometry
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._docs: dict[str, list[RankDocument]] = {}
+
+    def connect(self, address: str, peer_role: str) -> list[RankDocument]:
+        """The rank documents of the pod at ``address``, connected to every local rank.
+        Raises BootstrapError (unreachable, unauthenticated, other geometry or role)."""
+        with self._lock:
+            docs = self._docs.get(address)
+            # `peers` belongs to each worker thread; reading a dict's keys is atomic in CPython.
+            if docs is None or any(d.agent_name not in e.peers
+                                   for e in self._endpoints for d in docs):
+                docs = fetch_pod_documents(address, self._timeout_s, self._auth, self._geometry)
+                if any(d.role != peer_role for d in docs):
+                    raise BootstrapError(f"{address} serves a {docs[0].role} engine, not "
+                                         f"{peer_role}")
+                futures = [e.add_peer_document(d) for e in self._endpoints for d in docs
+                           if d.agent_name not in e.peers]
+                for future in futures:
+                    future.result(CONNECT_TIMEOUT_S)
+                self._docs[address] = docs
+            return docs

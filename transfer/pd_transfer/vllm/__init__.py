@@ -1,0 +1,23 @@
+"""vLLM moves its KV cache with ``pd_transfer``: the ``PDTransferConnector`` KV connector.
+
+vLLM loads it through its KV connector API (``KVConnectorBase_V1``)::
+
+    --kv-transfer-config '{
+        "kv_connector": "PDTransferConnector",
+        "kv_connector_module_path": "pd_transfer.vllm.connector",
+        "kv_role": "kv_producer" | "kv_consumer",
+        "kv_connector_extra_config": {"config_file": "/etc/pd-transfer/config.json"}}'
+
+| module | job |
+|---|---|
+| ``versions`` | the vLLM versions this connector is tested against; refuses others |
+| ``params`` | a request's ``kv_transfer_params`` (set by the router); the connector's settings |
+| ``cache`` | vLLM's registered per-layer KV tensors as a ``KVPool`` (no copy), and its geometry |
+| ``scheduler`` | the scheduler side: which requests load or send, the per-step metadata |
+| ``rank`` | the worker side of one TP rank: sender/receiver, peers, layer groups, completions |
+| ``connector`` | the ``KVConnectorBase_V1`` subclass vLLM loads (the only module importing vLLM) |
+| ``proxy`` | the P/D router for vLLM engines: each request to a prefill and a decode at once |
+| ``steps``, ``timeline`` | the per-step plan sent to workers; an optional record of timestamps |
+
+Nothing here patches vLLM: every hook is a public connector method.
+"""

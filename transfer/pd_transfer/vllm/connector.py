@@ -1,0 +1,247 @@
+"""``PDTransferConnector``: vLLM's KV connector API (``KVConnectorBase_V1``) over pd_transfer.
+
+The only module that imports vLLM. Each hook converts vLLM's objects into plain ids and
+counts and hands them to ``scheduler.SchedulerSide`` (scheduler process) or
+``rank.RankSide`` (each TP worker process); see those modules for the request flow.
+
+Per worker process (one per TP rank): the rank's KV caches wrapped in place
+(``cache.map_kv_caches``), a NIXL agent, a ``PrefillSender`` (``kv_producer``) or
+``DecodeReceiver`` (``kv_consumer``) stepped by its own thread, and a bootstrap server on
+``bootstrap_port + tp_rank``, so a peer that knows rank 0's address finds every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from pd_contract.names import ENV_POD_NAME
+from pd_transfer._endpoint import RankIdentity, Timeouts
+from pd_transfer.auth import PeerAuth
+from pd_transfer.bootstrap import BootstrapServer
+from pd_transfer.config_file import load_transfer_config
+from pd_transfer.plan import Parallelism, RankCoord
+from pd_transfer.pod_peers import PodConnections
+from pd_transfer.receiver import DecodeReceiver
+from pd_transfer.sender import PrefillSender
+from pd_transfer.vllm.cache import map_kv_caches
+from pd_transfer.vllm.params import ConnectorSettings, ParamsError
+from pd_transfer.vllm.rank import RankSide
+from pd_transfer.vllm.scheduler import ScheduledPrompt, SchedulerSide
+from pd_transfer.vllm.steps import StepPlan
+from pd_transfer.vllm.timeline import Timeline
+from pd_transfer.vllm.versions import check_vllm_version
+from pd_transfer.worker import Worker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["PDTransferConnector", "PDTransferMetadata"]
+
+log = logging.getLogger(__name__)
+
+_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+
+
+class PDTransferMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """The step plan vLLM ships from the scheduler to every worker."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Prefill (``kv_producer``) writes each prompt's KV into decode (``kv_consumer``)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        check_vllm_version(vllm.__version__)
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        kv_role = transfer_config.kv_role
+        if kv_role not in _ROLES:
+            raise ParamsError(
+                f"PDTransferConnector needs kv_role kv_producer (prefill) or kv_consumer "
+                f"(decode), got {kv_role!r}")
+        self._engine_role: str = _ROLES[kv_role]
+        self._settings = ConnectorSettings.from_extra_config(
+            transfer_config.kv_connector_extra_config)
+        # One name for every TP worker of this engine: peers check a pod's ranks agree.
+        self._instance: str = (self._settings.instance or os.environ.get(ENV_POD_NAME)
+                               or transfer_config.engine_id)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise ParamsError(
+                f"PDTransferConnector supports pipeline_parallel_size 1 with vLLM, got "
+                f"{parallel.pipeline_parallel_size}")
+        self._tp_size: int = parallel.tensor_parallel_size
+        self._block_size: int = vllm_config.cache_config.block_size
+        self._scheduler = (SchedulerSide(self._engine_role, self._block_size)  # type: ignore[arg-type]
+                           if role == KVConnectorRole.SCHEDULER else None)
+        self._rank: RankSide | None = None
+        self._worker: Worker | None = None
+        self._server: BootstrapServer | None = None
+        self._timeline: Timeline | None = None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # save_kv_layer posts layer groups between graph pieces
+
+    # Scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        scheduler = self._scheduler
+        assert scheduler is not None
+        try:
+            scheduler.track(request.request_id, request.kv_transfer_params,
+                            len(request.prompt_token_ids or ()))
+        except ParamsError as exc:
+            log.error("request %s is served without a KV transfer: %s", request.request_id, exc)
+            return 0, False
+        return scheduler.matched_tokens(request.request_id, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request.request_id, blocks.get_block_ids()[0],
+                                    num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDTransferMetadata:
+        assert self._scheduler is not None
+        return PDTransferMetadata(self._scheduler.build(_scheduled(scheduler_output)))
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        completed = request.num_computed_tokens >= request.num_prompt_tokens
+        return self._scheduler.finished(request.request_id, completed_prompt=completed), None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.transfers_done(connector_output.finished_sending or (),
+                                       connector_output.finished_recving or ())
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_sends()
+
+    # Worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # Imported here: NIXL loads only in worker processes, after vLLM set the device up.
+        from vllm.distributed.parallel_state import (  # noqa: PLC0415
+            get_tensor_model_parallel_rank,
+        )
+
+        from pd_transfer.transport.nixl import NixlTransport  # noqa: PLC0415
+
+        settings = self._settings
+        config = load_transfer_config(settings.config_file)
+        tp_rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
+        cache = map_kv_caches(kv_caches, config.model, tp_size=self._tp_size, tp_rank=tp_rank)
+        auth = PeerAuth.from_file(settings.key_file)
+        timeouts = Timeouts.from_config(config.timeouts)
+        agent = f"vllm-{self._engine_role}-r{tp_rank}-{self._instance}-{uuid.uuid4().hex[:8]}"
+        transport = NixlTransport(agent)
+        identity = RankIdentity(self._instance, RankCoord(0, tp_rank),
+                                Parallelism(self._tp_size), cache.geometry)
+        endpoint: PrefillSender | DecodeReceiver
+        if self._engine_role == "prefill":
+            endpoint = PrefillSender(transport, cache.pool, identity, auth=auth,
+                                     timeouts=timeouts,
+                                     staging_bytes=config.staging.prefill_buffer_mib << 20)
+        else:
+            endpoint = DecodeReceiver(transport, cache.pool, identity, auth=auth,
+                                      timeouts=timeouts,
+                                      ring_bytes=config.staging.decode_pool_mib << 20,
+                                      mode=settings.path)
+        port = (settings.bootstrap_port or config.network.bootstrap_port) + tp_rank
+        self._server = BootstrapServer(endpoint.document, auth, settings.bind_host, port)
+        self._worker = Worker(endpoint, f"pd-transfer-{self._engine_role}-{tp_rank}").start()
+        if settings.timeline_file is not None:
+            path = settings.timeline_file
+            self._timeline = Timeline(path.with_name(f"{path.stem}-r{tp_rank}{path.suffix}"),
+                                      tp_rank)
+        connections = PodConnections([endpoint], auth, cache.geometry, timeouts.bootstrap_s)
+        self._rank = RankSide(endpoint, connections, cache.layer_names, config.layer_pipeline,
+                              device=cache.pool.device, timeline=self._timeline)
+        log.info("PDTransferConnector %s rank %d: %d layers, %s pages of %d tokens, bootstrap "
+                 "on %s", self._engine_role, tp_rank, cache.layout.num_layers,
+                 cache.layout.num_pages, cache.layout.page_size, self._server.address)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._rank is not None and isinstance(connector_metadata, PDTransferMetadata):
+            self._rank.begin_step(connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._rank is not None:
+            self._rank.start_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request is scheduled only after its KV landed
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        if self._rank is not None:
+            self._rank.layer_saved(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self._rank is not None:
+            self._rank.end_step()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._rank is None:
+            return KVConnectorTransferResults()
+        results = self._rank.results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._rank.load_errors() if self._rank is not None else set()
+
+    def shutdown(self) -> None:
+        if self._rank is not None:
+            self._rank.close()
+        if self._worker is not None:
+            self._worker.stop()
+        if self._server is not None:
+            self._server.close()
+        if self._timeline is not None:
+            self._timeline.close()
+
+
+def _scheduled(output: SchedulerOutput) -> list[ScheduledPrompt]:
+    """This step's scheduled requests as ``ScheduledPrompt`` (group 0's blocks)."""
+    tokens = output.num_scheduled_tokens
+    prompts = [
+        ScheduledPrompt(new.req_id, new.num_computed_tokens, tokens.get(new.req_id, 0),
+                        tuple(new.block_ids[0]) if new.block_ids else ())
+        for new in output.scheduled_new_reqs
+    ]
+    cached = output.scheduled_cached_reqs
+    for index, req_id in enumerate(cached.req_ids):
+        blocks = cached.new_block_ids[index]
+        prompts.append(ScheduledPrompt(
+            req_id, cached.num_computed_tokens[index], tokens.get(req_id, 0),
+            tuple(blocks[0]) if blocks else (), req_id in cached.resumed_req_ids))
+    return prompts

@@ -236,15 +236,29 @@ def percentile(values: Sequence[float], q: float) -> float:
 def run_setup(setup: Setup, ctx: SetupContext, lengths: Sequence[int],
               repeats: int) -> dict[str, Any]:
     started = time.monotonic()
-    complete_fn = setup.start(ctx)
-    ready_s = time.monotonic() - started
-    print(f"[{setup.name}] servers ready in {ready_s:.0f} s {ctx.startup_s}", flush=True)
     per_length: dict[str, Any] = {}
+    result: dict[str, Any] = {"description": setup.description, "startup_s": ctx.startup_s,
+                              "notes": ctx.notes, "lengths": per_length}
+    try:
+        complete_fn = setup.start(ctx)
+    except Exception as exc:  # a setup that cannot serve is a result, not a crash
+        result["error"] = f"start-up or warm-up: {type(exc).__name__}: {exc}"
+        print(f"[{setup.name}] {result['error']}", flush=True)
+        return result
+    ready_s = time.monotonic() - started
+    result["ready_s"] = round(ready_s, 1)
+    print(f"[{setup.name}] servers ready in {ready_s:.0f} s {ctx.startup_s}", flush=True)
     for length in lengths:
         samples = []
         for repeat in range(repeats):
             prompt = prompt_ids(length, seed=1000 * length + repeat)
-            sample = complete_fn(prompt)
+            try:
+                sample = complete_fn(prompt)
+            except Exception as exc:
+                result["error"] = (f"{length}-token prompt #{repeat}: {type(exc).__name__}: "
+                                   f"{exc}")
+                print(f"[{setup.name}] {result['error']}", flush=True)
+                return result
             samples.append(sample)
             transfer = ("" if sample.kv_transfer_s is None
                         else f", kv transfer {sample.kv_transfer_s * 1000:.1f} ms")
@@ -262,8 +276,7 @@ def run_setup(setup: Setup, ctx: SetupContext, lengths: Sequence[int],
                          **{k: round(v, 4) for k, v in s.parts.items()},
                          "token_ids": s.token_ids} for s in samples],
         }
-    return {"description": setup.description, "startup_s": ctx.startup_s,
-            "ready_s": round(ready_s, 1), "notes": ctx.notes, "lengths": per_length}
+    return result
 
 
 def compare_tokens(report: dict[str, Any], reference: str) -> None:
@@ -273,6 +286,8 @@ def compare_tokens(report: dict[str, Any], reference: str) -> None:
         return
     for result in report["setups"].values():
         for length, row in result["lengths"].items():
+            if length not in ref["lengths"]:
+                continue
             ref_samples = ref["lengths"][length]["samples"]
             row["tokens_match_reference"] = sum(
                 a["token_ids"] == b["token_ids"]
@@ -289,7 +304,10 @@ def print_table(report: dict[str, Any]) -> None:
     for length in report["lengths"]:
         cells = []
         for name in names:
-            row = report["setups"][name]["lengths"][str(length)]
+            row = report["setups"][name]["lengths"].get(str(length))
+            if row is None:
+                cells.append("did not complete")
+                continue
             cell = f"{row['ttft_p50_s'] * 1000:.1f} / {row['ttft_p99_s'] * 1000:.1f}"
             if row["kv_transfer_p50_s"] is not None:
                 cell += f" (kv {row['kv_transfer_p50_s'] * 1000:.1f})"
@@ -297,6 +315,9 @@ def print_table(report: dict[str, Any]) -> None:
                 cell += f" [{row['tokens_match_reference']}/{report['repeats']}]"
             cells.append(cell)
         print(f"| {length} | " + " | ".join(cells) + " |")
+    for name, result in report["setups"].items():
+        if "error" in result:
+            print(f"{name}: {result['error']}")
 
 
 def main() -> int:
@@ -334,7 +355,6 @@ def main() -> int:
         "repeats": args.repeats,
         "max_tokens": args.max_tokens,
         "reference": setups[0].name,
-        "logs": str(work / "logs"),
         "setups": {},
     }
     for setup in setups:
@@ -350,7 +370,7 @@ def main() -> int:
         f"vllm_pd_cpu-{datetime.now(UTC):%Y%m%d-%H%M%S}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {out} (server logs in {work / 'logs'})")
     return 0
 
 

@@ -669,6 +669,7 @@ class PdTransferPair:
 def pd_transfer_pair(vllm: VllmEnv, model: ModelSpec, model_dir: Path, root: Path,
                      **server_options: Any) -> PdTransferPair:
     """Servers with the deployment's transfer config and key written under `root`."""
+    root.mkdir(parents=True, exist_ok=True)
     key_file = root / "transfer.key"
     key_file.write_text(secrets.token_hex(32) + "\n")
     prefill_port, decode_port, prefill_boot, decode_boot = free_ports(4)

@@ -203,6 +203,9 @@ class RankSide:
         for load in loads:
             tracked = self._track(load.req_id, load.room)
             tracked.pages = load.page_ids
+            if load.error is not None:
+                tracked.failure = load.error
+                continue
             if self.timeline is not None:
                 self.timeline.record("load_start", load.room, t=self.clock(),
                                      pages=len(load.page_ids), first_page=load.first_page)

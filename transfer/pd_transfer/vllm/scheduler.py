@@ -127,15 +127,14 @@ class SchedulerSide:
             return
         total_pages = -(-load.num_prompt_tokens // self.page_size)
         first_page = load.computed // self.page_size
-        if len(block_ids) < total_pages:
-            raise ValueError(
-                f"request {req_id}: {len(block_ids)} blocks allocated for a "
-                f"{load.num_prompt_tokens}-token prompt that needs {total_pages}"
-            )
+        error = None
+        if len(block_ids) < total_pages:  # vLLM broke its own contract: fail this load only
+            error = (f"{len(block_ids)} blocks allocated for a {load.num_prompt_tokens}-token "
+                     f"prompt that needs {total_pages}")
         load.state = _LoadState.LOADING
         self._pending.loads.append(DecodeLoad(
             req_id, load.room, load.prefill, load.num_prompt_tokens, first_page,
-            tuple(int(b) for b in block_ids[first_page:total_pages]),
+            tuple(int(b) for b in block_ids[first_page:total_pages]), error,
         ))
 
     def build(self, scheduled: Sequence[ScheduledPrompt]) -> StepPlan:

@@ -49,6 +49,7 @@ class DecodeLoad:
     num_prompt_tokens: int
     first_page: int
     page_ids: tuple[int, ...]
+    error: str | None = None  # the load cannot start: the worker reports it failed at once
 
 
 @dataclass(frozen=True)

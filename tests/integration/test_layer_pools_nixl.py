@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from pd_transfer.selftest import SelftestConfig, SelftestGroup
+from tests.integration.test_transfer_nixl import assert_waves_bit_exact
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(300)]
 
@@ -53,22 +54,7 @@ GROUPS = [
 def test_per_layer_pools_are_bit_exact_over_nixl(
     topology: dict[str, object], cases: list[tuple[str, int]]
 ) -> None:
-    config = SelftestConfig(**{**SMALL, **topology})
-    group = SelftestGroup(config)
-    try:
-        for mode, tokens in cases:
-            specs = group.make_requests(2, mode=mode, tokens=tokens)  # type: ignore[arg-type]
-            _, results = group.run_wave(specs)
-            failed = [r for r in results if r["state"] != "Succeeded"]
-            assert not failed, (mode, tokens, failed[:2])
-            decode = [r for r in results if r["role"] == "decode"]
-            assert decode and all(r["verified"] for r in decode), (mode, tokens)
-        stats = group.stats()
-        assert all(sum(s["rejected"].values()) == 0 for s in stats)
-        for s in stats:
-            assert set(s["debug_counts"].values()) <= {0}, s
-    finally:
-        group.close()
+    assert_waves_bit_exact(SelftestConfig(**{**SMALL, **topology}), cases)
 
 
 def test_a_page_format_mismatch_is_refused_at_the_handshake_over_nixl() -> None:

@@ -343,7 +343,7 @@ def main() -> int:
     vllm = require_vllm_env()
     spec = ModelSpec()
     work = Path(tempfile.mkdtemp(prefix="pd-bench-vllm-"))
-    model_dir = spec.write(work / "model")
+    model_dir = spec.write(work / "model", vllm)
     report: dict[str, Any] = {
         "benchmark": "vllm_pd_cpu",
         "host": f"{platform.machine()}, {os.cpu_count()} cores",

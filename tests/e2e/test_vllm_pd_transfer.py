@@ -66,7 +66,7 @@ class Deployment:
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     vllm = vllm_env_or_skip()
     root = tmp_path_factory.mktemp("vllm-pd-transfer")
-    model_dir = MODEL.write(root / "model")
+    model_dir = MODEL.write(root / "model", vllm)
     pair = pd_transfer_pair(vllm, MODEL, model_dir, root, max_num_batched_tokens=BATCH_TOKENS)
     (single_port,) = free_ports(1)
     single = VllmServer(role="single", port=single_port, vllm=vllm, model_dir=model_dir,

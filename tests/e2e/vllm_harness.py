@@ -1,8 +1,10 @@
 """Real vLLM servers (CPU backend) for end-to-end tests and benchmarks of KV connectors.
 
-- `ModelSpec` writes a tiny Llama `config.json`; servers load it with `--load-format dummy
-  --seed 0`, so every server of one spec has the same (random) weights and greedy decoding
-  is deterministic: two servers give the same token ids for the same prompt.
+- `ModelSpec` writes a tiny Llama: `config.json` and a seeded random checkpoint
+  (`model.safetensors`), so every server of one spec has the same weights whatever its
+  tensor parallelism (vLLM's `--load-format dummy` fills each TP shard from the same seed,
+  which gives a TP-2 server other weights than a TP-1 one), and greedy decoding is
+  deterministic: two servers give the same token ids for the same prompt.
 - `VllmServer` starts `python -m vllm.entrypoints.openai.api_server` from the cached vLLM
   virtualenv (`pd_operator.devcluster.vllm_env`) in its own process group, waits for
   `/health`, and stops it (SIGTERM, then SIGKILL). `start_servers` starts several at once
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd_operator.devcluster.vllm_env import VllmEnv, find_vllm_env, vllm_env_dir
 
@@ -52,6 +55,7 @@ __all__ = [
     "PdFailed",
     "PdResult",
     "PdTransferPair",
+    "PdTransferServer",
     "ServerDied",
     "VllmServer",
     "complete",
@@ -61,12 +65,17 @@ __all__ = [
     "nixl_server_pair",
     "pd_transfer_complete",
     "pd_transfer_config",
+    "pd_transfer_key",
     "pd_transfer_pair",
+    "pd_transfer_request",
+    "pd_transfer_server",
     "prompt_ids",
     "running",
+    "scrape",
     "server_pythonpath",
     "start_servers",
     "vllm_env_or_skip",
+    "vllm_metric",
     "warm_up_pd",
 ]
 
@@ -92,7 +101,7 @@ _LOG_TAIL_LINES = 60
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A tiny Llama: `config.json` only; the weights come from `--load-format dummy`."""
+    """A tiny Llama (`config.json` and seeded random weights, `write`)."""
 
     layers: int = 3
     kv_heads: int = 2
@@ -132,11 +141,58 @@ class ModelSpec:
             "hidden_act": "silu",
         }
 
-    def write(self, directory: Path) -> Path:
-        """Write `config.json` into `directory` (created) and return the directory."""
+    def write(self, directory: Path, vllm: VllmEnv, *, seed: int = 0) -> Path:
+        """Write `config.json` and `model.safetensors` (weights drawn from `seed`) into
+        `directory` (created) and return it. The weights are written by the vLLM env's
+        Python (torch and safetensors are there). Scales: embeddings N(0, 1), projections
+        N(0, 1/fan_in), norms 1, so attention is far from uniform and a completion depends
+        on the whole prompt's KV (a wrongly placed page changes the tokens)."""
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(json.dumps(self.config(), indent=2) + "\n")
+        shapes = self.weight_shapes()
+        subprocess.run([str(vllm.python), "-c", _WRITE_WEIGHTS,
+                        str(directory / "model.safetensors"), json.dumps(shapes), str(seed),
+                        self.dtype], check=True, capture_output=True, timeout=300)
         return directory
+
+    def weight_shapes(self) -> dict[str, list[int]]:
+        """Hugging Face Llama parameter names and shapes."""
+        hidden, kv = self.hidden, self.kv_heads * self.head_dim
+        shapes = {"model.embed_tokens.weight": [self.vocab, hidden],
+                  "model.norm.weight": [hidden], "lm_head.weight": [self.vocab, hidden]}
+        for layer in range(self.layers):
+            prefix = f"model.layers.{layer}."
+            shapes |= {
+                prefix + "self_attn.q_proj.weight": [hidden, hidden],
+                prefix + "self_attn.k_proj.weight": [kv, hidden],
+                prefix + "self_attn.v_proj.weight": [kv, hidden],
+                prefix + "self_attn.o_proj.weight": [hidden, hidden],
+                prefix + "mlp.gate_proj.weight": [self.intermediate, hidden],
+                prefix + "mlp.up_proj.weight": [self.intermediate, hidden],
+                prefix + "mlp.down_proj.weight": [hidden, self.intermediate],
+                prefix + "input_layernorm.weight": [hidden],
+                prefix + "post_attention_layernorm.weight": [hidden],
+            }
+        return shapes
+
+
+_WRITE_WEIGHTS = """
+import json, sys
+import torch
+from safetensors.torch import save_file
+path, shapes, seed, dtype = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+generator = torch.Generator().manual_seed(seed)
+tensors = {}
+for name, shape in sorted(shapes.items()):
+    if len(shape) == 1:
+        value = torch.ones(shape)
+    elif name == "model.embed_tokens.weight":
+        value = torch.randn(shape, generator=generator)
+    else:
+        value = torch.randn(shape, generator=generator) / shape[1] ** 0.5
+    tensors[name] = value.to(getattr(torch, dtype)).contiguous()
+save_file(tensors, path)
+"""
 
 
 def prompt_ids(length: int, *, seed: int = 0, vocab: int = 1024) -> list[int]:
@@ -245,7 +301,7 @@ class VllmServer:
             *self.vllm.api_server_argv(),
             "--model", str(self.model_dir),
             "--served-model-name", SERVED_MODEL_NAME,
-            "--load-format", "dummy",
+            "--load-format", "safetensors",
             "--seed", "0",
             "--skip-tokenizer-init",
             "--enforce-eager",
@@ -339,6 +395,28 @@ class VllmServer:
             os.killpg(process.pid, signal.SIGKILL)
         with suppress(subprocess.TimeoutExpired):
             process.wait(timeout=5)
+
+    def freeze(self) -> None:
+        """SIGSTOP the server's process group (a hung pod: sockets open, nothing answers)."""
+        if self.process is not None:
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group at once (a pod that dies without cleanup)."""
+        process = self.process
+        if process is None:
+            return
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=10)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         try:
@@ -618,19 +696,25 @@ PD_PIPELINE = {"enabled": True, "min_tokens": 128, "min_groups": 2, "max_groups"
                "saturation": 4.0}
 
 
+TEST_TIMEOUTS = {"bootstrap_seconds": 10.0, "grant_seconds": 1.0, "transfer_seconds": 30.0,
+                 "kv_lease_seconds": 20.0}
+
+
 def pd_transfer_config(model: ModelSpec, bootstrap_port: int, *, block_size: int = 32,
-                       chunk_tokens: int | None = None) -> dict[str, Any]:
+                       chunk_tokens: int | None = None,
+                       timeouts: Mapping[str, float] | None = None,
+                       prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, Any]:
     """The transfer config document the operator would render for `model`."""
-    role = {"tensor": 1, "pipeline": 1, "data": 1, "page_size": block_size, "service": "local"}
+    role = {"pipeline": 1, "data": 1, "page_size": block_size, "service": "local"}
     return {
         "version": 1, "deployment": "vllm-local", "namespace": "default",
         "model": {"num_layers": model.layers, "num_kv_heads": model.kv_heads,
                   "head_dim": model.head_dim, "kv_dtype": model.dtype, "attention": "MHA"},
-        "prefill": {**role, "chunk_tokens": chunk_tokens}, "decode": role,
+        "prefill": {**role, "tensor": prefill_tp, "chunk_tokens": chunk_tokens},
+        "decode": {**role, "tensor": decode_tp},
         "layer_pipeline": PD_PIPELINE,
         "staging": {"mode": "Auto", "prefill_buffer_mib": 16, "decode_pool_mib": 16},
-        "timeouts": {"bootstrap_seconds": 10.0, "grant_seconds": 1.0,
-                     "transfer_seconds": 30.0, "kv_lease_seconds": 20.0},
+        "timeouts": {**TEST_TIMEOUTS, **(timeouts or {})},
         "reporting": {"report_interval_seconds": 5.0, "window_seconds": 60.0,
                       "max_failure_ratio": 0.05},
         "network": {"rdma_required": False, "bootstrap_port": bootstrap_port,
@@ -639,63 +723,174 @@ def pd_transfer_config(model: ModelSpec, bootstrap_port: int, *, block_size: int
 
 
 def pd_transfer_args(kv_role: str, config_file: Path, key_file: Path, bootstrap_port: int,
-                     timeline: Path) -> list[str]:
-    """`--kv-transfer-config` loading PDTransferConnector from the checkout."""
-    extra = {"config_file": str(config_file), "key_file": str(key_file),
-             "bind_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
-             "timeline_file": str(timeline)}
-    config = {"kv_connector": "PDTransferConnector",
-              "kv_connector_module_path": "pd_transfer.vllm.connector",
-              "kv_role": kv_role, "kv_connector_extra_config": extra}
+                     timeline: Path, *, failure_policy: str | None = None,
+                     extra: Mapping[str, Any] | None = None) -> list[str]:
+    """`--kv-transfer-config` loading PDTransferConnector from the checkout;
+    `failure_policy`: vLLM's `kv_load_failure_policy` ("fail", vLLM's default, or
+    "recompute"); `extra`: more `kv_connector_extra_config` settings."""
+    settings = {"config_file": str(config_file), "key_file": str(key_file),
+                "bind_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+                "timeline_file": str(timeline), **(extra or {})}
+    config: dict[str, Any] = {"kv_connector": "PDTransferConnector",
+                              "kv_connector_module_path": "pd_transfer.vllm.connector",
+                              "kv_role": kv_role, "kv_connector_extra_config": settings}
+    if failure_policy is not None:
+        config["kv_load_failure_policy"] = failure_policy
     return ["--kv-transfer-config", json.dumps(config)]
 
 
 @dataclass(frozen=True)
-class PdTransferPair:
-    """A prefill and a decode server running PDTransferConnector (not started), their
-    bootstrap addresses and where each writes its timeline (`<role>-r<rank>.jsonl`)."""
+class PdTransferServer:
+    """A vLLM server running PDTransferConnector (not started), its bootstrap address
+    (rank 0; rank r listens on the port after r) and its timeline files."""
 
-    prefill: VllmServer
-    decode: VllmServer
-    prefill_bootstrap: str
-    decode_bootstrap: str
+    server: VllmServer
+    bootstrap: str
     timeline_dir: Path
+    name: str
+    metrics: str  # the pod agent's Prometheus endpoint (host:port)
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """One sample of the pod agent's metrics (None when absent)."""
+        return scrape(self.metrics, name, **labels)
+
+    def timeline(self, rank: int = 0) -> list[dict[str, Any]]:
+        path = self.timeline_dir / f"{self.name}-r{rank}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def scrape(address: str, name: str, **labels: str) -> float | None:
+    """The value of the sample `name{labels}` at `http://address/metrics` (labels must match
+    exactly), None when there is no such sample."""
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
+
+
+def vllm_metric(server: VllmServer, name: str) -> float:
+    """A vLLM engine metric (`vllm:...`, engine 0) from the server's `/metrics`."""
+    value = scrape(f"{server.host}:{server.port}", name, engine="0",
+                   model_name=SERVED_MODEL_NAME)
+    if value is None:
+        raise AssertionError(f"vLLM {server.role} exports no {name}")
+    return value
+
+
+def pd_transfer_key(root: Path) -> Path:
+    """The deployment's transfer key under `root` (written once, shared by its servers)."""
+    root.mkdir(parents=True, exist_ok=True)
+    key_file = root / "transfer.key"
+    if not key_file.exists():
+        key_file.write_text(secrets.token_hex(32) + "\n")
+    return key_file
+
+
+def pd_transfer_server(vllm: VllmEnv, model: ModelSpec, model_dir: Path, root: Path,
+                       role: str, *, name: str | None = None,
+                       failure_policy: str | None = None,
+                       timeouts: Mapping[str, float] | None = None,
+                       prefill_tp: int = 1, decode_tp: int = 1,
+                       extra: Mapping[str, Any] | None = None,
+                       env: Mapping[str, str] | None = None,
+                       **server_options: Any) -> PdTransferServer:
+    """One connector server of `role` ("prefill" or "decode") under `root`, with the
+    deployment's key (`pd_transfer_key`) and its own transfer config; `name` (default: the
+    role) names its log, config and timeline files; the server of `role` runs with that
+    role's tensor parallelism (`prefill_tp` / `decode_tp`, vLLM's TP workers as processes)."""
+    name = name or role
+    key_file = pd_transfer_key(root)
+    port, boot, metrics = free_ports(3)
+    chunk = server_options.get("max_num_batched_tokens")
+    config_file = root / f"{name}-transfer-config.json"
+    config_file.write_text(json.dumps(pd_transfer_config(
+        model, boot, chunk_tokens=chunk, timeouts=timeouts, prefill_tp=prefill_tp,
+        decode_tp=decode_tp)))
+    tp = prefill_tp if role == "prefill" else decode_tp
+    timeline_dir = root / "timeline"
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    args = pd_transfer_args(kv_role, config_file, key_file, boot,
+                            timeline_dir / f"{name}.jsonl", failure_policy=failure_policy,
+                            extra={"metrics_port": metrics, **(extra or {})})
+    if tp > 1:
+        args += ["--tensor-parallel-size", str(tp)]
+    server = VllmServer(role=name, port=port, vllm=vllm, model_dir=model_dir, log_dir=root,
+                        extra_args=args, env={"UCX_NET_DEVICES": "lo", **(env or {})},
+                        **server_options)
+    return PdTransferServer(server, f"127.0.0.1:{boot}", timeline_dir, name,
+                            f"127.0.0.1:{metrics}")
+
+
+@dataclass(frozen=True)
+class PdTransferPair:
+    """A prefill and a decode server running PDTransferConnector (not started)."""
+
+    prefill_side: PdTransferServer
+    decode_side: PdTransferServer
+
+    @property
+    def prefill(self) -> VllmServer:
+        return self.prefill_side.server
+
+    @property
+    def decode(self) -> VllmServer:
+        return self.decode_side.server
+
+    @property
+    def prefill_bootstrap(self) -> str:
+        return self.prefill_side.bootstrap
+
+    @property
+    def decode_bootstrap(self) -> str:
+        return self.decode_side.bootstrap
 
     def timeline(self, role: str, rank: int = 0) -> list[dict[str, Any]]:
-        path = self.timeline_dir / f"{role}-r{rank}.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()]
+        side = self.prefill_side if role == "prefill" else self.decode_side
+        return side.timeline(rank)
 
 
 def pd_transfer_pair(vllm: VllmEnv, model: ModelSpec, model_dir: Path, root: Path,
                      **server_options: Any) -> PdTransferPair:
-    """Servers with the deployment's transfer config and key written under `root`."""
-    root.mkdir(parents=True, exist_ok=True)
-    key_file = root / "transfer.key"
-    key_file.write_text(secrets.token_hex(32) + "\n")
-    prefill_port, decode_port, prefill_boot, decode_boot = free_ports(4)
-    timeline_dir = root / "timeline"
-    chunk = server_options.get("max_num_batched_tokens")
-    servers = []
-    for role, port, kv_role, boot in (("prefill", prefill_port, "kv_producer", prefill_boot),
-                                      ("decode", decode_port, "kv_consumer", decode_boot)):
-        config_file = root / f"{role}-transfer-config.json"
-        config_file.write_text(json.dumps(pd_transfer_config(model, boot, chunk_tokens=chunk)))
-        servers.append(VllmServer(
-            role=role, port=port, vllm=vllm, model_dir=model_dir, log_dir=root,
-            extra_args=pd_transfer_args(kv_role, config_file, key_file, boot,
-                                        timeline_dir / f"{role}.jsonl"),
-            env={"UCX_NET_DEVICES": "lo"}, **server_options))
-    return PdTransferPair(servers[0], servers[1], f"127.0.0.1:{prefill_boot}",
-                          f"127.0.0.1:{decode_boot}", timeline_dir)
+    """A prefill and a decode server sharing the deployment's key under `root`."""
+    return PdTransferPair(
+        pd_transfer_server(vllm, model, model_dir, root, "prefill", **server_options),
+        pd_transfer_server(vllm, model, model_dir, root, "decode", **server_options))
+
+
+def pd_transfer_request(prompt: Sequence[int], max_tokens: int, *, room: str,
+                        prefill: str, decode: str, prefill_server: VllmServer,
+                        decode_server: VllmServer, stream: bool = False,
+                        timeout_s: float = 120.0,
+                        prefill_must_answer: bool = True) -> CompletionResult:
+    """Prefill and decode at once, as the router does: prefill told where decode is
+    (`decode`: its bootstrap address) and decode where prefill is. Decode's result; the
+    prefill request's error is raised too unless `prefill_must_answer` is False (a test
+    that kills the prefill server)."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        first = pool.submit(complete, prefill_server, prompt, 1,
+                            {"pd_transfer": {"room": room, "decode": decode}},
+                            timeout_s=timeout_s)
+        result = complete(decode_server, prompt, max_tokens,
+                          {"pd_transfer": {"room": room, "prefill": prefill}}, stream=stream,
+                          timeout_s=timeout_s)
+        if prefill_must_answer:
+            first.result()
+    return result
 
 
 def pd_transfer_complete(pair: PdTransferPair, prompt: Sequence[int], max_tokens: int, *,
                          room: str, stream: bool = False) -> CompletionResult:
-    """Prefill and decode at once, as the router does, under a room of the caller's."""
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        first = pool.submit(complete, pair.prefill, prompt, 1, {
-            "pd_transfer": {"room": room, "decode": pair.decode_bootstrap}})
-        result = complete(pair.decode, prompt, max_tokens, {
-            "pd_transfer": {"room": room, "prefill": pair.prefill_bootstrap}}, stream=stream)
-        first.result()
-    return result
+    """Prefill and decode of `pair` at once, as the router does, under a room of the caller's."""
+    return pd_transfer_request(prompt, max_tokens, room=room, prefill=pair.prefill_bootstrap,
+                               decode=pair.decode_bootstrap, prefill_server=pair.prefill,
+                               decode_server=pair.decode, stream=stream)

@@ -135,6 +135,20 @@ def test_decode_request_ended_during_its_load_holds_blocks_until_it_ends() -> No
     assert side.live_requests() == 0
 
 
+def test_decode_load_that_failed_as_vllm_finished_the_request_leaves_no_state() -> None:
+    # vLLM's "fail" policy: the step that reports the load failed (finished_recving with
+    # failed_recving) first finishes the request with an error (request_finished while the
+    # load is live), then hands the connector the report; vLLM frees the blocks on it.
+    side = SchedulerSide("decode", PAGE)
+    side.track("a", LOAD, 8)
+    side.matched_tokens("a", 0)
+    side.after_alloc("a", [1, 2], 8)
+    side.build([])
+    assert side.finished("a", completed_prompt=False) is True
+    side.transfers_done([], ["a"])
+    assert side.live_requests() == 0
+
+
 def test_decode_load_with_fewer_blocks_than_the_prompt_needs_fails_alone() -> None:
     side = SchedulerSide("decode", PAGE)
     side.track("a", LOAD, 9)

@@ -7,10 +7,11 @@ document travels in a frame::
 
     b"PDA1" | HMAC-SHA256(key, context | body) (32 bytes) | body
 
-``context`` binds the purpose (``message`` / ``document``), the protocol version, the sender's
-and the receiver's agent names, each length-prefixed: a frame cannot be reflected, re-aimed
-at another peer, claimed by another sender or replayed across versions or purposes. The MAC
-is checked (``hmac.compare_digest``, against every accepted key) before the body is decoded.
+``context`` binds the purpose (``message`` / ``document`` / ``control``), the protocol
+version, the sender's and the receiver's agent names, each length-prefixed: a frame cannot
+be reflected, re-aimed at another peer, claimed by another sender or replayed across
+versions or purposes. The MAC is checked (``hmac.compare_digest``, against every accepted
+key) before the body is decoded.
 
 Key file format (both sides of ``pd_contract`` agree): UTF-8 text, one key per line, each
 64 lowercase hex characters (32 random bytes). The first line is the key in force (it signs);
@@ -70,6 +71,7 @@ class Purpose(enum.Enum):
 
     MESSAGE = "message"  # a control message or a WRITE notification (protocol/messages.py)
     DOCUMENT = "document"  # a bootstrap document (bootstrap.py)
+    CONTROL = "control"  # a pod agent's request to a rank of its own pod, or the answer
 
 
 class AuthKeyError(TransferError):

@@ -15,8 +15,11 @@ regions, ``MAX_LAYERS`` layers), and on receipt every page-0 base must leave roo
 whole layer (``num_pages`` pages) inside one published region, regions must not overlap, and
 the base table must have exactly one entry per (part, local layer).
 
-The server is stdlib ``http.server`` in a daemon thread: one GET route, ``/v1/rank``.
-The document is rendered on each request, so a re-registered ring shows up at once.
+The server is stdlib ``http.server`` in a daemon thread: the GET route ``/v1/rank``, plus
+any route its owner adds (``add_route``: a callable from the request body to a status and a
+response body; the vLLM connector adds the pod agent's control routes this way, so this
+module knows nothing of senders or receivers). The document is rendered on each request, so
+a re-registered ring shows up at once.
 
 Authenticated (docs/failure-modes.md #26): the body is the document's JSON in a
 ``pd_transfer.auth`` frame sealed with the deployment's transfer key (purpose ``document``);
@@ -42,6 +45,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Annotated, Final, Literal
 
@@ -64,6 +68,7 @@ __all__ = [
     "PageFormatName",
     "RankDocument",
     "RegionDoc",
+    "RouteHandler",
     "check_compatible",
     "fetch_document",
     "open_document",
@@ -78,6 +83,11 @@ MAX_LAYERS: Final = 1024
 """Local layers a document's base table may have."""
 _ADDRESS_LIMIT: Final = 1 << 64
 ROUTE: Final = "/v1/rank"
+MAX_ROUTE_BODY_BYTES: Final = 64 * 1024
+"""Default bound on an added route's request body."""
+
+RouteHandler = Callable[[bytes], tuple[int, bytes]]
+"""An added route: the request body (empty for GET) → (HTTP status, response body)."""
 
 DTYPES: Final[dict[str, torch.dtype]] = {
     "bfloat16": torch.bfloat16,
@@ -298,20 +308,55 @@ def fetch_document(address: str, timeout_s: float, auth: PeerAuth) -> RankDocume
 
 class BootstrapServer:
     """Serves ``render()`` sealed with ``auth`` on ``host:port`` (port 0: any free port)
-    until closed."""
+    until closed, and the routes added with ``add_route``."""
 
     def __init__(
         self, render: Callable[[], RankDocument], auth: PeerAuth, host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
+        routes: dict[tuple[str, str], tuple[RouteHandler, int]] = {}
+        self._routes = routes
+
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                if self.path != ROUTE:
-                    self.send_error(404, f"only {ROUTE} is served")
+                if self.path == ROUTE:
+                    self._reply(200, seal_document(render(), auth))
                     return
-                body = seal_document(render(), auth)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
+                self._added("GET")
+
+            def do_POST(self) -> None:
+                self._added("POST")
+
+            def _added(self, method: str) -> None:
+                route = routes.get((method, self.path))
+                if route is None:
+                    self._fail(404, f"{method} {self.path} is not served")
+                    return
+                handler, max_body = route
+                body = b""
+                if method == "POST":
+                    raw = self.headers.get("Content-Length", "")
+                    if not raw.isdigit():
+                        self._fail(411, "a Content-Length header is required")
+                        return
+                    if int(raw) > max_body:
+                        self._fail(413, f"the body is {raw} bytes, at most {max_body} are read")
+                        return
+                    body = self.rfile.read(int(raw))
+                try:
+                    status, answer = handler(body)
+                except Exception as exc:  # the handler's bug must not kill the server thread
+                    self._fail(500, f"{type(exc).__name__}: {exc}")
+                    return
+                self._reply(status, answer)
+
+            def _fail(self, status: int, text: str) -> None:
+                self._reply(status, text.encode(), "text/plain; charset=utf-8")
+
+            def _reply(self, status: int, body: bytes,
+                       content_type: str = "application/octet-stream") -> None:
+                self.send_response(status, HTTPStatus(status).phrase)
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -325,6 +370,15 @@ class BootstrapServer:
             target=self._server.serve_forever, name="pd-transfer-bootstrap", daemon=True
         )
         self._thread.start()
+
+    def add_route(self, method: Literal["GET", "POST"], path: str, handler: RouteHandler, *,
+                  max_body_bytes: int = MAX_ROUTE_BODY_BYTES) -> None:
+        """Serve ``method path`` with ``handler`` (called on a server thread, concurrently
+        with other requests); a POST body longer than ``max_body_bytes`` is refused (413)."""
+        if path == ROUTE or not path.startswith("/"):
+            raise ValueError(f"cannot add route {path!r}: {ROUTE} is the document's, and a "
+                             f"path starts with /")
+        self._routes[(method, path)] = (handler, max_body_bytes)
 
     @property
     def address(self) -> str:

@@ -16,8 +16,10 @@ RequestKV within ``kv_lease_s`` → LeaseExpired (the KV hold has a lease, docs/
 ``transfer_s`` from the first RequestKV → TransferTimeout; an AllocRequest is re-sent every
 ``grant_s`` and after ``grant_retries`` unanswered re-sends → GrantTimeout.
 
-A RequestKV for a room not registered yet is buffered until ``bootstrap_s`` (docs/failure-modes.md
-#2).
+A RequestKV for a room not registered yet is buffered for ``kv_lease_s`` (docs/failure-modes.md
+#2): a router sends both halves at once, and a loaded engine may queue the prefill half for
+seconds before its first chunk registers the room; the lease is how long either side of a
+request may wait for the other.
 
 Decode ring resizes: a ``RingUpdate`` from a decode peer replaces that peer's ring region,
 registration version and transport metadata (kept per peer, so decode peers with different
@@ -347,7 +349,7 @@ class PrefillSender(Endpoint[SendTransfer]):
             if sum(len(v) for v in self._early.values()) >= MAX_EARLY_REQUESTS:
                 self.reject("early_buffer_full", f"RequestKV for {message.room!r} from {peer}")
             elif all(p != peer for p, _, _ in waiting):
-                waiting.append((peer, message, self.clock() + self.timeouts.bootstrap_s))
+                waiting.append((peer, message, self.clock() + self.timeouts.kv_lease_s))
             if not waiting:
                 del self._early[message.room]
             return

@@ -15,6 +15,8 @@ vLLM loads it through its KV connector API (``KVConnectorBase_V1``)::
 | ``cache`` | vLLM's registered per-layer KV tensors as a ``KVPool`` (no copy), and its geometry |
 | ``scheduler`` | the scheduler side: which requests load or send, the per-step metadata |
 | ``rank`` | the worker side of one TP rank: sender/receiver, peers, layer groups, completions |
+| ``rank_control`` | a rank's control routes on its bootstrap server: report, staging resize |
+| ``pod_agent`` | the pod's one agent (scheduler process) over its ranks: reports, resizes |
 | ``connector`` | the ``KVConnectorBase_V1`` subclass vLLM loads (the only module importing vLLM) |
 | ``proxy`` | the P/D router for vLLM engines: each request to a prefill and a decode at once |
 | ``steps``, ``timeline`` | the per-step plan sent to workers; an optional record of timestamps |

@@ -7,7 +7,9 @@ counts and hands them to ``scheduler.SchedulerSide`` (scheduler process) or
 Per worker process (one per TP rank): the rank's KV caches wrapped in place
 (``cache.map_kv_caches``), a NIXL agent, a ``PrefillSender`` (``kv_producer``) or
 ``DecodeReceiver`` (``kv_consumer``) stepped by its own thread, and a bootstrap server on
-``bootstrap_port + tp_rank``, so a peer that knows rank 0's address finds every rank.
+``bootstrap_port + tp_rank``, so a peer that knows rank 0's address finds every rank. That
+server also carries the rank's control routes (``rank_control``), through which the pod's
+one agent (``pod_agent.PodAgent``, started by the scheduler side) reads and resizes it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pd_contract.names import ENV_POD_NAME
 from pd_transfer._endpoint import RankIdentity, Timeouts
+from pd_transfer.agent.transport_probe import UcxLogTail
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import BootstrapServer
 from pd_transfer.config_file import load_transfer_config
@@ -37,7 +40,9 @@ from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.sender import PrefillSender
 from pd_transfer.vllm.cache import map_kv_caches
 from pd_transfer.vllm.params import ConnectorSettings, ParamsError
+from pd_transfer.vllm.pod_agent import PodAgent, start_pod_agent
 from pd_transfer.vllm.rank import RankSide
+from pd_transfer.vllm.rank_control import RankControl, start_transport_probe
 from pd_transfer.vllm.scheduler import ScheduledPrompt, SchedulerSide
 from pd_transfer.vllm.steps import StepPlan
 from pd_transfer.vllm.timeline import Timeline
@@ -98,6 +103,11 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: Worker | None = None
         self._server: BootstrapServer | None = None
         self._timeline: Timeline | None = None
+        self._ucx_tail: UcxLogTail | None = None
+        self._agent: PodAgent | None = None
+        if self._scheduler is not None:
+            self._agent = start_pod_agent(self._settings, self._engine_role,  # type: ignore[arg-type]
+                                          self._tp_size, self._scheduler.live_requests)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -158,6 +168,7 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         auth = PeerAuth.from_file(settings.key_file)
         timeouts = Timeouts.from_config(config.timeouts)
         agent = f"vllm-{self._engine_role}-r{tp_rank}-{self._instance}-{uuid.uuid4().hex[:8]}"
+        probe, self._ucx_tail = start_transport_probe()  # before the first NIXL agent
         transport = NixlTransport(agent)
         identity = RankIdentity(self._instance, RankCoord(0, tp_rank),
                                 Parallelism(self._tp_size), cache.geometry)
@@ -181,6 +192,8 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         connections = PodConnections([endpoint], auth, cache.geometry, timeouts.bootstrap_s)
         self._rank = RankSide(endpoint, connections, cache.layer_names, config.layer_pipeline,
                               device=cache.pool.device, timeline=self._timeline)
+        RankControl(endpoint, auth, live_requests=self._rank.live_requests, probe=probe,
+                    transfer_timeout_s=timeouts.transfer_s).install(self._server)
         log.info("PDTransferConnector %s rank %d: %d layers, %s pages of %d tokens, bootstrap "
                  "on %s", self._engine_role, tp_rank, cache.layout.num_layers,
                  cache.layout.num_pages, cache.layout.page_size, self._server.address)
@@ -220,6 +233,8 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._rank.load_errors() if self._rank is not None else set()
 
     def shutdown(self) -> None:
+        if self._agent is not None:
+            self._agent.stop()
         if self._rank is not None:
             self._rank.close()
         if self._worker is not None:
@@ -228,6 +243,8 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._server.close()
         if self._timeline is not None:
             self._timeline.close()
+        if self._ucx_tail is not None:
+            self._ucx_tail.stop()
 
 
 def _scheduled(output: SchedulerOutput) -> list[ScheduledPrompt]:

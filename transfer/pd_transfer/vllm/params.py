@@ -125,6 +125,14 @@ class ConnectorSettings(_Frozen):
         default=None, description="JSON lines of the connector's timestamps (see timeline).")
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535,
                                        description="Overrides the config's (tests: one host).")
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="The pod agent's Prometheus port; 0 or absent: the config's (tests: "
+                    "several pods on one host).")
+    engine_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="vLLM's API server port, reported in the TransferAgent's endpoints "
+                    "(vLLM's config does not carry it); absent: not reported.")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

@@ -253,7 +253,9 @@ class RankSide:
             if self.timeline is not None:
                 self.timeline.record(
                     "end", tracked.room, t=self.clock(),
-                    state=status.state.value if status is not None else "Failed",
+                    state="Failed" if failed or status is None else status.state.value,
+                    reason=(status.reason.value if status is not None
+                            and status.reason is not None else None),
                     bytes=status.bytes_transferred if status is not None else 0,
                     duration_s=status.duration_s if status is not None else 0.0)
             self._forget(req_id, tracked)
@@ -312,7 +314,7 @@ class RankSide:
                 if then is not None:
                     then(docs[0].instance)
             except Exception as exc:  # whatever it was, this request fails alone
-                self._fail(room, f"cannot reach {role} pod {address}: {exc}")
+                self._fail(room, f"{role} pod {address}: {exc}")
 
         self._connect_pool.submit(run)
 

@@ -202,8 +202,15 @@ class SchedulerSide:
                 del self._loads[req_id]
         for req_id in finished_recving:
             load = self._loads.get(req_id)
-            if load is not None and load.state is _LoadState.LOADING:
+            if load is None:
+                continue
+            if load.state is _LoadState.LOADING:
                 load.state = _LoadState.DONE
+            elif load.state is _LoadState.ABORTING:
+                # The load ended in the step vLLM finished the request (a load failure under
+                # the "fail" policy, or an abort racing the load's end): vLLM frees the
+                # blocks on this report, and the worker has forgotten the room.
+                del self._loads[req_id]
 
     def has_pending_sends(self) -> bool:
         """Whether finished prefill requests still hold blocks (the engine must keep

@@ -1,0 +1,318 @@
+"""Real vLLM (CPU backend) with PDTransferConnector under faults: pods killed mid-transfer,
+peers that never come, clients that leave, and 200 such requests in a row.
+
+Six vLLM servers as real processes on one host: a single instance (the reference), a
+prefill, two decodes that differ only in vLLM's ``kv_load_failure_policy`` (``fail`` and
+``recompute``), and a prefill and a decode that a test kills with SIGKILL mid-transfer.
+Short transfer timeouts (``TIMEOUTS``) keep each fault's wait bounded.
+
+What "nothing left" means, read from outside the engines: vLLM's own
+``vllm:kv_cache_usage_perc`` back to 0.0 (prefix caching is off, so every block is free
+again) and no request running or waiting; the pod agent's
+``pd_transfer_connector_live_requests`` at 0 for the scheduler and every rank.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tests.e2e.vllm_harness import (
+    CompletionResult,
+    ModelSpec,
+    PdTransferServer,
+    VllmServer,
+    complete,
+    free_ports,
+    pd_transfer_request,
+    pd_transfer_server,
+    prompt_ids,
+    running,
+    vllm_env_or_skip,
+    vllm_metric,
+)
+
+pytestmark = pytest.mark.e2e
+
+MODEL = ModelSpec(layers=4, kv_heads=2, hidden=256, heads=4)
+BATCH_TOKENS = 256
+MAX_TOKENS = 6
+TRANSFER_S = 4.0
+LEASE_S = 6.0
+TIMEOUTS = {"transfer_seconds": TRANSFER_S, "kv_lease_seconds": LEASE_S,
+            "bootstrap_seconds": 2.0, "grant_seconds": 1.0}
+LONG = 1500  # 6 chunks of 256 tokens: the transfer spans the whole prefill
+
+
+@dataclass
+class Fleet:
+    single: VllmServer
+    prefill: PdTransferServer
+    decode_fail: PdTransferServer
+    decode_recompute: PdTransferServer
+    prefill_victim: PdTransferServer
+    decode_victim: PdTransferServer
+
+    def pd(self, prefill: PdTransferServer, decode: PdTransferServer, prompt: list[int],
+           room: str | None = None, *, timeout_s: float = 120.0,
+           prefill_must_answer: bool = True) -> CompletionResult:
+        return pd_transfer_request(prompt, MAX_TOKENS, room=room or uuid.uuid4().hex,
+                                   prefill=prefill.bootstrap, decode=decode.bootstrap,
+                                   prefill_server=prefill.server, decode_server=decode.server,
+                                   timeout_s=timeout_s, prefill_must_answer=prefill_must_answer)
+
+    def expected(self, prompt: list[int]) -> list[int]:
+        return complete(self.single, prompt, MAX_TOKENS).token_ids
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    vllm = vllm_env_or_skip()
+    root = tmp_path_factory.mktemp("vllm-faults")
+    model_dir = MODEL.write(root / "model", vllm)
+    options: dict[str, Any] = {"max_num_batched_tokens": BATCH_TOKENS, "timeouts": TIMEOUTS}
+
+    def server(role: str, name: str, policy: str | None = None) -> PdTransferServer:
+        return pd_transfer_server(vllm, MODEL, model_dir, root, role, name=name,
+                                  failure_policy=policy, **options)
+
+    (single_port,) = free_ports(1)
+    fleet = Fleet(
+        single=VllmServer(role="single", port=single_port, vllm=vllm, model_dir=model_dir,
+                          log_dir=root, max_num_batched_tokens=BATCH_TOKENS),
+        prefill=server("prefill", "prefill"),
+        decode_fail=server("decode", "decode-fail", "fail"),
+        decode_recompute=server("decode", "decode-recompute", "recompute"),
+        prefill_victim=server("prefill", "prefill-victim"),
+        decode_victim=server("decode", "decode-victim"),
+    )
+    servers = [fleet.single] + [s.server for s in (
+        fleet.prefill, fleet.decode_fail, fleet.decode_recompute, fleet.prefill_victim,
+        fleet.decode_victim)]
+    with running(servers):
+        yield fleet
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float,
+             interval_s: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(interval_s)
+
+
+def events(server: PdTransferServer, room: str, kind: str) -> list[dict[str, Any]]:
+    return [e for e in server.timeline() if e["event"] == kind and room in e["rooms"]]
+
+
+def drained(server: PdTransferServer) -> dict[str, float | None]:
+    """What is still held: vLLM's KV usage and queues, the connector's live requests."""
+    return {
+        "kv_cache_usage": vllm_metric(server.server, "vllm:kv_cache_usage_perc"),
+        "running": vllm_metric(server.server, "vllm:num_requests_running"),
+        "waiting": vllm_metric(server.server, "vllm:num_requests_waiting"),
+        "scheduler_live": server.metric("pd_transfer_connector_live_requests",
+                                        side="scheduler"),
+        "rank0_live": server.metric("pd_transfer_connector_live_requests", side="rank",
+                                    rank="0"),
+    }
+
+
+IDLE = {"kv_cache_usage": 0.0, "running": 0.0, "waiting": 0.0, "scheduler_live": 0.0,
+        "rank0_live": 0.0}
+
+
+def assert_drains(server: PdTransferServer, timeout_s: float) -> float:
+    """Wait until ``server`` holds nothing (``IDLE``); return how long it took."""
+    started = time.monotonic()
+    last: dict[str, float | None] = {}
+
+    def idle() -> bool:
+        nonlocal last
+        last = drained(server)
+        return last == IDLE
+
+    try:
+        wait_for(f"{server.name} drained", idle, timeout_s, interval_s=0.2)
+    except AssertionError:
+        raise AssertionError(f"{server.name} still holds {last} after {timeout_s} s") from None
+    return time.monotonic() - started
+
+
+def test_decode_killed_mid_transfer_prefill_frees_within_its_timeout(fleet: Fleet) -> None:
+    assert drained(fleet.prefill) == IDLE
+    warm = prompt_ids(64, seed=10)  # the pods connect once; later requests start at once
+    assert fleet.pd(fleet.prefill, fleet.decode_victim, warm).token_ids == fleet.expected(warm)
+    room = "decode-dies-" + uuid.uuid4().hex
+    prompt = prompt_ids(LONG, seed=11)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        request = pool.submit(fleet.pd, fleet.prefill, fleet.decode_victim, prompt, room)
+        # Mid-transfer: prefill holds the prompt's KV (its parts posted) and decode has
+        # started its load. On this host the 3 MB move in milliseconds, so decode is frozen
+        # first (SIGSTOP: whatever prefill writes now meets a peer that no longer answers)
+        # and killed after.
+        wait_for("decode started its load and prefill posted",
+                 lambda: events(fleet.decode_victim, room, "load_start")
+                 and events(fleet.prefill, room, "post"), timeout_s=60, interval_s=0.002)
+        fleet.decode_victim.server.freeze()
+        time.sleep(0.5)
+        fleet.decode_victim.server.kill()
+        killed = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 -- decode's connection dies with it
+            request.result(timeout=60)
+    (end,) = wait_for("prefill ended the transfer", lambda: events(fleet.prefill, room, "end"),
+                      timeout_s=LEASE_S + 5)
+    # Decode's RequestKV either reached prefill (the transfer then times out or its writes
+    # fail) or died with decode (prefill's KV lease runs out): both free the KV.
+    assert end["state"] == "Failed"
+    assert end["reason"] in {"TransferTimeout", "TransportFailed", "LeaseExpired"}, end
+    assert_drains(fleet.prefill, LEASE_S + 5)
+    assert time.monotonic() - killed <= LEASE_S + 5
+    print(f"decode killed: prefill ended the transfer {end['reason']} after "
+          f"{end['duration_s']:.2f} s with {end['bytes']} bytes written; drained "
+          f"{time.monotonic() - killed:.2f} s after the kill")
+    # Prefill keeps serving.
+    prompt = prompt_ids(700, seed=12)
+    assert fleet.pd(fleet.prefill, fleet.decode_fail, prompt).token_ids == fleet.expected(prompt)
+
+
+def test_prefill_killed_mid_transfer_decode_fails_or_recomputes_per_policy(
+        fleet: Fleet) -> None:
+    prompt = prompt_ids(LONG, seed=21)
+    expected = fleet.expected(prompt)
+    failing, recomputing = "fail-" + uuid.uuid4().hex, "recompute-" + uuid.uuid4().hex
+    victim = fleet.prefill_victim
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        to_fail = pool.submit(fleet.pd, victim, fleet.decode_fail, prompt, failing,
+                              prefill_must_answer=False)
+        to_recompute = pool.submit(fleet.pd, victim, fleet.decode_recompute, prompt,
+                                   recomputing, prefill_must_answer=False)
+        wait_for("prefill posted for both rooms",
+                 lambda: events(victim, failing, "post") and events(victim, recomputing,
+                                                                    "post"), timeout_s=60)
+        victim.server.kill()
+        failed = _exception(to_fail)
+        recomputed = _exception(to_recompute)
+    # fail: vLLM ends the request with an error (HTTP 500) and decode's log says why.
+    assert failed is not None and "answered 500" in str(failed), failed
+    (end,) = events(fleet.decode_fail, failing, "end")
+    assert end["state"] == "Failed"
+    assert f"room {failing}: KV load failed: " in fleet.decode_fail.server.log_text()
+    # recompute: the same request completes from decode's own forward, token-identical.
+    assert recomputed is None, recomputed
+    assert to_recompute.result().token_ids == expected
+    (end,) = events(fleet.decode_recompute, recomputing, "end")
+    assert end["state"] == "Failed"
+    for decode in (fleet.decode_fail, fleet.decode_recompute):
+        assert_drains(decode, TRANSFER_S + 5)
+        other = prompt_ids(300, seed=22)
+        assert fleet.pd(fleet.prefill, decode, other).token_ids == fleet.expected(other)
+
+
+def _exception(future: Future[CompletionResult]) -> BaseException | None:
+    try:
+        future.result(timeout=120)
+    except Exception as exc:
+        return exc
+    return None
+
+
+# Faults for the 200-request run: each is a real condition, not a hook in the connector.
+FAULTS = (
+    "ok",                   # P and D, both halves: must be token-identical
+    "prefill_unreachable",  # decode names a port where no pod listens
+    "decode_unreachable",   # prefill names a port where no pod listens
+    "prefill_never_asked",  # decode's half only: prefill refuses the unknown room
+    "decode_never_asks",    # prefill's half only: prefill's KV lease runs out
+    "rooms_differ",         # both halves under different rooms: prefill's lease runs out,
+    #                         decode (recompute policy) is refused and computes the prompt
+    "client_leaves",        # both halves; decode's client disconnects mid-transfer
+    "bad_params",           # decode's params are malformed: served without a transfer
+)
+
+
+def test_200_requests_with_faults_all_end_and_leave_nothing_held(fleet: Fleet) -> None:
+    rng = random.Random(2026)
+    dead = f"127.0.0.1:{free_ports(1)[0]}"
+    prompts = {n: prompt_ids(n, seed=300 + n) for n in (1, 40, 257, 700)}
+    expected = {n: fleet.expected(p) for n, p in prompts.items()}
+    prefill, decode, recompute = fleet.prefill, fleet.decode_fail, fleet.decode_recompute
+
+    plan = [(FAULTS[i] if i < len(FAULTS) else rng.choice(FAULTS), rng.choice(list(prompts)))
+            for i in range(200)]
+
+    def run(index: int) -> tuple[str, str]:
+        fault, length = plan[index]
+        prompt, room = prompts[length], f"fault-{index}-{uuid.uuid4().hex[:8]}"
+        load = {"pd_transfer": {"room": room, "prefill": prefill.bootstrap}}
+        send = {"pd_transfer": {"room": room, "decode": decode.bootstrap}}
+        try:
+            if fault == "ok":
+                got = fleet.pd(prefill, decode, prompt, room).token_ids
+                return fault, "identical" if got == expected[length] else "DIFFERENT"
+            if fault == "prefill_unreachable":
+                complete(decode.server, prompt, MAX_TOKENS,
+                         {"pd_transfer": {"room": room, "prefill": dead}})
+            elif fault == "decode_unreachable":
+                complete(prefill.server, prompt, 1,
+                         {"pd_transfer": {"room": room, "decode": dead}})
+                return fault, "prefill answered"
+            elif fault == "prefill_never_asked":
+                got = complete(recompute.server, prompt, MAX_TOKENS, load).token_ids
+                return fault, "identical" if got == expected[length] else "DIFFERENT"
+            elif fault == "decode_never_asks":
+                complete(prefill.server, prompt, 1, send)
+                return fault, "prefill answered"
+            elif fault == "rooms_differ":
+                with ThreadPoolExecutor(max_workers=1) as one:
+                    first = one.submit(complete, prefill.server, prompt, 1, {"pd_transfer": {
+                        "room": room + "-p", "decode": recompute.bootstrap}})
+                    got = complete(recompute.server, prompt, MAX_TOKENS, {"pd_transfer": {
+                        "room": room + "-d", "prefill": prefill.bootstrap}}).token_ids
+                    first.result()
+                return fault, "identical" if got == expected[length] else "DIFFERENT"
+            elif fault == "client_leaves":
+                fleet.pd(prefill, decode, prompt, room, timeout_s=0.05)
+                return fault, "finished before leaving"
+            else:
+                got = complete(decode.server, prompt, MAX_TOKENS,
+                               {"pd_transfer": {"room": "../" + room, "prefill": 7}}).token_ids
+                return fault, "identical" if got == expected[length] else "DIFFERENT"
+            return fault, "UNEXPECTED success"
+        except TimeoutError:
+            return fault, "client left"
+        except RuntimeError as exc:
+            return fault, "500" if "answered 500" in str(exc) else f"ERROR {exc}"
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        outcomes = Counter(pool.map(run, range(200)))
+    elapsed = time.monotonic() - started
+    print(f"200 requests with faults in {elapsed:.1f} s: {dict(outcomes)}")
+    allowed = {
+        "ok": {"identical"},
+        "prefill_unreachable": {"500"},
+        "decode_unreachable": {"prefill answered"},
+        "prefill_never_asked": {"identical"},
+        "decode_never_asks": {"prefill answered"},
+        "rooms_differ": {"identical"},
+        "client_leaves": {"client left", "finished before leaving"},
+        "bad_params": {"identical"},
+    }
+    wrong = {key: n for key, n in outcomes.items() if key[1] not in allowed[key[0]]}
+    assert wrong == {}, f"unexpected outcomes: {wrong} (all: {dict(outcomes)})"
+    assert {fault for fault, _ in outcomes} == set(FAULTS)
+    for server in (prefill, decode, recompute):
+        assert_drains(server, TRANSFER_S + LEASE_S + 5)

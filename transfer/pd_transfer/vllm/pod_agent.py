@@ -1,0 +1,433 @@
+"""The in-pod agent of a vLLM engine: one per pod, in the scheduler process, over every TP
+rank's worker process.
+
+The reference engine runs its ranks as threads of the agent's process; vLLM runs each TP
+rank in its own worker process. So ``PodAgent`` reads the ranks over 127.0.0.1, through the
+control routes each rank's bootstrap server carries (``rank_control``: rank ``r`` on
+``bootstrap_port + r``), and is the reporter's ``ReportSource`` and resizer over them:
+
+- a poll thread fetches every rank's ``RankReport`` once per ``poll_s`` (fetches run on
+  their own daemon threads with a timeout, so a slow rank delays nothing else and the
+  scheduler thread never waits for the agent);
+- ``snapshots()`` are the ranks' last reports. A rank not read yet contributes nothing (never
+  zeros); a rank that stopped answering keeps its last counters (they only grow, so the
+  window stays right) and, while any rank is unreadable, every status written says
+  ``healthy: false`` with ``lastError`` naming the ranks and why (``_FlaggingClient``);
+- ``resize_staging`` posts the new sizes to every rank at once and completes when all
+  answered: the rings' new registration version, or the first rank's error (rank order);
+- ``reported()`` restarts the decode rings' high-water marks (per report, as the engine);
+- Prometheus on ``metrics_port``: every readable rank's transfer metrics (``rank`` label,
+  ``agent.metrics_http.RankCollector``), ``pd_transfer_connector_live_requests``
+  (``side="scheduler"``; ``side="rank",rank="r"``) and
+  ``pd_transfer_connector_rank_reachable{rank}``.
+
+Reporter + SpecWatch + KubeAgentClient run as in ``engine/main.py`` when the pod identity
+(downward API) and Kubernetes credentials are there; otherwise one log line says health
+reporting is OFF and why, and the metrics are still served. Nothing here raises into vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Final, Literal, TypeVar
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from pd_contract.config import TransferConfig
+from pd_contract.transferagent import AgentEndpoints, AgentStaging, PeerTransport
+from pd_contract.transferagent import TransferAgentStatus as _Status
+from pd_transfer.agent.errors import AgentError
+from pd_transfer.agent.identity import PodIdentity, read_identity
+from pd_transfer.agent.kube import AgentClient, KubeAgentClient
+from pd_transfer.agent.metrics_http import RankCollector
+from pd_transfer.agent.report import ReportFacts
+from pd_transfer.agent.reporter import Reporter, ReporterTuning
+from pd_transfer.agent.spec_watch import SpecWatch
+from pd_transfer.auth import PeerAuth
+from pd_transfer.config_file import load_transfer_config
+from pd_transfer.metrics import TransferSnapshot
+from pd_transfer.vllm.params import ConnectorSettings
+from pd_transfer.vllm.rank_control import (
+    ControlError,
+    RankReport,
+    StagingReply,
+    fetch_report,
+    post_reported,
+    post_staging,
+)
+
+__all__ = ["LIVE_REQUESTS", "RANK_REACHABLE", "PodAgent", "PodAgentOptions", "start_pod_agent"]
+
+_log = logging.getLogger("pd_transfer.agent")
+
+LIVE_REQUESTS: Final = "pd_transfer_connector_live_requests"
+RANK_REACHABLE: Final = "pd_transfer_connector_rank_reachable"
+_NOT_READ: Final = "not read yet"
+_RESIZE_MARGIN_S: Final = 10.0
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PodAgentOptions:
+    """Where the pod's ranks and endpoints are; everything else comes from ``config``."""
+
+    role: Literal["prefill", "decode"]
+    tp_size: int
+    config: TransferConfig
+    auth: PeerAuth
+    bootstrap_port: int  # rank r's control routes are on rank_host:bootstrap_port + r
+    metrics_port: int
+    metrics_host: str = "0.0.0.0"
+    engine_port: int | None = None  # vLLM's API server, for the report's endpoints
+    rank_host: str = "127.0.0.1"
+    poll_s: float = 1.0
+    fetch_timeout_s: float = 2.0
+
+    def rank_address(self, rank: int) -> str:
+        return f"{self.rank_host}:{self.bootstrap_port + rank}"
+
+
+def start_pod_agent(settings: ConnectorSettings, role: Literal["prefill", "decode"],
+                    tp_size: int, scheduler_live: Callable[[], int]) -> PodAgent | None:
+    """The scheduler process's agent, started; None (logged) when the pod's transfer config
+    or key cannot be read (the workers then fail with the same error)."""
+    try:
+        config = load_transfer_config(settings.config_file)
+        options = PodAgentOptions(
+            role=role, tp_size=tp_size, config=config,
+            auth=PeerAuth.from_file(settings.key_file),
+            bootstrap_port=settings.bootstrap_port or config.network.bootstrap_port,
+            metrics_port=settings.metrics_port or config.network.metrics_port,
+            metrics_host=settings.bind_host, engine_port=settings.engine_port)
+    except Exception as exc:
+        _log.error("the pod agent is OFF (no reports, no metrics): %s", exc)
+        return None
+    return PodAgent(options, scheduler_live).start()
+
+
+def _in_daemon(fn: Callable[[], T], name: str) -> Future[T]:
+    """``fn()`` on a daemon thread (a hung rank must not hold up the process's exit)."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+class _Families(Collector):
+    """The metric families of one rank's last report (exposition text, parsed)."""
+
+    def __init__(self) -> None:
+        self.families: tuple[Metric, ...] = ()
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families
+
+
+class PodAgent:
+    """One pod's agent over its TP ranks (module docstring). ``start`` and ``stop`` never
+    raise; ``refresh`` is one poll round (tests call it directly)."""
+
+    def __init__(self, options: PodAgentOptions, scheduler_live: Callable[[], int]) -> None:
+        self.options = options
+        self.scheduler_live = scheduler_live
+        self.reporter: Reporter | None = None
+        self.watch: SpecWatch | None = None
+        self.reporting_off = ""  # why health reporting is off ("" while on or not started)
+        ranks = range(options.tp_size)
+        self._lock = threading.Lock()
+        self._reports: dict[int, RankReport] = {}
+        self._snapshots: dict[int, TransferSnapshot] = {}
+        self._errors: dict[int, str] = dict.fromkeys(ranks, _NOT_READ)
+        self._families = [_Families() for _ in ranks]
+        self.registry = CollectorRegistry(auto_describe=False)
+        rank_registries = []
+        for families in self._families:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(families)
+            rank_registries.append(registry)
+        self.registry.register(RankCollector(rank_registries))
+        self.registry.register(_ConnectorCollector(self))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._metrics: Any = None
+
+    # Life cycle ---------------------------------------------------------------------------------
+
+    def start(self, environ: Mapping[str, str] = os.environ,
+              client_factory: Callable[[], AgentClient] = KubeAgentClient.from_environment,
+              ) -> PodAgent:
+        """Serve metrics, then (on the agent's thread, after the first poll) report."""
+        try:
+            options = self.options
+            try:
+                server, _thread = start_http_server(options.metrics_port,
+                                                    addr=options.metrics_host,
+                                                    registry=self.registry)
+                self._metrics = server
+            except OSError as exc:
+                _log.error("transfer metrics are OFF: cannot listen on %s:%d: %s",
+                           options.metrics_host, options.metrics_port, exc)
+            self._thread = threading.Thread(target=self._run, args=(environ, client_factory),
+                                            name="pd-transfer-pod-agent", daemon=True)
+            self._thread.start()
+        except Exception:
+            _log.exception("the pod agent did not start (vLLM keeps serving)")
+        return self
+
+    def stop(self) -> None:
+        try:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join(self.options.fetch_timeout_s + 1.0)
+            with self._lock:
+                watch, reporter = self.watch, self.reporter
+            if watch is not None:
+                watch.stop(timeout_s=0.5)
+            if reporter is not None:
+                reporter.stop()
+            if self._metrics is not None:
+                self._metrics.shutdown()
+                self._metrics.server_close()
+        except Exception:
+            _log.exception("stopping the pod agent failed")
+
+    def _run(self, environ: Mapping[str, str],
+             client_factory: Callable[[], AgentClient]) -> None:
+        self._guarded(self.refresh)
+        self._guarded(partial(self._start_reporting, environ, client_factory))
+        while not self._stop.wait(self.options.poll_s):
+            self._guarded(self.refresh)
+
+    @staticmethod
+    def _guarded(action: Callable[[], None]) -> None:
+        try:
+            action()
+        except Exception:  # the agent's thread never dies, and never takes vLLM with it
+            _log.exception("pod agent step failed (it keeps going)")
+
+    def _start_reporting(self, environ: Mapping[str, str],
+                         client_factory: Callable[[], AgentClient]) -> None:
+        options = self.options
+        try:
+            identity = read_identity(environ)
+            if identity.role != options.role:
+                raise AgentError(f"PD_ROLE={identity.role} but the connector's kv_role makes "
+                                 f"this a {options.role} engine")
+            client = client_factory()
+        except AgentError as exc:
+            self.reporting_off = str(exc)
+            _log.error("transfer health reporting is OFF (metrics are still served): %s", exc)
+            return
+        config = options.config
+        tuning = ReporterTuning(report_interval_s=config.reporting.report_interval_seconds)
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self.reporter = Reporter(self.facts(identity), self, _FlaggingClient(client, self),
+                                     tuning, resizer=self.resize_staging).start()
+            watch_fn = getattr(client, "watch", None)
+            if watch_fn is not None:
+                self.watch = SpecWatch(partial(watch_fn, identity.namespace, identity.name),
+                                       self.reporter.notify_spec).start()
+        _log.info("pod agent of %s/%s reports %d rank(s) of this %s engine", identity.namespace,
+                  identity.name, options.tp_size, options.role)
+
+    def facts(self, identity: PodIdentity) -> ReportFacts:
+        options, config = self.options, self.options.config
+        engine = f"{identity.ip}:{options.engine_port}" if options.engine_port else ""
+        return ReportFacts(
+            identity=identity,
+            endpoints=AgentEndpoints(bootstrap=f"{identity.ip}:{options.bootstrap_port}",
+                                     engine=engine,
+                                     metrics=f"{identity.ip}:{options.metrics_port}"),
+            staging=AgentStaging(decode_pool_mib=config.staging.decode_pool_mib,
+                                 prefill_buffer_mib=config.staging.prefill_buffer_mib),
+            window_seconds=config.reporting.window_seconds,
+            max_failure_ratio=config.reporting.max_failure_ratio,
+            registration_version=1 if options.role == "decode" else 0,
+        )
+
+    # Polling ------------------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Fetch every rank's report at once; each answer or error replaces the last."""
+        options = self.options
+        futures = {rank: _in_daemon(partial(fetch_report, options.rank_address(rank), rank,
+                                            options.auth, options.fetch_timeout_s),
+                                    f"pd-transfer-fetch-{rank}")
+                   for rank in range(options.tp_size)}
+        for rank, future in futures.items():
+            try:
+                report = future.result(options.fetch_timeout_s + 1.0)
+                families = tuple(text_string_to_metric_families(report.metrics_text))
+            except Exception as exc:  # ControlError, a hung fetch, unparsable metrics
+                self._unreadable(rank, f"{type(exc).__name__}: {exc}" if not isinstance(
+                    exc, ControlError) else str(exc))
+                continue
+            with self._lock:
+                first = rank not in self._reports
+                self._reports[rank] = report
+                self._snapshots[rank] = report.snapshot.to_snapshot()
+                was = self._errors.pop(rank, None)
+                self._families[rank].families = families
+            if was is not None and not first:
+                _log.info("rank %d answers again", rank)
+
+    def _unreadable(self, rank: int, error: str) -> None:
+        with self._lock:
+            before = self._errors.get(rank)
+            self._errors[rank] = error
+            self._families[rank].families = ()  # a scrape shows no stale samples
+        if before is None or before == _NOT_READ:
+            _log.warning("rank %d of this pod cannot be read: %s", rank, error)
+
+    def unreadable(self) -> dict[int, str]:
+        """Ranks whose last fetch failed (or that were never read), with why."""
+        with self._lock:
+            return dict(self._errors)
+
+    def rank_reports(self) -> dict[int, RankReport]:
+        """The last report read from each rank (ranks never read are absent)."""
+        with self._lock:
+            return dict(self._reports)
+
+    # ReportSource ---------------------------------------------------------------------------------
+
+    def snapshots(self) -> Sequence[TransferSnapshot]:
+        with self._lock:
+            return [self._snapshots[rank] for rank in sorted(self._snapshots)]
+
+    def transports(self) -> Sequence[PeerTransport]:
+        found: dict[tuple[str, str], PeerTransport] = {}
+        for report in self.rank_reports().values():
+            for entry in report.transports:
+                found[(entry.peer, entry.transport)] = entry  # ranks share peers: once each
+        return list(found.values())
+
+    def reported(self) -> None:
+        if self.options.role != "decode":
+            return  # only decode rings keep a high-water mark
+        options = self.options
+        for rank in range(options.tp_size):
+            future = _in_daemon(partial(post_reported, options.rank_address(rank), rank,
+                                        options.auth, options.fetch_timeout_s),
+                                f"pd-transfer-reported-{rank}")
+            future.add_done_callback(partial(_log_failure, rank))
+
+    # Resizes --------------------------------------------------------------------------------------
+
+    def resize_staging(self, staging: AgentStaging) -> Future[int]:
+        """Resize every rank to ``staging``; the Future yields the decode rings' new
+        registration version (0 on prefill) once all ranks answered, or raises the first
+        rank's error (rank order), like ``EngineService.resize_staging``."""
+        options = self.options
+        timeout_s = options.config.timeouts.transfer_seconds + _RESIZE_MARGIN_S
+        futures = [_in_daemon(partial(_resize_rank, options.rank_address(rank), rank, staging,
+                                      options.auth, timeout_s), f"pd-transfer-resize-{rank}")
+                   for rank in range(options.tp_size)]
+        done: Future[int] = Future()
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def finished(_: Future[StagingReply]) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors:
+                done.set_exception(errors[0])
+            else:
+                done.set_result(max((f.result().registration_version for f in futures
+                                     if f.result().side == "ring"), default=0))
+
+        for future in futures:
+            future.add_done_callback(finished)
+        return done
+
+
+def _resize_rank(address: str, rank: int, staging: AgentStaging, auth: PeerAuth,
+                 timeout_s: float) -> StagingReply:
+    reply = post_staging(address, rank, staging, auth, timeout_s)
+    if reply.error is not None:
+        raise ControlError(reply.error)
+    return reply
+
+
+def _log_failure(rank: int, future: Future[None]) -> None:
+    exc = future.exception()
+    if exc is not None:
+        _log.debug("rank %d did not restart its high-water mark: %s", rank, exc)
+
+
+class _ConnectorCollector(Collector):
+    """The connector's own gauges (module docstring), read at scrape time."""
+
+    def __init__(self, agent: PodAgent) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        agent = self._agent
+        live = Metric(LIVE_REQUESTS, "Requests with connector state, by side "
+                      "(scheduler; rank with its rank); 0 once every transfer has ended",
+                      "gauge")
+        try:
+            live.add_sample(LIVE_REQUESTS, {"side": "scheduler"}, float(agent.scheduler_live()))
+        except Exception as exc:  # a scrape must not fail on it
+            _log.debug("scheduler live requests unreadable: %s", exc)
+        reachable = Metric(RANK_REACHABLE, "Whether the pod agent read this rank's last "
+                           "report (1) or not (0: its samples are left out)", "gauge")
+        reports, errors = agent.rank_reports(), agent.unreadable()
+        for rank in range(agent.options.tp_size):
+            reachable.add_sample(RANK_REACHABLE, {"rank": str(rank)},
+                                 0.0 if rank in errors else 1.0)
+            if rank not in errors and rank in reports:
+                live.add_sample(LIVE_REQUESTS, {"side": "rank", "rank": str(rank)},
+                                float(reports[rank].live_requests))
+        yield live
+        yield reachable
+
+
+class _FlaggingClient:
+    """The reporter's client, marking every status written while a rank is unreadable as
+    unhealthy, with the ranks and errors in ``lastError`` (the report cannot vouch for them)."""
+
+    def __init__(self, inner: AgentClient, agent: PodAgent) -> None:
+        self._inner = inner
+        self._agent = agent
+
+    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._inner.get(namespace, name)
+
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._inner.create(body)
+
+    def list(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        return self._inner.list(namespace, label_selector)
+
+    def replace_status(self, body: dict[str, Any]) -> dict[str, Any]:
+        errors = self._agent.unreadable()
+        if errors and "status" in body:
+            status = _Status.model_validate(body["status"])
+            ports = self._agent.options
+            problem = "; ".join(f"rank {rank} ({ports.rank_address(rank)}) unreadable: {why}"
+                                for rank, why in sorted(errors.items()))
+            body = {**body, "status": status.model_copy(update={
+                "healthy": False, "last_error": problem[:1024]}).to_wire()}
+        return self._inner.replace_status(body)

@@ -15,9 +15,9 @@ Setups (`--setups`, comma-separated; `--connector` appends one more):
   `do_remote_decode` and 1 token, then decode with the returned `kv_transfer_params`); the
   transfer time is the decode server's `vllm:nixl_xfer_time_seconds` delta per request.
 - `pd_transfer`: our PDTransferConnector, prefill + decode servers behind
-  `pd-transfer vllm-proxy`, which sends each request to both at once (the TTFT is the
-  router's, end to end); the transfer time is decode's own (its timeline: from asking
-  prefill for the KV to all of it landed).
+  `pd-transfer router` (`pd_transfer.router`), which sends each request to both at once
+  (the TTFT is the router's, end to end); the transfer time is decode's own (its timeline:
+  from asking prefill for the KV to all of it landed).
 A setup is a function `(SetupContext) -> Complete`: it starts its servers (registering their
 stop on `ctx.stack`) and returns `complete(prompt_ids) -> Sample`. `--connector NAME` takes
 a name from `SETUPS` or `package.module:function` with that signature.
@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pd_operator.devcluster.vllm_env import VllmEnv, require_vllm_env  # noqa: E402
-from pd_transfer.vllm.proxy import Engine, ProxyServer  # noqa: E402
+from pd_transfer.router import PolicyName, Router, RouterSettings  # noqa: E402
 from tests.e2e.vllm_harness import (  # noqa: E402
     ModelSpec,
     VllmServer,
@@ -175,10 +175,12 @@ def _pd_transfer(ctx: SetupContext) -> Complete:
     pair = pd_transfer_pair(ctx.vllm, ctx.model, ctx.model_dir, ctx.log_dir / "pd_transfer",
                             **ctx.server_options())
     ctx.start([pair.prefill, pair.decode])
-    proxy = ProxyServer([Engine("127.0.0.1", pair.prefill.port, pair.prefill_bootstrap)],
-                        [Engine("127.0.0.1", pair.decode.port, pair.decode_bootstrap)])
-    ctx.stack.callback(proxy.close)
-    host, port = proxy.url.removeprefix("http://").split(":")
+    pd_router = Router(RouterSettings(
+        host="127.0.0.1", port=0, policy=PolicyName.ROUND_ROBIN,
+        prefill=(f"http://127.0.0.1:{pair.prefill.port}@{pair.prefill_bootstrap}",),
+        decode=(f"http://127.0.0.1:{pair.decode.port}@{pair.decode_bootstrap}",)))
+    ctx.stack.callback(pd_router.close)
+    host, port = pd_router.url.removeprefix("http://").split(":")
     router = _Target("router", host, int(port))
     complete(router, prompt_ids(32, seed=99_999), 2)  # type: ignore[arg-type]  # warm-up
 
@@ -206,7 +208,7 @@ SETUPS: dict[str, Setup] = {
     "nixl": Setup("nixl", "vLLM NixlConnector, prefill + decode servers, sequential proxy",
                   _nixl),
     "pd_transfer": Setup("pd_transfer", "PDTransferConnector, prefill + decode servers, "
-                         "pd-transfer vllm-proxy (both at once)", _pd_transfer),
+                         "pd-transfer router (both at once)", _pd_transfer),
 }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pd_transfer.vllm.proxy import Engine, ProxyServer
+from pd_transfer.router import PolicyName, Router, RouterSettings
 from tests.e2e.vllm_harness import (
     CompletionResult,
     ModelSpec,
@@ -51,7 +51,7 @@ class HttpTarget:
 class Deployment:
     single: VllmServer
     pair: PdTransferPair
-    proxy: ProxyServer
+    router: Router
 
     def pd(self, prompt: list[int], max_tokens: int = MAX_TOKENS,
            room: str | None = None) -> CompletionResult:
@@ -72,13 +72,14 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     single = VllmServer(role="single", port=single_port, vllm=vllm, model_dir=model_dir,
                         log_dir=root, max_num_batched_tokens=BATCH_TOKENS)
     with running([single, pair.prefill, pair.decode]):
-        proxy = ProxyServer(
-            [Engine("127.0.0.1", pair.prefill.port, pair.prefill_bootstrap)],
-            [Engine("127.0.0.1", pair.decode.port, pair.decode_bootstrap)])
+        router = Router(RouterSettings(
+            host="127.0.0.1", port=0, policy=PolicyName.ROUND_ROBIN,
+            prefill=(f"http://127.0.0.1:{pair.prefill.port}@{pair.prefill_bootstrap}",),
+            decode=(f"http://127.0.0.1:{pair.decode.port}@{pair.decode_bootstrap}",)))
         try:
-            yield Deployment(single, pair, proxy)
+            yield Deployment(single, pair, router)
         finally:
-            proxy.close()
+            router.close()
 
 
 # 22 prompts: 1 to 1500 tokens, page boundaries, several longer than the chunked-prefill
@@ -99,7 +100,7 @@ def test_pd_completions_are_token_identical_to_one_vllm(deployment: Deployment) 
 
 
 def test_the_router_serves_token_identical_completions(deployment: Deployment) -> None:
-    host, port = deployment.proxy.url.removeprefix("http://").split(":")
+    host, port = deployment.router.url.removeprefix("http://").split(":")
     router = HttpTarget("router", host, int(port))
     for prompt in (PROMPTS[3], PROMPTS[-1]):
         expected = complete(deployment.single, prompt, MAX_TOKENS).token_ids

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pd_transfer.bench_cli import add_bench_parser
 from pd_transfer.engine.cli import add_engine_parser
 from pd_transfer.load import add_load_parser
-from pd_transfer.vllm.proxy import add_vllm_proxy_parser
+from pd_transfer.router.cli import add_router_parser, add_vllm_proxy_parser
 
 __all__ = ["add_selftest_parser", "main"]
 
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     add_engine_parser(subparsers)
     add_load_parser(subparsers)
+    add_router_parser(subparsers)
     add_vllm_proxy_parser(subparsers)
     return parser
 

@@ -18,8 +18,9 @@ vLLM loads it through its KV connector API (``KVConnectorBase_V1``)::
 | ``rank_control`` | a rank's control routes on its bootstrap server: report, staging resize |
 | ``pod_agent`` | the pod's one agent (scheduler process) over its ranks: reports, resizes |
 | ``connector`` | the ``KVConnectorBase_V1`` subclass vLLM loads (the only module importing vLLM) |
-| ``proxy`` | the P/D router for vLLM engines: each request to a prefill and a decode at once |
 | ``steps``, ``timeline`` | the per-step plan sent to workers; an optional record of timestamps |
 
-Nothing here patches vLLM: every hook is a public connector method.
+Nothing here patches vLLM: every hook is a public connector method. The router that sends
+each request to a prefill and a decode engine at once is ``pd_transfer.router``
+(``pd-transfer router``).
 """

@@ -1,0 +1,254 @@
+"""One request's way through the engines, per P/D protocol (``protocols`` says what each
+engine is sent; this module sends it, relays the answer and counts what failed).
+
+``pd-transfer``: prefill and decode are sent at once, once a connection to decode is open
+(a decode that is down costs no prefill); decode's answer (status and body, streamed or
+not) is the client's answer. Prefill runs on a pool thread; its answer is
+read to the end and dropped; a prefill that fails is logged and counted, and decode's
+connector policy decides what its request does without the KV.
+
+``vllm-nixl``: prefill first. A prefill that answers an HTTP error is relayed as it is and
+decode is never called; a prefill that does not answer is a 502 (504 on a timeout). Then
+decode is sent the ``kv_transfer_params`` of prefill's answer and its answer relayed.
+
+Either way: no ready endpoint of a role is a 503 before anything is sent; decode that does
+not answer is a 502/504 naming the engine; every engine exchange counts on that engine in
+``InFlight`` until its answer has been read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
+from typing import Any, Final, TypeVar, assert_never
+
+from pd_contract.transferagent import Role
+from pd_transfer.router import protocols
+from pd_transfer.router.endpoints import Endpoint, EndpointTable
+from pd_transfer.router.errors import (
+    MisconfiguredEndpoint,
+    NoEndpoint,
+    UpstreamError,
+    UpstreamFailure,
+)
+from pd_transfer.router.inflight import InFlight
+from pd_transfer.router.metrics import RouterMetrics
+from pd_transfer.router.policies import Policy
+from pd_transfer.router.prompts import affinity_key
+from pd_transfer.router.relay import RelayResult, relay
+from pd_transfer.router.settings import PDProtocol, RouterSettings
+from pd_transfer.router.upstream import Exchange, Timeouts, connect, send
+from pd_transfer.router.upstream import request as upstream_request
+
+__all__ = ["PREFILL_ANSWER_LIMIT_BYTES", "Dispatcher", "Request"]
+
+_log = logging.getLogger("pd_transfer.router")
+
+# A vllm-nixl prefill answer is read whole for its kv_transfer_params: one token, unless
+# the client asked for prompt logprobs.
+PREFILL_ANSWER_LIMIT_BYTES: Final = 64 << 20
+_LOGGED_BODY_CHARS: Final = 300
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A client's request as the router forwards it."""
+
+    path: str
+    body: dict[str, Any]
+    request_id: str  # sent to both engines as X-Request-Id and back to the client
+    authorization: str | None  # the client's Authorization, passed to the engines
+    started: float  # time.perf_counter() when the request arrived
+
+    def upstream_headers(self, *, json_body: bool = True) -> dict[str, str]:
+        headers = {"X-Request-Id": self.request_id}
+        if json_body:
+            headers["Content-Type"] = "application/json"
+        if self.authorization is not None:
+            headers["Authorization"] = self.authorization
+        return headers
+
+    def client_headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self.request_id}
+
+
+def _json(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _ok(status: int) -> bool:
+    return 200 <= status < 300
+
+
+class Dispatcher:
+    def __init__(self, settings: RouterSettings, table: EndpointTable, *, policy: Policy,
+                 inflight: InFlight, metrics: RouterMetrics, executor: Executor) -> None:
+        self._settings = settings
+        self._table = table
+        self._policy = policy
+        self._inflight = inflight
+        self._metrics = metrics
+        self._executor = executor
+        self._timeouts = Timeouts(settings.connect_timeout_s, settings.upstream_timeout_s)
+
+    def complete(self, handler: BaseHTTPRequestHandler, request: Request) -> RelayResult:
+        """A completion or chat completion, answered on ``handler``."""
+        key = affinity_key(request.body, self._settings.affinity_prefix)
+        match self._settings.protocol:
+            case PDProtocol.PD_TRANSFER:
+                return self._pd_transfer(handler, request, key)
+            case PDProtocol.VLLM_NIXL:
+                return self._vllm_nixl(handler, request, key)
+        assert_never(self._settings.protocol)
+
+    def models(self, handler: BaseHTTPRequestHandler, request: Request) -> RelayResult:
+        """``GET /v1/models`` of a decode engine."""
+        decode = self._pick(Role.DECODE, None)
+        with self._inflight.track(decode):
+            exchange = self._send(decode, "GET", request.path, None,
+                                  request.upstream_headers(json_body=False))
+            with exchange:
+                return self._relay(handler, exchange, request)
+
+    # -- pd-transfer ---------------------------------------------------------------------
+
+    def _pd_transfer(self, handler: BaseHTTPRequestHandler, request: Request,
+                     key: str | None) -> RelayResult:
+        prefill = self._pick(Role.PREFILL, key)
+        decode = self._pick(Role.DECODE, key)
+        room = uuid.uuid4().hex
+        prefill_body = protocols.pd_transfer_prefill(request.body, room, _bootstrap(decode))
+        decode_body = protocols.pd_transfer_decode(request.body, room, _bootstrap(prefill))
+        with self._inflight.track(decode):
+            # Connected to decode first: a decode that is down costs no prefill (whose KV
+            # would wait for it until the lease ends). Then both requests go out at once.
+            connection = self._counted_for(decode, lambda: connect(decode, self._timeouts))
+            self._inflight.begin(prefill)
+            try:
+                self._executor.submit(self._background_prefill, prefill, request,
+                                      prefill_body, room)
+            except BaseException:
+                self._inflight.end(prefill)
+                connection.close()
+                raise
+            exchange = self._counted_for(decode, lambda: upstream_request(
+                decode, connection, "POST", request.path, body=_json(decode_body),
+                headers=request.upstream_headers()))
+            with exchange:
+                return self._relay(handler, exchange, request)
+
+    def _background_prefill(self, prefill: Endpoint, request: Request, body: dict[str, Any],
+                            room: str) -> None:
+        try:
+            with self._send(prefill, "POST", request.path, _json(body),
+                            request.upstream_headers()) as exchange:
+                head = self._counted(exchange, lambda: _drain(exchange))
+                if not _ok(exchange.status):
+                    self._metrics.upstream_error(Role.PREFILL, UpstreamFailure.STATUS)
+                    _log.warning("room %s (request %s): prefill engine %s answered %d: %s",
+                                 room, request.request_id, prefill.describe(),
+                                 exchange.status, head.decode(errors="replace"))
+        except UpstreamError as exc:  # counted where it was raised
+            _log.warning("room %s (request %s): %s", room, request.request_id, exc)
+        except Exception:  # a bug here must not pass silently on a pool thread
+            _log.exception("room %s (request %s): prefill on %s failed unexpectedly", room,
+                           request.request_id, prefill.describe())
+        finally:
+            self._inflight.end(prefill)
+
+    # -- vllm-nixl -----------------------------------------------------------------------
+
+    def _vllm_nixl(self, handler: BaseHTTPRequestHandler, request: Request,
+                   key: str | None) -> RelayResult:
+        prefill = self._pick(Role.PREFILL, key)
+        self._pick(Role.DECODE, key)  # 503 before prefill computes anything
+        with self._inflight.track(prefill):
+            exchange = self._send(prefill, "POST", request.path,
+                                  _json(protocols.nixl_prefill(request.body)),
+                                  request.upstream_headers())
+            with exchange:
+                if not _ok(exchange.status):
+                    return self._relay(handler, exchange, request)  # decode is not called
+                answer = self._counted(exchange, lambda: exchange.read_all(
+                    PREFILL_ANSWER_LIMIT_BYTES))
+        try:
+            params = protocols.transfer_params(answer)
+        except ValueError as exc:
+            self._metrics.upstream_error(Role.PREFILL, UpstreamFailure.INVALID_RESPONSE)
+            raise UpstreamError(Role.PREFILL, prefill.name, UpstreamFailure.INVALID_RESPONSE,
+                                str(exc)) from exc
+        if params is None:
+            self._metrics.upstream_error(Role.PREFILL, UpstreamFailure.NO_TRANSFER_PARAMS)
+            _log.warning("request %s: prefill engine %s returned no kv_transfer_params, so "
+                         "decode computes the prompt itself; do the prefill engines run "
+                         "vLLM's NixlConnector?", request.request_id, prefill.describe())
+        decode = self._pick(Role.DECODE, key)
+        return self._decode(handler, decode, request, protocols.nixl_decode(request.body,
+                                                                            params))
+
+    # -- shared --------------------------------------------------------------------------
+
+    def _decode(self, handler: BaseHTTPRequestHandler, decode: Endpoint, request: Request,
+                body: dict[str, Any]) -> RelayResult:
+        with self._inflight.track(decode):
+            exchange = self._send(decode, "POST", request.path, _json(body),
+                                  request.upstream_headers())
+            with exchange:
+                return self._relay(handler, exchange, request)
+
+    def _pick(self, role: Role, key: str | None) -> Endpoint:
+        endpoints = self._table.ready(role)
+        if not endpoints:
+            raise NoEndpoint(role)
+        return self._policy.pick(role, endpoints, key)
+
+    def _send(self, endpoint: Endpoint, method: str, path: str, body: bytes | None,
+              headers: dict[str, str]) -> Exchange:
+        return self._counted_for(endpoint, lambda: send(
+            endpoint, method, path, body=body, headers=headers, timeouts=self._timeouts))
+
+    def _counted(self, exchange: Exchange, read: Callable[[], bytes]) -> bytes:
+        """``read()`` of ``exchange``'s body, its failure counted."""
+        return self._counted_for(exchange.endpoint, read)
+
+    def _counted_for(self, endpoint: Endpoint, step: Callable[[], _T]) -> _T:
+        """``step()``, an ``UpstreamError`` of it counted against ``endpoint``."""
+        try:
+            return step()
+        except UpstreamError as exc:
+            self._metrics.upstream_error(endpoint.role, exc.failure)
+            raise
+
+    def _relay(self, handler: BaseHTTPRequestHandler, exchange: Exchange,
+               request: Request) -> RelayResult:
+        """Relay ``exchange`` to the client; an engine's 5xx and a cut answer count."""
+        if exchange.status >= 500:
+            self._metrics.upstream_error(exchange.endpoint.role, UpstreamFailure.STATUS)
+        result = relay(handler, exchange, request.started, request.client_headers())
+        if result.upstream_failure is not None:
+            self._metrics.upstream_error(exchange.endpoint.role,
+                                         result.upstream_failure.failure)
+        return result
+
+
+def _drain(exchange: Exchange) -> bytes:
+    """Read ``exchange``'s body to the end; its first bytes, for a log line."""
+    head = b""
+    for chunk in exchange.chunks():
+        if len(head) < _LOGGED_BODY_CHARS:
+            head += chunk[:_LOGGED_BODY_CHARS - len(head)]
+    return head
+
+
+def _bootstrap(endpoint: Endpoint) -> str:
+    if endpoint.bootstrap is None:
+        raise MisconfiguredEndpoint(
+            f"{endpoint.role.value} engine {endpoint.describe()} has no bootstrap address, "
+            f"which the pd-transfer protocol needs (--bootstrap-port)")
+    return endpoint.bootstrap

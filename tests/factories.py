@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from pd_operator.api import PDDeployment, PDDeploymentSpec, parse_pdd, parse_spec
 
@@ -29,7 +32,8 @@ BASE_SPEC: Body = {
         "numKVHeads": 8,
         "headDim": 128,
     },
-    "engine": {"image": "lmsysorg/sglang:latest"},
+    # vLLM: its default backend (PDTransfer) has staging pools, which many tests resize.
+    "engine": {"framework": "vllm", "image": "vllm/vllm-openai:v0.32.0"},
 }
 
 
@@ -53,3 +57,14 @@ def make_pdd_body(name: str = "llama", namespace: str = "default", **overrides: 
 
 def make_pdd(name: str = "llama", namespace: str = "default", **overrides: Any) -> PDDeployment:
     return parse_pdd(make_pdd_body(name, namespace, **overrides))
+
+
+def example_pdd(path: Path) -> Body:
+    """The PDDeployment document of an example manifest (which may hold other objects, like
+    the ConfigMap a local model's config travels in)."""
+    documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    found = [d for d in documents if d.get("kind") == "PDDeployment"]
+    if len(found) != 1:
+        raise ValueError(f"{path.name} holds {len(found)} PDDeployments, expected one")
+    pdd: Body = found[0]
+    return pdd

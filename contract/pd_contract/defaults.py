@@ -8,6 +8,7 @@ __all__ = [
     "BOOTSTRAP_SECONDS",
     "GRANT_SECONDS",
     "KV_LEASE_SECONDS",
+    "TRANSFER_BOOTSTRAP_PORT",
     "TRANSFER_METRICS_PORT",
     "TRANSFER_SECONDS",
 ]
@@ -21,3 +22,5 @@ KV_LEASE_SECONDS: Final = 120.0
 
 # Port of the transfer module's Prometheus endpoint in every engine pod.
 TRANSFER_METRICS_PORT: Final = 9400
+# pd_transfer's bootstrap server of TP rank r listens on this port + r.
+TRANSFER_BOOTSTRAP_PORT: Final = 8998

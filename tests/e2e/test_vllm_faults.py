@@ -18,7 +18,7 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +39,7 @@ from tests.e2e.vllm_harness import (
     vllm_env_or_skip,
     vllm_metric,
 )
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -101,18 +102,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         yield fleet
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float,
-             interval_s: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(interval_s)
-
-
 def events(server: PdTransferServer, room: str, kind: str) -> list[dict[str, Any]]:
     return [e for e in server.timeline() if e["event"] == kind and room in e["rooms"]]
 
@@ -135,7 +124,8 @@ IDLE = {"kv_cache_usage": 0.0, "running": 0.0, "waiting": 0.0, "scheduler_live":
 
 
 def assert_drains(server: PdTransferServer, timeout_s: float) -> float:
-    """Wait until ``server`` holds nothing (``IDLE``); return how long it took."""
+    """Wait until ``server`` holds nothing (``IDLE``); return how long it took. A timeout
+    fails the test with what was still held."""
     started = time.monotonic()
     last: dict[str, float | None] = {}
 
@@ -145,9 +135,9 @@ def assert_drains(server: PdTransferServer, timeout_s: float) -> float:
         return last == IDLE
 
     try:
-        wait_for(f"{server.name} drained", idle, timeout_s, interval_s=0.2)
-    except AssertionError:
-        raise AssertionError(f"{server.name} still holds {last} after {timeout_s} s") from None
+        wait_for(f"{server.name} to drain", idle, timeout_s, interval_s=0.2)
+    except pytest.fail.Exception:
+        pytest.fail(f"{server.name} still holds {last} after {timeout_s} s")
     return time.monotonic() - started
 
 

@@ -19,6 +19,7 @@ import pytest
 from pd_transfer.router import PolicyName, Router, RouterSettings
 from tests.e2e.vllm_harness import (
     CompletionResult,
+    HttpTarget,
     ModelSpec,
     PdTransferPair,
     VllmServer,
@@ -36,15 +37,6 @@ pytestmark = pytest.mark.e2e
 MODEL = ModelSpec(layers=4, kv_heads=2, hidden=256, heads=4)
 BATCH_TOKENS = 256  # the chunked-prefill budget: longer prompts are prefilled in chunks
 MAX_TOKENS = 8
-
-
-@dataclass(frozen=True)
-class HttpTarget:
-    """What ``complete`` needs of a server: the router in front of the engines."""
-
-    role: str
-    host: str
-    port: int
 
 
 @dataclass
@@ -104,10 +96,8 @@ def test_the_router_serves_token_identical_completions(deployment: Deployment) -
     router = HttpTarget("router", host, int(port))
     for prompt in (PROMPTS[3], PROMPTS[-1]):
         expected = complete(deployment.single, prompt, MAX_TOKENS).token_ids
-        assert complete(router,  # type: ignore[arg-type]
-                         prompt, MAX_TOKENS).token_ids == expected
-        assert complete(router,  # type: ignore[arg-type]
-                         prompt, MAX_TOKENS, stream=True).token_ids == expected
+        assert complete(router, prompt, MAX_TOKENS).token_ids == expected
+        assert complete(router, prompt, MAX_TOKENS, stream=True).token_ids == expected
 
 
 def test_layer_pipeline_posts_the_first_group_before_the_forward_ends(

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -51,14 +51,17 @@ __all__ = [
     "NIXL_PREFILL_PARAMS",
     "REQUIRE_VLLM_ENV",
     "CompletionResult",
+    "HttpTarget",
     "ModelSpec",
     "PdFailed",
     "PdResult",
     "PdTransferPair",
     "PdTransferServer",
+    "Server",
     "ServerDied",
     "VllmServer",
     "complete",
+    "cpu_binding",
     "free_ports",
     "nixl_kv_transfer_config",
     "nixl_pd_complete",
@@ -215,6 +218,15 @@ def free_ports(count: int) -> list[int]:
         return ports
 
 
+def cpu_binding(tp: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `tp` CPU workers: this process's CPUs dealt out round
+    robin, one list per rank ("0|1" on 2 cores). vLLM's "auto" binding puts each rank on its
+    own NUMA node and refuses TP 2 on a one-node host."""
+    cpus = sorted(os.sched_getaffinity(0))
+    lists = [cpus[rank::tp] or cpus[rank % len(cpus):][:1] for rank in range(tp)]
+    return "|".join(",".join(str(c) for c in cpu_list) for cpu_list in lists)
+
+
 def server_pythonpath() -> str:
     """The checkout's package roots holding `pd_transfer` and `pd_contract` (from
     pyproject's `[tool.setuptools.packages.find] where`), joined for `PYTHONPATH`."""
@@ -283,6 +295,9 @@ class VllmServer:
     # Off by default: a repeated prompt would be served from the prefix cache (and a decode
     # instance would skip the KV pull), which hides what the tests and benchmarks measure.
     prefix_caching: bool = False
+    # safetensors: the seeded checkpoint `ModelSpec.write` makes (the same weights at any
+    # TP); dummy: vLLM's own random weights (one config.json is enough; same TP only).
+    load_format: str = "safetensors"
     ready_timeout_s: float = 300.0
     process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     started_s: float | None = field(default=None, init=False)
@@ -301,7 +316,7 @@ class VllmServer:
             *self.vllm.api_server_argv(),
             "--model", str(self.model_dir),
             "--served-model-name", SERVED_MODEL_NAME,
-            "--load-format", "safetensors",
+            "--load-format", self.load_format,
             "--seed", "0",
             "--skip-tokenizer-init",
             "--enforce-eager",
@@ -498,7 +513,29 @@ def _request_body(prompt: Sequence[int], max_tokens: int, *, stream: bool,
     return body
 
 
-def complete(server: VllmServer, prompt: Sequence[int], max_tokens: int,
+class Server(Protocol):
+    """What `complete` needs of a server: a vLLM server or a router in front of several."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class HttpTarget:
+    """A server known only by its address (a router)."""
+
+    role: str
+    host: str
+    port: int
+
+
+def complete(server: Server, prompt: Sequence[int], max_tokens: int,
              kv_transfer_params: Mapping[str, Any] | None = None, *, stream: bool = False,
              timeout_s: float = 120.0) -> CompletionResult:
     """POST /v1/completions with token ids; greedy. See `CompletionResult`."""
@@ -822,10 +859,12 @@ def pd_transfer_server(vllm: VllmEnv, model: ModelSpec, model_dir: Path, root: P
     args = pd_transfer_args(kv_role, config_file, key_file, boot,
                             timeline_dir / f"{name}.jsonl", failure_policy=failure_policy,
                             extra={"metrics_port": metrics, **(extra or {})})
+    bind: dict[str, str] = {}
     if tp > 1:
         args += ["--tensor-parallel-size", str(tp)]
+        bind = {"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(tp)}
     server = VllmServer(role=name, port=port, vllm=vllm, model_dir=model_dir, log_dir=root,
-                        extra_args=args, env={"UCX_NET_DEVICES": "lo", **(env or {})},
+                        extra_args=args, env={"UCX_NET_DEVICES": "lo", **bind, **(env or {})},
                         **server_options)
     return PdTransferServer(server, f"127.0.0.1:{boot}", timeline_dir, name,
                             f"127.0.0.1:{metrics}")

@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client as k8s
 
 from pd_operator.api import PDDeployment, PDDeploymentSpec
 from pd_operator.devcluster import ControlPlaneHandle
-from tests.factories import make_pdd_body
+from tests.factories import example_pdd, make_pdd_body
 from tests.unit.test_api_crd import EXAMPLES, drop_empty
 
 GROUP, VERSION, PLURAL = "pd.serving.dev", "v1alpha1", "pddeployments"
@@ -38,7 +37,7 @@ def create(api: k8s.ApiClient, namespace: str, body: dict[str, Any]) -> dict[str
 def test_example_round_trips_through_the_api_server(
     kube_client: k8s.ApiClient, namespace: str, example: Path
 ) -> None:
-    manifest = yaml.safe_load(example.read_text())
+    manifest = example_pdd(example)
     manifest["metadata"]["namespace"] = namespace
     stored = create(kube_client, namespace, manifest)
     parsed = PDDeployment.model_validate(stored)

@@ -20,7 +20,6 @@ from typing import Any
 
 import celpy
 import pytest
-import yaml
 from kubernetes import client as k8s
 
 from pd_operator.api import RULES
@@ -39,7 +38,7 @@ from pd_operator.devcluster.errors import ToolchainMissingError
 from pd_operator.devcluster.pki import ensure_pki
 from pd_operator.devcluster.processes import spawn_daemon, stop_process
 from tests.cel_functions import KUBERNETES_FUNCTIONS
-from tests.factories import make_pdd_body, make_spec_dict
+from tests.factories import example_pdd, make_pdd_body, make_spec_dict
 from tests.integration.conftest import CRDS_DIR
 from tests.unit import test_api_naming as naming_tests
 from tests.unit.test_api_crd import EXAMPLES
@@ -179,7 +178,7 @@ def test_valid_spec_accepted(cel_api: k8s.ApiClient, namespace: str, case: str,
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_accepted(cel_api: k8s.ApiClient, namespace: str, example: Path) -> None:
-    manifest = yaml.safe_load(example.read_text())
+    manifest = example_pdd(example)
     manifest["metadata"]["namespace"] = namespace
     created = create(cel_api, manifest)
     assert created["spec"]["model"] == {**created["spec"]["model"], **manifest["spec"]["model"]}

@@ -7,10 +7,10 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 
 from pd_operator.api import PDDeploymentSpec, PDDeploymentStatus, TransferAgent, parse_pdd
 from pd_operator.api.crd import all_crds, diff, pddeployment_schema, transferagent_schema
+from tests.factories import example_pdd
 from tests.unit.test_api_rules import apply_schema_defaults
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,12 +88,34 @@ def drop_empty(value: Any) -> Any:
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_crd_defaults_match_model_defaults(example: Path) -> None:
-    """What the API server stores after defaulting equals what the operator parses."""
-    body = yaml.safe_load(example.read_text())
+    """What the API server stores after defaulting equals what the operator parses, but for
+    the staging pool sizes, whose defaults only the operator applies (an object must show
+    whether its user set them: the EngineNative backend refuses them)."""
+    body = example_pdd(example)
     spec_schema = pddeployment_schema()["properties"]["spec"]
     server_side = apply_schema_defaults(spec_schema, body["spec"])
     model_side = PDDeploymentSpec.model_validate(body["spec"]).to_wire()
+    given = body["spec"].get("transfer", {}).get("staging", {})
+    for size in OPERATOR_DEFAULTED:
+        if size not in given:
+            del model_side["transfer"]["staging"][size]
     assert drop_empty(server_side) == drop_empty(model_side)
+
+
+OPERATOR_DEFAULTED = ("prefillBufferMiB", "decodePoolMiB")
+
+
+def test_only_the_staging_pool_sizes_lack_a_crd_default() -> None:
+    staging = pddeployment_schema()["properties"]["spec"]["properties"]["transfer"][
+        "properties"]["staging"]["properties"]
+    assert [name for name, prop in staging.items()
+            if "default" not in prop] == list(OPERATOR_DEFAULTED)
+    spec = PDDeploymentSpec.model_validate(
+        {"model": {"name": "m", "source": "s", "numLayers": 2, "numKVHeads": 2,
+                   "headDim": 8}, "engine": {"image": "img", "framework": "vllm"}})
+    assert spec.transfer.staging.sizes_set == []
+    assert (spec.transfer.staging.prefill_buffer_mib,
+            spec.transfer.staging.decode_pool_mib) == (2048, 4096)
 
 
 def test_defaults_of_a_minimal_spec() -> None:
@@ -114,7 +136,7 @@ def test_defaults_of_a_minimal_spec() -> None:
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_examples_parse(example: Path) -> None:
-    parse_pdd(yaml.safe_load(example.read_text()))
+    parse_pdd(example_pdd(example))
 
 
 def test_transferagent_round_trip() -> None:

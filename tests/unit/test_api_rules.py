@@ -53,6 +53,10 @@ def python_message(spec: dict[str, Any]) -> str:
     return format_validation_error(info.value, "spec")
 
 
+# The base spec runs vLLM (PDTransfer by default); SGLang runs only EngineNative.
+VLLM: dict[str, Any] = {"engine": {"framework": "vllm", "image": "vllm/vllm-openai:v0.32.0"}}
+SGLANG: dict[str, Any] = {"engine": {"framework": "sglang", "image": "lmsysorg/sglang:latest"}}
+
 # (case id, spec sections to merge into the valid base, failing rule names, message fragment)
 INVALID = [
     (
@@ -110,8 +114,8 @@ INVALID = [
         # TP2 -> TP4, 8 heads: a decode rank holds 8/4 = 2 heads; one chunk is
         # 8192 tokens × 2 heads × 128 × 2 B × 2 × 80 layers = 671088640 B = 640 MiB.
         "decode-pool-too-small",
-        {"prefill": {"parallelism": {"tensor": 2}}, "decode": {"parallelism": {"tensor": 4}},
-         "transfer": {"staging": {"decodePoolMiB": 639}}},
+        {**VLLM, "prefill": {"parallelism": {"tensor": 2}},
+         "decode": {"parallelism": {"tensor": 4}}, "transfer": {"staging": {"decodePoolMiB": 639}}},
         {"decode-pool-holds-chunk"},
         "spec.transfer.staging.decodePoolMiB (639) cannot hold one prefill chunk: 8192 tokens "
         "× 2 KV heads per decode rank × 128 head dim × 2 bytes × 2 (K and V) × 80 layers = "
@@ -121,7 +125,8 @@ INVALID = [
         # TP2 -> TP4: a prefill rank holds 4 heads and sends all of them (2 per decode rank);
         # 8192 × 4 × 128 × 2 × 2 × 80 = 1342177280 B = 1280 MiB.
         "prefill-buffer-too-small",
-        {"prefill": {"parallelism": {"tensor": 2}}, "decode": {"parallelism": {"tensor": 4}},
+        {**VLLM, "prefill": {"parallelism": {"tensor": 2}},
+         "decode": {"parallelism": {"tensor": 4}},
          "transfer": {"staging": {"prefillBufferMiB": 1279}}},
         {"prefill-buffer-holds-chunk"},
         "Set prefillBufferMiB to at least 1280",
@@ -132,13 +137,37 @@ INVALID = [
         # 63 pages of 16 = 1008 tokens; decode: 1008 × 1 × 128 × 1 B (fp8) × 2 × 80 =
         # 20643840 B = 19.7 MiB -> at least 20 MiB.
         "decode-pool-replicated-heads-fp8",
-        {"model": {"numKVHeads": 2, "kvDtype": "fp8_e4m3"},
+        {**VLLM, "model": {"numKVHeads": 2, "kvDtype": "fp8_e4m3"},
          "prefill": {"parallelism": {"tensor": 4}, "chunkedPrefillTokens": 1000},
          "decode": {"parallelism": {"tensor": 8}},
          "transfer": {"staging": {"decodePoolMiB": 19}}},
         {"decode-pool-holds-chunk"},
         "1008 tokens × 1 KV heads per decode rank × 128 head dim × 1 bytes × 2 (K and V) × "
         "80 layers = 20643840 bytes. Set decodePoolMiB to at least 20",
+    ),
+    (
+        "backend-not-available",
+        {**SGLANG, "transfer": {"backend": "PDTransfer"}},
+        {"backend-supported"},
+        "spec.transfer.backend PDTransfer is not available for spec.engine.framework sglang, "
+        "which runs EngineNative. Set spec.transfer.backend to EngineNative or leave it out.",
+    ),
+    (
+        # The staging patch a user tries on a deployment whose engine keeps its own connector.
+        "engine-native-with-staging-sizes",
+        {**VLLM, "transfer": {"backend": "EngineNative", "staging": {"decodePoolMiB": 6144}}},
+        {"engine-native-has-no-staging-sizes"},
+        "spec.transfer.staging.prefillBufferMiB and decodePoolMiB cannot be set with "
+        "spec.transfer.backend EngineNative: the vllm engine's own KV connector moves the KV "
+        "and has no staging pool to resize. Remove them, or set spec.transfer.backend to "
+        "PDTransfer.",
+    ),
+    (
+        "sglang-with-staging-sizes",
+        {**SGLANG, "transfer": {"staging": {"prefillBufferMiB": 64}}},
+        {"engine-native-has-no-staging-sizes"},
+        "the sglang engine's own KV connector moves the KV and has no staging pool to resize. "
+        "Remove them: sglang runs only EngineNative.",
     ),
     (
         "router-without-image",
@@ -156,12 +185,12 @@ INVALID = [
 
 VALID = [
     ("base", {}),
-    ("equal-tp-no-staging-needed", {"transfer": {"staging": {"decodePoolMiB": 1}}}),
-    ("staging-never-ignores-pool", {"prefill": {"parallelism": {"tensor": 2}},
+    ("equal-tp-no-staging-needed", {**VLLM, "transfer": {"staging": {"decodePoolMiB": 1}}}),
+    ("staging-never-ignores-pool", {**VLLM, "prefill": {"parallelism": {"tensor": 2}},
                                     "decode": {"parallelism": {"tensor": 4}},
                                     "transfer": {"staging": {"mode": "Never",
                                                              "decodePoolMiB": 1}}}),
-    ("pool-exactly-enough", {"prefill": {"parallelism": {"tensor": 2}},
+    ("pool-exactly-enough", {**VLLM, "prefill": {"parallelism": {"tensor": 2}},
                              "decode": {"parallelism": {"tensor": 4}},
                              "transfer": {"staging": {"decodePoolMiB": 640,
                                                       "prefillBufferMiB": 1280}}}),
@@ -174,6 +203,13 @@ VALID = [
              "prefill": {"parallelism": {"tensor": 8}},
              "decode": {"parallelism": {"tensor": 16}}}),
     ("router", {"router": {"enabled": True, "image": "lmsysorg/sglang:latest"}}),
+    ("sglang", {**SGLANG, "prefill": {"parallelism": {"tensor": 2}},
+                "decode": {"parallelism": {"tensor": 4}}}),
+    ("vllm-default-pools-too-small-for-no-chunk", {**VLLM}),
+    ("vllm-engine-native-default-pools", {**VLLM, "transfer": {"backend": "EngineNative"},
+                                          "prefill": {"parallelism": {"tensor": 2}},
+                                          "decode": {"parallelism": {"tensor": 4}}}),
+    ("cpu-engine", {**VLLM, "prefill": {"gpusPerPod": 0, "parallelism": {"tensor": 2}}}),
 ]
 
 
@@ -225,10 +261,36 @@ def test_all_problems_reported_at_once() -> None:
     assert "spec.router.image is not set" in message
 
 
+def cel_message(rule_name: str, spec: dict[str, Any]) -> str:
+    rule = next(r for r in RULES if r.name == rule_name)
+    assert rule.cel_message_expression is not None
+    env = celpy.Environment()
+    activation = {"self": celpy.json_to_cel(apply_schema_defaults(SPEC_SCHEMA, spec))}
+    return str(env.program(env.compile(rule.cel_message_expression),
+                           functions=KUBERNETES_FUNCTIONS).evaluate(activation))
+
+
+@pytest.mark.parametrize(("rule", "overrides"), [
+    ("engine-native-has-no-staging-sizes",
+     {**VLLM, "transfer": {"backend": "EngineNative", "staging": {"decodePoolMiB": 6144}}}),
+    ("engine-native-has-no-staging-sizes",
+     {**SGLANG, "transfer": {"staging": {"decodePoolMiB": 6144}}}),
+    ("backend-supported", {"engine": {"framework": "reference"},
+                           "transfer": {"backend": "EngineNative"}}),
+    ("backend-supported", {**SGLANG, "transfer": {"backend": "PDTransfer"}}),
+])
+def test_backend_rules_say_the_same_from_the_api_server_and_the_operator(
+        rule: str, overrides: dict[str, Any]) -> None:
+    """A refused staging patch reads the same whether the API server (CEL) or the operator
+    (on API servers without CEL) refuses it."""
+    spec = make_spec_dict(**overrides)
+    assert python_message(spec) == cel_message(rule, spec)
+
+
 def test_cel_message_expression_names_minimum() -> None:
     rule = next(r for r in RULES if r.name == "decode-pool-holds-chunk")
     assert rule.cel_message_expression is not None
-    spec = make_spec_dict(prefill={"parallelism": {"tensor": 2}},
+    spec = make_spec_dict(**VLLM, prefill={"parallelism": {"tensor": 2}},
                           decode={"parallelism": {"tensor": 4}},
                           transfer={"staging": {"decodePoolMiB": 100}})
     env = celpy.Environment()

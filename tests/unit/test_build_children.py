@@ -7,14 +7,13 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 
 from pd_operator.api import PDDeployment, parse_pdd
 from pd_operator.build import Capabilities, build_children, child_key
 from pd_operator.build.config import build_transfer_config
 from pd_operator.build.meta import desired_hash
 from pd_operator.build.names import LABEL_TEMPLATE_HASH
-from tests.factories import make_pdd
+from tests.factories import example_pdd, make_pdd
 from tests.unit.test_api_crd import EXAMPLES
 
 OWNER = {
@@ -342,24 +341,112 @@ def test_sglang_command_and_router() -> None:
     ]
 
 
+def test_vllm_router_watches_the_engine_pods_with_least_privilege() -> None:
+    """The whole router Deployment pod spec and its RBAC for vLLM: `pd-transfer router`
+    finds engines by watching pods (so an engine whose readiness gate turns False leaves
+    the rotation), may only list and watch pods, and is ready only with engines of both
+    roles."""
+    pdd = tiny(engine={"framework": "vllm", "image": "engine:1", "port": 8000},
+               router={"enabled": True, "image": "engine:1", "policy": "least-load"})
+    children = by_key(build_children(pdd, Capabilities()))
+    pod = children[("Deployment", "tiny-router")]["spec"]["template"]["spec"]
+    urls = {"p": "http://tiny-prefill-0.tiny-prefill.serving.svc:8000",
+            "d": "http://tiny-decode-0.tiny-decode.serving.svc:8000,"
+                 "http://tiny-decode-1.tiny-decode.serving.svc:8000"}
+    assert pod == {
+        "automountServiceAccountToken": True,
+        "serviceAccountName": "tiny-router",
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "enableServiceLinks": False,
+        "containers": [{
+            "name": "router", "image": "engine:1", "imagePullPolicy": "IfNotPresent",
+            "command": ["pd-transfer", "router"],
+            "env": [
+                {"name": "PD_ROUTER_POLICY", "value": "least-load"},
+                {"name": "PD_ROUTER_PORT", "value": "8000"},
+                {"name": "PD_PREFILL_URLS", "value": urls["p"]},
+                {"name": "PD_DECODE_URLS", "value": urls["d"]},
+                {"name": "PD_PREFILL_BOOTSTRAP_PORT", "value": "8998"},
+                {"name": "PD_PREFILL_SERVICE", "value": "tiny-prefill"},
+                {"name": "PD_DECODE_SERVICE", "value": "tiny-decode"},
+                {"name": "PD_ROUTER_PROTOCOL", "value": "pd-transfer"},
+                {"name": "PD_ROUTER_DISCOVERY", "value": "kubernetes"},
+                {"name": "PD_ROUTER_DEPLOYMENT", "value": "tiny"},
+                {"name": "POD_NAMESPACE",
+                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                {"name": "PD_ROUTER_ENGINE_PORT", "value": "8000"},
+                {"name": "PD_ROUTER_BOOTSTRAP_PORT", "value": "8998"},
+            ],
+            "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"}],
+            "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                               "periodSeconds": 2, "failureThreshold": 1},
+            "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 15,
+                              "failureThreshold": 4},
+            "securityContext": {"allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"]}},
+        }],
+    }
+    assert children[("Role", "tiny-router")]["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    binding = children[("RoleBinding", "tiny-router")]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "tiny-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tiny-router",
+                                    "namespace": "serving"}]
+    assert ("ServiceAccount", "tiny-router") in children
+    native = tiny(engine={"framework": "vllm", "image": "engine:1", "port": 8000},
+                  transfer={"backend": "EngineNative"},
+                  router={"enabled": True, "image": "engine:1"})
+    env = by_key(build_children(native, Capabilities()))[("Deployment", "tiny-router")][
+        "spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "PD_ROUTER_PROTOCOL", "value": "vllm-nixl"} in env
+    assert {"name": "PD_ROUTER_BOOTSTRAP_PORT", "value": "5600"} in env
+
+
 def test_vllm_command() -> None:
     pdd = tiny(engine={"framework": "vllm", "image": "vllm/vllm-openai:latest", "port": 8000})
     sts = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")]
-    container = sts["spec"]["template"]["spec"]["containers"][0]
+    pod = sts["spec"]["template"]["spec"]
+    container = pod["containers"][0]
     assert container["command"] == [
-        "vllm", "serve", "/models/tiny", "--served-model-name", "tiny", "--host", "0.0.0.0",
+        "python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny",
+        "--served-model-name", "tiny", "--host", "0.0.0.0",
         "--port", "8000", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
         "--block-size", "16", "--kv-transfer-config",
-        '{"kv_connector":"NixlConnector","kv_role":"kv_both"}',
+        '{"kv_connector":"PDTransferConnector","kv_connector_module_path":'
+        '"pd_transfer.vllm.connector","kv_role":"kv_consumer",'
+        '"kv_connector_extra_config":{"engine_port":8000}}',
     ]
+    # PDTransfer: the connector finds the config and the key through the environment, and
+    # its pod agent reports (the readiness gate, a token for the API).
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PD_TRANSFER_CONFIG"]["value"] == "/etc/pd-transfer/transfer.json"
+    assert env["PD_TRANSFER_AUTH_KEY_FILE"]["value"] == "/var/run/pd-transfer/auth/transfer.key"
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in env
+    assert pod["readinessGates"] == [{"conditionType": "pd.serving.dev/transfer-ready"}]
+    assert pod["automountServiceAccountToken"] is True
+
+
+def test_vllm_engine_native_command() -> None:
+    pdd = tiny(engine={"framework": "vllm", "image": "vllm/vllm-openai:latest", "port": 8000},
+               transfer={"backend": "EngineNative"})
+    sts = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")]
+    pod = sts["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["command"][-2:] == [
+        "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}']
     env = {e["name"]: e for e in container["env"]}
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
+    assert "PD_TRANSFER_AUTH_KEY_FILE" not in env
+    assert "readinessGates" not in pod
+    assert pod["automountServiceAccountToken"] is False
 
 
 @pytest.mark.parametrize("version", ["1.29", "1.32"])
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_children_pass_strict_kubernetes_schema(example: Any, version: str) -> None:
-    pdd = parse_pdd(yaml.safe_load(example.read_text()))
+    pdd = parse_pdd(example_pdd(example))
     pdd.metadata.namespace = "default"
     pdd.metadata.uid = "uid-1"
     for child in build_children(pdd, Capabilities()):
@@ -367,14 +454,16 @@ def test_children_pass_strict_kubernetes_schema(example: Any, version: str) -> N
 
 
 def test_readiness_gate_only_where_the_agent_reports() -> None:
-    """Guards against pods that can never become Ready: SGLang and vLLM move KV with their
-    own connectors and run no agent to set the gate."""
+    """Guards against pods that can never become Ready: SGLang (and vLLM with EngineNative)
+    move KV with their own connectors and run no agent to set the gate."""
     def gates(pdd: PDDeployment) -> list[Any]:
         sts = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")]
         return list(sts["spec"]["template"]["spec"].get("readinessGates", []))
 
     assert gates(tiny()) == [{"conditionType": "pd.serving.dev/transfer-ready"}]
     assert gates(tiny(engine={"framework": "sglang", "image": "lmsysorg/sglang:latest"})) == []
+    assert gates(tiny(engine={"framework": "vllm", "image": "v"},
+                      transfer={"backend": "EngineNative"})) == []
 
 
 def test_engine_network_policy_whole_object() -> None:

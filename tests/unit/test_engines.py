@@ -12,9 +12,9 @@ from pd_operator.api.spec import Framework
 from pd_operator.engines import (
     ADAPTERS,
     EngineAdapter,
-    KVConnector,
     StagingOperation,
     engine_adapter,
+    runs_pd_transfer,
 )
 from pd_operator.engines.reference import ReferenceAdapter
 from pd_operator.engines.sglang import SGLangAdapter
@@ -55,24 +55,33 @@ def test_registry_is_read_only() -> None:
         ADAPTERS[Framework.VLLM] = ReferenceAdapter()  # type: ignore[index]
 
 
+RESIZE = frozenset({StagingOperation.RESIZE})
+
+
 @pytest.mark.parametrize(
-    ("adapter", "connector", "reports", "staging", "port"),
+    ("framework", "backend", "pd_transfer", "staging", "port"),
     [
-        (ReferenceAdapter(), KVConnector.PD_TRANSFER, True,
-         frozenset({StagingOperation.RESIZE}), 8998),
-        (SGLangAdapter(), KVConnector.NATIVE, False, frozenset(), 8998),
-        (VLLMAdapter(), KVConnector.NATIVE, False, frozenset(), 5600),
+        ("reference", None, True, RESIZE, 8998),
+        ("reference", "PDTransfer", True, RESIZE, 8998),
+        ("sglang", None, False, frozenset(), 8998),
+        ("sglang", "EngineNative", False, frozenset(), 8998),
+        ("vllm", None, True, RESIZE, 8998),
+        ("vllm", "PDTransfer", True, RESIZE, 8998),
+        ("vllm", "EngineNative", False, frozenset(), 5600),
     ],
-    ids=["reference", "sglang", "vllm"],
+    ids=["reference", "reference-pd", "sglang", "sglang-native", "vllm", "vllm-pd",
+         "vllm-native"],
 )
-def test_framework_facts(
-    adapter: EngineAdapter, connector: KVConnector, reports: bool,
-    staging: frozenset[StagingOperation], port: int,
-) -> None:
-    assert adapter.kv_connector is connector
-    assert adapter.reports_transfer_health is reports
-    assert adapter.staging_operations == staging
-    assert adapter.bootstrap_port == port
+def test_backend_facts(framework: str, backend: str | None, pd_transfer: bool,
+                       staging: frozenset[StagingOperation], port: int) -> None:
+    """Each framework's default backend (PDTransfer for vllm and reference, EngineNative for
+    sglang) and what it implies: who reports, what may be resized, where metadata goes."""
+    pdd = pdd_of(framework, transfer={"backend": backend} if backend else {})
+    adapter = engine_adapter(pdd)
+    assert runs_pd_transfer(pdd) is pd_transfer
+    assert adapter.reports_transfer_health(pdd) is pd_transfer
+    assert adapter.staging_operations(pdd) == staging
+    assert adapter.bootstrap_port(pdd) == port
 
 
 def test_reference_adapter() -> None:
@@ -124,15 +133,17 @@ def test_sglang_adapter() -> None:
     ]
 
 
-def test_vllm_adapter() -> None:
+def test_vllm_adapter_engine_native() -> None:
     pdd = pdd_of(
         "vllm",
         model={"name": "tiny", "source": "/models/tiny", "numLayers": 4, "numKVHeads": 2,
                "headDim": 8, "kvDtype": "fp8_e5m2"},
+        transfer={"backend": "EngineNative"},
     )
     adapter = VLLMAdapter()
     assert adapter.command(pdd, Role.PREFILL) == [
-        "vllm", "serve", "/models/tiny", "--served-model-name", "tiny", "--host", "0.0.0.0",
+        "python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny",
+        "--served-model-name", "tiny", "--host", "0.0.0.0",
         "--port", "30000", "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
         "--block-size", "16", "--kv-transfer-config",
         '{"kv_connector":"NixlConnector","kv_role":"kv_both"}',
@@ -144,6 +155,40 @@ def test_vllm_adapter() -> None:
          "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": "5600"},
     ]
-    assert adapter.router_command(pdd, PREFILL_URLS, DECODE_URLS) is None
-    assert adapter.ports(pdd)[1] == {"name": "kv-bootstrap", "containerPort": 5600,
-                                     "protocol": "TCP"}
+    assert adapter.ports(pdd) == [
+        {"name": "http", "containerPort": 30000, "protocol": "TCP"},
+        {"name": "kv-bootstrap", "containerPort": 5600, "protocol": "TCP"},
+    ]
+
+
+def test_vllm_adapter_engine_native_on_cpus_keeps_kv_in_host_memory() -> None:
+    pdd = pdd_of("vllm", transfer={"backend": "EngineNative"},
+                 decode={"replicas": 1, "gpusPerPod": 0})
+    command = VLLMAdapter().command(pdd, Role.DECODE)
+    assert command[command.index("--kv-transfer-config") + 1] == (
+        '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}')
+
+
+def test_vllm_adapter_pd_transfer() -> None:
+    pdd = pdd_of("vllm", decode={"replicas": 1, "parallelism": {"tensor": 2}})
+    adapter = VLLMAdapter()
+    assert adapter.command(pdd, Role.DECODE) == [
+        "python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny",
+        "--served-model-name", "tiny", "--host", "0.0.0.0",
+        "--port", "30000", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
+        "--block-size", "16", "--kv-transfer-config",
+        '{"kv_connector":"PDTransferConnector","kv_connector_module_path":'
+        '"pd_transfer.vllm.connector","kv_role":"kv_consumer",'
+        '"kv_connector_extra_config":{"engine_port":30000}}',
+    ]
+    prefill = adapter.command(pdd, Role.PREFILL)
+    assert prefill[prefill.index("--kv-transfer-config") + 1] == (
+        '{"kv_connector":"PDTransferConnector","kv_connector_module_path":'
+        '"pd_transfer.vllm.connector","kv_role":"kv_producer",'
+        '"kv_connector_extra_config":{"engine_port":30000}}')
+    assert adapter.env(pdd, Role.PREFILL) == []
+    assert adapter.ports(pdd) == [
+        {"name": "http", "containerPort": 30000, "protocol": "TCP"},
+        {"name": "kv-bootstrap", "containerPort": 8998, "protocol": "TCP"},
+        {"name": "kv-metrics", "containerPort": 9400, "protocol": "TCP"},
+    ]

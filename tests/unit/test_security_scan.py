@@ -19,6 +19,7 @@ import yaml
 from pd_operator.api import parse_pdd
 from pd_operator.build import Capabilities, build_children
 from pd_operator.devcluster import ToolchainMissingError, checkov_path, helm_path
+from tests.factories import example_pdd
 from tests.unit.test_api_crd import EXAMPLES
 from tests.unit.test_chart import CHART, RELEASE, RELEASE_NAMESPACE
 
@@ -42,7 +43,8 @@ ACCEPTED: dict[str, str] = {
     "CKV_K8S_35": "llama-70b reads HF_TOKEN from a Secret through env, as the engines expect "
                   "it; that is the user's spec.",
     "CKV_K8S_38": "The token is mounted only where it is used: by pd_transfer's agent in "
-                  "reference-engine pods (it writes TransferAgents) and by the operator.",
+                  "engine pods of the PDTransfer backend (it writes TransferAgents), by a "
+                  "router that watches the engine pods, and by the operator.",
     "CKV_K8S_40": "Same as CKV_K8S_23: the engine images choose their user (root).",
     "CKV_K8S_43": "Image digests are the user's choice; examples and chart defaults use tags.",
 }
@@ -51,13 +53,21 @@ ENGINE_IMAGE = {"CKV_K8S_14", "CKV_K8S_15", "CKV_K8S_43"}
 ENGINE_ROOT = {"CKV_K8S_22", "CKV_K8S_23", "CKV_K8S_25", "CKV_K8S_40"}
 NO_RESOURCES = {"CKV_K8S_10", "CKV_K8S_11", "CKV_K8S_12", "CKV_K8S_13"}
 # Hand-derived from each example: local-reference sets CPU/memory requests, a pinned tag and
-# runs the reporting agent (token); llama-70b's HF_TOKEN comes from a Secret.
+# runs the reporting agent (token); llama-70b's HF_TOKEN comes from a Secret; the vLLM
+# examples run PDTransfer (the agent's token), llama-70b a router that watches pods (token)
+# and pins its image tag, as qwen3-8b-vllm.
 EXPECTED_FAILED: dict[str, set[str]] = {
     "deepseek-v3-mla.yaml": ENGINE_IMAGE | ENGINE_ROOT | NO_RESOURCES,
-    "llama-70b.yaml": ENGINE_IMAGE | ENGINE_ROOT | NO_RESOURCES | {"CKV_K8S_35"},
+    "llama-70b.yaml": (ENGINE_IMAGE - {"CKV_K8S_14"}) | ENGINE_ROOT | NO_RESOURCES
+    | {"CKV_K8S_35", "CKV_K8S_38"},
     "local-reference.yaml": (ENGINE_IMAGE - {"CKV_K8S_14"}) | ENGINE_ROOT
     | {"CKV_K8S_11", "CKV_K8S_13", "CKV_K8S_38"},
-    "qwen3-8b-vllm.yaml": ENGINE_IMAGE | ENGINE_ROOT | NO_RESOURCES,
+    # Engines set requests but no limits; the router sets none; PDTransfer and the router
+    # use their tokens.
+    "local-vllm.yaml": (ENGINE_IMAGE - {"CKV_K8S_14"}) | ENGINE_ROOT | NO_RESOURCES
+    | {"CKV_K8S_38"},
+    "qwen3-8b-vllm.yaml": (ENGINE_IMAGE - {"CKV_K8S_14"}) | ENGINE_ROOT | NO_RESOURCES
+    | {"CKV_K8S_38"},
     # The operator: non-root, read-only root, seccomp, no capabilities, a NetworkPolicy;
     # it needs its token, has no CPU limit, and its default image is a tag pulled IfNotPresent.
     "chart.yaml": {"CKV_K8S_11", "CKV_K8S_15", "CKV_K8S_38", "CKV_K8S_43"},
@@ -65,7 +75,7 @@ EXPECTED_FAILED: dict[str, set[str]] = {
 
 
 def render_example(example: Path) -> str:
-    pdd = parse_pdd(yaml.safe_load(example.read_text()))
+    pdd = parse_pdd(example_pdd(example))
     pdd.metadata.namespace = "serving"  # "default" would add CKV_K8S_21 to every child
     pdd.metadata.uid = "uid-1"
     return yaml.safe_dump_all(build_children(pdd, Capabilities()), sort_keys=False)
@@ -124,11 +134,14 @@ def test_remaining_findings_are_exactly_the_accepted_ones(
 
 
 def test_llama_70b_fixed_findings_stay_fixed(scan: dict[str, dict[str, set[str]]]) -> None:
-    """The four fixes of issue 12, per resource: seccomp (CKV_K8S_31), capabilities dropped
-    (CKV_K8S_28/37), no unused token (CKV_K8S_38), a NetworkPolicy per pod (CKV2_K8S_6)."""
+    """The fixes of issue 12, per resource: seccomp (CKV_K8S_31), capabilities dropped
+    (CKV_K8S_28/37), a NetworkPolicy per pod (CKV2_K8S_6), and no unused token (CKV_K8S_38:
+    only the pods whose agent or router uses it mount it)."""
     failed = scan["llama-70b.yaml"]
-    for check in ("CKV_K8S_31", "CKV_K8S_28", "CKV_K8S_37", "CKV_K8S_38", "CKV_K8S_29",
-                  "CKV2_K8S_6"):
+    for check in ("CKV_K8S_31", "CKV_K8S_28", "CKV_K8S_37", "CKV_K8S_29", "CKV2_K8S_6"):
         assert check not in failed
+    assert failed["CKV_K8S_38"] == {"StatefulSet.serving.llama-70b-prefill",
+                                    "StatefulSet.serving.llama-70b-decode",
+                                    "Deployment.serving.llama-70b-router"}
     assert failed["CKV_K8S_25"] == {"StatefulSet.serving.llama-70b-prefill",
                                     "StatefulSet.serving.llama-70b-decode"}

@@ -33,6 +33,7 @@ __all__ = [
     "name_violation",
     "role_workload",
     "router_name",
+    "router_service_account",
     "transfer_config_name",
     "transfer_key_name",
 ]
@@ -48,6 +49,11 @@ def role_workload(name: str, role: Role) -> str:
 
 
 def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def router_service_account(name: str) -> str:
+    """ServiceAccount of the router pods, for a router that watches the engine pods."""
     return f"{name}-router"
 
 

@@ -20,8 +20,19 @@ from pd_operator.api.naming import (
     name_violation,
 )
 from pd_operator.api.sizing import compute_staging_footprint, staging_in_use
-from pd_operator.api.spec import PDDeploymentSpec, RoleSpec
-from pd_operator.api.types import Attention, StagingMode
+from pd_operator.api.spec import (
+    DECODE_POOL_MIB_DEFAULT,
+    PREFILL_BUFFER_MIB_DEFAULT,
+    PDDeploymentSpec,
+    RoleSpec,
+)
+from pd_operator.api.types import (
+    FRAMEWORK_BACKENDS,
+    Attention,
+    Framework,
+    StagingMode,
+    TransferBackend,
+)
 
 
 @dataclass(frozen=True)
@@ -97,12 +108,13 @@ def _layers_split(role_name: str, spec: PDDeploymentSpec) -> str | None:
 
 def _gpus_cover_ranks(role_name: str, spec: PDDeploymentSpec) -> str | None:
     role: RoleSpec = getattr(spec, role_name)
-    if role.gpus_per_pod is None or role.gpus_per_pod >= role.parallelism.gpus:
+    gpus = role.gpus_per_pod
+    if gpus is None or gpus == 0 or gpus >= role.parallelism.gpus:
         return None
     return (
-        f"spec.{role_name}.gpusPerPod ({role.gpus_per_pod}) is less than tensor × pipeline "
-        f"({role.parallelism.gpus}). Set gpusPerPod to at least {role.parallelism.gpus} or "
-        f"leave it out."
+        f"spec.{role_name}.gpusPerPod ({gpus}) is less than tensor × pipeline "
+        f"({role.parallelism.gpus}). Set gpusPerPod to at least {role.parallelism.gpus}, to 0 "
+        f"for an engine on CPUs, or leave it out."
     )
 
 
@@ -180,6 +192,40 @@ def _router_has_image(spec: PDDeploymentSpec) -> str | None:
     return "spec.router.enabled is true but spec.router.image is not set. Set the router image."
 
 
+def _supported_backends_text(framework: Framework) -> str:
+    return " or ".join(b.value for b in FRAMEWORK_BACKENDS[framework])
+
+
+def _backend_supported(spec: PDDeploymentSpec) -> str | None:
+    backend, framework = spec.transfer.backend, spec.engine.framework
+    if backend is None or backend in FRAMEWORK_BACKENDS[framework]:
+        return None
+    return (
+        f"spec.transfer.backend {backend.value} is not available for spec.engine.framework "
+        f"{framework.value}, which runs {_supported_backends_text(framework)}. Set "
+        f"spec.transfer.backend to {FRAMEWORK_BACKENDS[framework][0].value} or leave it out."
+    )
+
+
+def _native_fix(framework: Framework) -> str:
+    if TransferBackend.PD_TRANSFER in FRAMEWORK_BACKENDS[framework]:
+        return "Remove them, or set spec.transfer.backend to PDTransfer."
+    return f"Remove them: {framework.value} runs only EngineNative."
+
+
+def _native_has_no_staging_sizes(spec: PDDeploymentSpec) -> str | None:
+    if spec.transfer_backend is not TransferBackend.ENGINE_NATIVE:
+        return None
+    if not spec.transfer.staging.sizes_set:
+        return None
+    framework = spec.engine.framework.value
+    return (
+        f"spec.transfer.staging.prefillBufferMiB and decodePoolMiB cannot be set with "
+        f"spec.transfer.backend EngineNative: the {framework} engine's own KV connector moves "
+        f"the KV and has no staging pool to resize. {_native_fix(spec.engine.framework)}"
+    )
+
+
 def _pipeline_groups_ordered(spec: PDDeploymentSpec) -> str | None:
     lp = spec.transfer.layer_pipeline
     if lp.min_groups <= lp.max_groups:
@@ -205,8 +251,28 @@ _CHUNK = (
     "((self.prefill.chunkedPrefillTokens + self.prefill.pageSize - 1) / self.prefill.pageSize"
     " * self.prefill.pageSize)"
 )
+_FW = "self.engine.framework"
+
+
+def _cel_map(values: dict[str, str]) -> str:
+    """A CEL map literal of strings."""
+    return "{" + ", ".join(f"'{k}': '{v}'" for k, v in values.items()) + "}"
+
+
+_DEFAULT_BACKEND = _cel_map({f.value: b[0].value for f, b in FRAMEWORK_BACKENDS.items()})
+_BACKENDS = "{" + ", ".join(
+    f"'{f.value}': [{', '.join(repr(x.value) for x in b)}]"
+    for f, b in FRAMEWORK_BACKENDS.items()) + "}"
+_BACKEND = f"(has(self.transfer.backend) ? self.transfer.backend : {_DEFAULT_BACKEND}[{_FW}])"
+_HAS_SIZES = ("(has(self.transfer.staging.prefillBufferMiB) || "
+              "has(self.transfer.staging.decodePoolMiB))")
+_PBUF = ("(has(self.transfer.staging.prefillBufferMiB) ? "
+         f"self.transfer.staging.prefillBufferMiB : {PREFILL_BUFFER_MIB_DEFAULT})")
+_DPOOL = ("(has(self.transfer.staging.decodePoolMiB) ? "
+          f"self.transfer.staging.decodePoolMiB : {DECODE_POOL_MIB_DEFAULT})")
 _STAGING_USED = (
-    f"(self.model.attention != 'MLA' && (self.transfer.staging.mode == 'Always' || "
+    f"({_BACKEND} == 'PDTransfer' && self.model.attention != 'MLA' && "
+    f"(self.transfer.staging.mode == 'Always' || "
     f"(self.transfer.staging.mode == 'Auto' && {_PTP} != {_DTP})))"
 )
 _DECODE_HEADS = f"({_H} >= {_DTP} ? {_H} / {_DTP} : 1)"
@@ -289,17 +355,19 @@ RULES: tuple[CrossFieldRule, ...] = (
     CrossFieldRule(
         name="prefill-gpus-cover-ranks",
         check=lambda s: _gpus_cover_ranks("prefill", s),
-        cel=f"!has(self.prefill.gpusPerPod) || self.prefill.gpusPerPod >= "
-        f"{_P}.tensor * {_P}.pipeline",
-        cel_message="spec.prefill.gpusPerPod must be at least tensor × pipeline",
+        cel=f"!has(self.prefill.gpusPerPod) || self.prefill.gpusPerPod == 0 || "
+        f"self.prefill.gpusPerPod >= {_P}.tensor * {_P}.pipeline",
+        cel_message="spec.prefill.gpusPerPod must be at least tensor × pipeline, or 0 for an "
+        "engine on CPUs",
         field_path=".prefill.gpusPerPod",
     ),
     CrossFieldRule(
         name="decode-gpus-cover-ranks",
         check=lambda s: _gpus_cover_ranks("decode", s),
-        cel=f"!has(self.decode.gpusPerPod) || self.decode.gpusPerPod >= "
-        f"{_D}.tensor * {_D}.pipeline",
-        cel_message="spec.decode.gpusPerPod must be at least tensor × pipeline",
+        cel=f"!has(self.decode.gpusPerPod) || self.decode.gpusPerPod == 0 || "
+        f"self.decode.gpusPerPod >= {_D}.tensor * {_D}.pipeline",
+        cel_message="spec.decode.gpusPerPod must be at least tensor × pipeline, or 0 for an "
+        "engine on CPUs",
         field_path=".decode.gpusPerPod",
     ),
     CrossFieldRule(
@@ -328,7 +396,7 @@ RULES: tuple[CrossFieldRule, ...] = (
         name="decode-pool-holds-chunk",
         check=_decode_pool_holds_chunk,
         cel=f"!({_SPLIT_OK}) || !{_STAGING_USED} || "
-        f"self.transfer.staging.decodePoolMiB * {_MIB} >= {_DECODE_BYTES}",
+        f"{_DPOOL} * {_MIB} >= {_DECODE_BYTES}",
         cel_message="spec.transfer.staging.decodePoolMiB cannot hold one prefill chunk",
         cel_message_expression=_cel_format(
             "spec.transfer.staging.decodePoolMiB cannot hold one prefill chunk: set it to at "
@@ -340,7 +408,7 @@ RULES: tuple[CrossFieldRule, ...] = (
         name="prefill-buffer-holds-chunk",
         check=_prefill_buffer_holds_chunk,
         cel=f"!({_SPLIT_OK}) || !{_STAGING_USED} || "
-        f"self.transfer.staging.prefillBufferMiB * {_MIB} >= {_PREFILL_BYTES}",
+        f"{_PBUF} * {_MIB} >= {_PREFILL_BYTES}",
         cel_message="spec.transfer.staging.prefillBufferMiB cannot hold one gathered chunk",
         cel_message_expression=_cel_format(
             "spec.transfer.staging.prefillBufferMiB cannot hold one gathered chunk: set it to "
@@ -354,6 +422,33 @@ RULES: tuple[CrossFieldRule, ...] = (
         cel="!self.router.enabled || has(self.router.image)",
         cel_message="spec.router.image is required when spec.router.enabled is true",
         field_path=".router.image",
+    ),
+    CrossFieldRule(
+        name="backend-supported",
+        check=_backend_supported,
+        cel=f"!has(self.transfer.backend) || self.transfer.backend in {_BACKENDS}[{_FW}]",
+        cel_message="spec.transfer.backend is not available for spec.engine.framework",
+        cel_message_expression=_cel_format(
+            "spec.transfer.backend %s is not available for spec.engine.framework %s, which "
+            "runs %s. Set spec.transfer.backend to %s or leave it out.",
+            "self.transfer.backend", _FW,
+            f"{_cel_map({f.value: _supported_backends_text(f) for f in Framework})}[{_FW}]",
+            f"{_DEFAULT_BACKEND}[{_FW}]"),
+        field_path=".transfer.backend",
+    ),
+    CrossFieldRule(
+        name="engine-native-has-no-staging-sizes",
+        check=_native_has_no_staging_sizes,
+        cel=f"{_BACKEND} != 'EngineNative' || !{_HAS_SIZES}",
+        cel_message="spec.transfer.staging.prefillBufferMiB and decodePoolMiB cannot be set "
+        "with spec.transfer.backend EngineNative: the engine's own KV connector has no "
+        "staging pool to resize",
+        cel_message_expression=_cel_format(
+            "spec.transfer.staging.prefillBufferMiB and decodePoolMiB cannot be set with "
+            "spec.transfer.backend EngineNative: the %s engine's own KV connector moves the "
+            "KV and has no staging pool to resize. %s",
+            _FW, f"{_cel_map({f.value: _native_fix(f) for f in Framework})}[{_FW}]"),
+        field_path=".transfer.staging",
     ),
     CrossFieldRule(
         name="layer-pipeline-groups-ordered",

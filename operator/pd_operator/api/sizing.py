@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pd_operator.api.spec import PDDeploymentSpec
-from pd_operator.api.types import KV_DTYPE_BYTES, Attention, StagingMode
+from pd_operator.api.types import KV_DTYPE_BYTES, Attention, StagingMode, TransferBackend
 
 MIB = 1024 * 1024
 
@@ -89,6 +89,8 @@ def compute_staging_footprint(spec: PDDeploymentSpec) -> StagingFootprint:
 
 def staging_in_use(spec: PDDeploymentSpec) -> bool:
     """Whether transfers of this deployment go through the staging buffers."""
+    if spec.transfer_backend is not TransferBackend.PD_TRANSFER:
+        return False  # the engine's own connector: no staging buffers of ours
     if spec.model.attention is Attention.MLA:
         return False
     mode = spec.transfer.staging.mode

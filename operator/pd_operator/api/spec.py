@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any, Final
 
 from pydantic import Field
 
 from pd_contract import defaults
 from pd_contract.api import APIModel
 from pd_operator.api.common import ContainerResources, EnvVar, PodOverlay
-from pd_operator.api.types import KV_DTYPE_BYTES, Attention, KVDtype, StagingMode
+from pd_operator.api.types import (
+    FRAMEWORK_BACKENDS,
+    KV_DTYPE_BYTES,
+    Attention,
+    Framework,
+    KVDtype,
+    StagingMode,
+    TransferBackend,
+)
 
 __all__ = [
+    "FRAMEWORK_BACKENDS",
     "KV_DTYPE_BYTES",
     "Attention",
     "DecodeSpec",
@@ -77,12 +87,6 @@ class ModelSpec(APIModel):
         description="MHA for per-head K/V (also GQA/MQA); MLA for a single compressed latent "
         "per token, which is replicated on every rank and never needs staging.",
     )
-
-
-class Framework(StrEnum):
-    SGLANG = "sglang"
-    VLLM = "vllm"
-    REFERENCE = "reference"
 
 
 class PullPolicy(StrEnum):
@@ -153,9 +157,11 @@ class RoleSpec(APIModel):
     )
     gpus_per_pod: int | None = Field(
         default=None,
-        ge=1,
+        ge=0,
         le=64,
-        description="GPUs requested per pod; tensor × pipeline when omitted.",
+        description="GPUs requested per pod; tensor × pipeline when omitted; 0 for an engine "
+        "that runs on CPUs (vLLM's CPU backend: no GPU is requested, and vLLM's own "
+        "NixlConnector keeps its KV buffers in host memory).",
     )
     page_size: int = Field(
         default=16,
@@ -258,6 +264,15 @@ class StagingRollout(APIModel):
     )
 
 
+PREFILL_BUFFER_MIB_DEFAULT: Final = 2048
+DECODE_POOL_MIB_DEFAULT: Final = 4096
+
+
+def _operator_default(schema: dict[str, Any]) -> None:
+    """Leave the field's default out of the generated CRD (the operator applies it)."""
+    schema.pop("default", None)
+
+
 class Staging(APIModel):
     """Staging buffers used when prefill and decode split KV heads differently."""
 
@@ -266,23 +281,35 @@ class Staging(APIModel):
         description="Auto: stage only when prefill and decode attention TP differ; Always: "
         "always stage (MHA only); Never: send one descriptor per head slice.",
     )
+    # No default in the CRD (the operator applies it): an object then says whether the user
+    # set a size, which the EngineNative backend, having no staging pool, must refuse.
     prefill_buffer_mib: int = Field(
-        default=2048,
+        default=PREFILL_BUFFER_MIB_DEFAULT,
         ge=1,
         le=1048576,
         alias="prefillBufferMiB",
-        description="Prefill staging buffer per rank, in MiB: holds a chunk's gathered "
-        "head slices for every decode rank it sends to.",
+        description="Prefill staging buffer per rank, in MiB (default "
+        f"{PREFILL_BUFFER_MIB_DEFAULT}): holds a chunk's gathered head slices for every "
+        "decode rank it sends to. Backend PDTransfer only.",
+        json_schema_extra=_operator_default,
     )
     decode_pool_mib: int = Field(
-        default=4096,
+        default=DECODE_POOL_MIB_DEFAULT,
         ge=1,
         le=1048576,
         alias="decodePoolMiB",
-        description="Decode staging ring per rank, in MiB: prefill writers are granted "
-        "regions of it. Must hold at least one prefill chunk for the TP ratio. Changing "
-        "it rolls out without restarting pods.",
+        description=f"Decode staging ring per rank, in MiB (default {DECODE_POOL_MIB_DEFAULT}): "
+        "prefill writers are granted regions of it. Must hold at least one prefill chunk for "
+        "the TP ratio. Changing it rolls out without restarting pods. Backend PDTransfer only.",
+        json_schema_extra=_operator_default,
     )
+
+    @property
+    def sizes_set(self) -> list[str]:
+        """The pool sizes the object itself sets (wire names), defaults left out."""
+        return [alias for name, alias in (("prefill_buffer_mib", "prefillBufferMiB"),
+                                          ("decode_pool_mib", "decodePoolMiB"))
+                if name in self.model_fields_set]
     rollout: StagingRollout = Field(
         default_factory=StagingRollout, description="Rollout policy for size changes."
     )
@@ -341,10 +368,6 @@ class TransferHealthPolicy(APIModel):
     )
 
 
-class TransferBackend(StrEnum):
-    NIXL = "nixl"
-
-
 class TransportHints(APIModel):
     """Hints for the UCX transports NIXL uses."""
 
@@ -382,8 +405,13 @@ class TransferAuth(APIModel):
 class TransferSpec(APIModel):
     """How KV cache moves from prefill to decode."""
 
-    backend: TransferBackend = Field(
-        default=TransferBackend.NIXL, description="Transfer library; nixl."
+    backend: TransferBackend | None = Field(
+        default=None,
+        description="What moves KV between the pods. PDTransfer: pd-operator's transfer "
+        "module (staged for different TP, layer-pipelined; pods report transfer health into "
+        "TransferAgents; staging pools resize without restarts); the default for vllm and "
+        "reference. EngineNative: the engine's own connector (vLLM's NixlConnector, SGLang's "
+        "NIXL backend); the default, and the only choice, for sglang.",
     )
     transport: TransportHints = Field(
         default_factory=TransportHints, description="Transport hints for NIXL/UCX."
@@ -555,3 +583,9 @@ class PDDeploymentSpec(APIModel):
     placement: PlacementSpec = Field(
         default_factory=PlacementSpec, description="Placement of the pods."
     )
+
+    @property
+    def transfer_backend(self) -> TransferBackend:
+        """`transfer.backend`, or the framework's default when it is left out."""
+        backend = self.transfer.backend
+        return backend if backend is not None else FRAMEWORK_BACKENDS[self.engine.framework][0]

@@ -6,10 +6,20 @@ without depending on each other in a circle.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Final
 
-__all__ = ["KV_DTYPE_BYTES", "Attention", "KVDtype", "StagingMode"]
+__all__ = [
+    "FRAMEWORK_BACKENDS",
+    "KV_DTYPE_BYTES",
+    "Attention",
+    "Framework",
+    "KVDtype",
+    "StagingMode",
+    "TransferBackend",
+]
 
 
 class Attention(StrEnum):
@@ -46,3 +56,28 @@ class StagingMode(StrEnum):
     AUTO = "Auto"
     ALWAYS = "Always"
     NEVER = "Never"
+
+
+class Framework(StrEnum):
+    SGLANG = "sglang"
+    VLLM = "vllm"
+    REFERENCE = "reference"
+
+
+class TransferBackend(StrEnum):
+    """What moves KV between the prefill and decode pods."""
+
+    # pd_transfer in the data path (vLLM: PDTransferConnector); its in-pod agent reports
+    # into TransferAgents and staging pools resize without restarts.
+    PD_TRANSFER = "PDTransfer"
+    # The engine's own connector (vLLM's NixlConnector, SGLang's NIXL backend): no
+    # pd_transfer in the data path, no staging pool to resize.
+    ENGINE_NATIVE = "EngineNative"
+
+
+# The backends each framework can run, its default first. SGLang has no pd_transfer backend.
+FRAMEWORK_BACKENDS: Final[Mapping[Framework, tuple[TransferBackend, ...]]] = MappingProxyType({
+    Framework.REFERENCE: (TransferBackend.PD_TRANSFER,),
+    Framework.VLLM: (TransferBackend.PD_TRANSFER, TransferBackend.ENGINE_NATIVE),
+    Framework.SGLANG: (TransferBackend.ENGINE_NATIVE,),
+})

@@ -10,7 +10,11 @@ from pd_operator.build.meta import Manifest, desired_hash, stamp
 from pd_operator.build.network import build_headless_service
 from pd_operator.build.network_policy import build_network_policies
 from pd_operator.build.rbac import build_role, build_role_binding, build_service_account
-from pd_operator.build.router import build_router_deployment, build_router_service
+from pd_operator.build.router import (
+    build_router_deployment,
+    build_router_rbac,
+    build_router_service,
+)
 from pd_operator.build.workloads import build_pod_disruption_budget, build_statefulset
 
 __all__ = ["build_children", "child_key", "desired_hash"]
@@ -34,6 +38,7 @@ def build_children(pdd: PDDeployment, capabilities: Capabilities) -> list[Manife
         for role in (Role.PREFILL, Role.DECODE):
             children.append(build_pod_disruption_budget(pdd, role))
     if pdd.spec.router.enabled:
+        children += build_router_rbac(pdd)
         children.append(build_router_deployment(pdd))
         children.append(build_router_service(pdd))
     return [stamp(child) for child in children]

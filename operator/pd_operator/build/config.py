@@ -26,7 +26,7 @@ from pd_operator.engines import engine_adapter
 
 def bootstrap_port(pdd: PDDeployment) -> int:
     """Where the pods exchange NIXL metadata: the engine framework's port."""
-    return engine_adapter(pdd).bootstrap_port
+    return engine_adapter(pdd).bootstrap_port(pdd)
 
 
 def _topology(pdd: PDDeployment, role: Role, spec: RoleSpec, chunk: int | None) -> RoleTopology:

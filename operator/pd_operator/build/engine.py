@@ -72,11 +72,13 @@ def engine_env(pdd: PDDeployment, role: Role) -> list[dict[str, Any]]:
 
 
 def engine_resources(pdd: PDDeployment, role: Role) -> dict[str, dict[str, str]]:
-    """CPU/memory from the spec plus GPUs and RDMA devices (extended resources: request = limit)."""
+    """CPU/memory from the spec plus GPUs (none for gpusPerPod 0) and RDMA devices (extended
+    resources: request = limit)."""
     rs = role_spec(pdd, role)
     requests = dict(rs.resources.requests)
     limits = dict(rs.resources.limits)
-    extended = {"nvidia.com/gpu": str(rs.effective_gpus_per_pod)}
+    gpus = rs.effective_gpus_per_pod
+    extended = {"nvidia.com/gpu": str(gpus)} if gpus else {}
     rdma = pdd.spec.network.rdma
     if rdma.enabled:
         extended[rdma.resource_name] = str(rdma.resource_count)

@@ -23,6 +23,7 @@ from pd_operator.api.naming import (
     agent_service_account,
     role_workload,
     router_name,
+    router_service_account,
     transfer_config_name,
     transfer_key_name,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "role_workload",
     "router_name",
     "router_selector",
+    "router_service_account",
     "selector_string",
     "transfer_config_name",
     "transfer_key_name",

@@ -36,7 +36,7 @@ from pd_operator.build.names import (
     transfer_config_name,
     transfer_key_name,
 )
-from pd_operator.engines import KVConnector, engine_adapter, role_spec
+from pd_operator.engines import engine_adapter, role_spec, runs_pd_transfer
 
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 # Volcano reads the annotation, the scheduler-plugins coscheduling plugin the label.
@@ -104,11 +104,6 @@ def _volumes(pdd: PDDeployment, role: Role) -> tuple[list[Any], list[Any]]:
     return volumes, mounts
 
 
-def runs_pd_transfer(pdd: PDDeployment) -> bool:
-    """Whether the engine moves KV with pd_transfer, the only reader of the transfer key."""
-    return engine_adapter(pdd).kv_connector is KVConnector.PD_TRANSFER
-
-
 def _env(pdd: PDDeployment, role: Role) -> list[dict[str, Any]]:
     """The engine's environment, then where the transfer key is: listed last, so a user
     variable of the same name cannot point pd_transfer at another key."""
@@ -124,7 +119,7 @@ def reports_transfer_health(pdd: PDDeployment) -> bool:
     Only then does the pod carry the transfer readiness gate: an engine that moves KV with
     its own connector never reports, and a gate nobody sets would keep its pods unready.
     """
-    return engine_adapter(pdd).reports_transfer_health
+    return engine_adapter(pdd).reports_transfer_health(pdd)
 
 
 def build_pod_template(pdd: PDDeployment, role: Role) -> dict[str, Any]:

@@ -3,7 +3,10 @@
 The engine adapter may give the router's command line (SGLang: sglang_router in PD mode,
 given every engine pod's stable DNS name, so it needs no API access; a change of replica
 counts rewrites its arguments and rolls it). Every router gets the same facts as
-environment variables.
+environment variables, plus the adapter's own. A router that finds its engines by watching
+their pods (vLLM: `pd-transfer router`) gets a ServiceAccount whose Role may list and watch
+pods in the namespace, and nothing else; its readiness probe asks it whether it has engines
+of both roles.
 """
 
 from __future__ import annotations
@@ -14,8 +17,17 @@ from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
 from pd_operator.build.config import bootstrap_port
 from pd_operator.build.meta import Manifest, object_meta
-from pd_operator.build.names import role_workload, router_name, router_selector, selector_string
+from pd_operator.build.names import (
+    role_workload,
+    router_name,
+    router_selector,
+    router_service_account,
+    selector_string,
+)
 from pd_operator.engines import engine_adapter, role_spec
+
+# Longer than the router's own drain on SIGTERM (20 s by default): requests in flight finish.
+_ROUTER_GRACE_S = 30
 
 
 def engine_urls(pdd: PDDeployment, role: Role) -> list[str]:
@@ -44,7 +56,16 @@ def _router_env(pdd: PDDeployment) -> list[dict[str, Any]]:
         {"name": "PD_PREFILL_BOOTSTRAP_PORT", "value": str(bootstrap_port(pdd))},
         {"name": "PD_PREFILL_SERVICE", "value": role_workload(name, Role.PREFILL)},
         {"name": "PD_DECODE_SERVICE", "value": role_workload(name, Role.DECODE)},
+        *engine_adapter(pdd).router_env(pdd),
     ]
+
+
+def _readiness_probe(pdd: PDDeployment) -> dict[str, Any]:
+    path = engine_adapter(pdd).router_health_path(pdd)
+    if path is None:
+        return {"tcpSocket": {"port": "http"}, "periodSeconds": 5}
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": 2,
+            "failureThreshold": 1}
 
 
 def build_router_deployment(pdd: PDDeployment) -> Manifest:
@@ -59,7 +80,9 @@ def build_router_deployment(pdd: PDDeployment) -> Manifest:
         "imagePullPolicy": pdd.spec.engine.image_pull_policy.value,
         "env": _router_env(pdd),
         "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
-        "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
+        "readinessProbe": _readiness_probe(pdd),
+        # A port check: health turns 503 whenever a role has no engine, which must not
+        # restart the router.
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 15,
                           "failureThreshold": 4},
         # The router only serves HTTP and calls the engines: no capability is needed. The
@@ -89,16 +112,47 @@ def build_router_deployment(pdd: PDDeployment) -> Manifest:
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": dict(meta["labels"])},
-                "spec": {
-                    # Given every engine's URL, the router never calls the API server.
-                    "automountServiceAccountToken": False,
-                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                    "enableServiceLinks": False,
-                    "containers": [container],
-                },
+                "spec": _router_pod_spec(pdd, container),
             },
         },
     }
+
+
+def _router_pod_spec(pdd: PDDeployment, container: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        # Given every engine's URL, a router never calls the API server; one that watches
+        # the engine pods gets a token for its own ServiceAccount.
+        "automountServiceAccountToken": False,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "enableServiceLinks": False,
+        "containers": [container],
+    }
+    if engine_adapter(pdd).router_reads_pods(pdd):
+        spec["serviceAccountName"] = router_service_account(pdd.metadata.name)
+        spec["automountServiceAccountToken"] = True
+        spec["terminationGracePeriodSeconds"] = _ROUTER_GRACE_S
+    return spec
+
+
+def build_router_rbac(pdd: PDDeployment) -> list[Manifest]:
+    """ServiceAccount, Role and RoleBinding of a router that watches the engine pods (none
+    for one that is given their URLs): `list` and `watch` on pods of the namespace only."""
+    if not engine_adapter(pdd).router_reads_pods(pdd):
+        return []
+    name = router_service_account(pdd.metadata.name)
+    rbac = "rbac.authorization.k8s.io"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": object_meta(pdd, name, "router")},
+        {"apiVersion": f"{rbac}/v1", "kind": "Role",
+         "metadata": object_meta(pdd, name, "router"),
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]},
+        {"apiVersion": f"{rbac}/v1", "kind": "RoleBinding",
+         "metadata": object_meta(pdd, name, "router"),
+         "roleRef": {"apiGroup": rbac, "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name,
+                       "namespace": pdd.metadata.namespace}]},
+    ]
 
 
 def build_router_service(pdd: PDDeployment) -> Manifest:

@@ -132,9 +132,11 @@ def _kubelet(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    backoff = args.restart_backoff_seconds
     kubelet = FakeKubelet(handle, args.state_dir / KUBELET_DIR, namespace=args.namespace,
-                          ip_prefix=args.ip_prefix)
-    _say("fake kubelet running (dev tooling): starts `pd-transfer engine` pods only")
+                          ip_prefix=args.ip_prefix,
+                          restart_backoff_s=backoff if backoff > 0 else None)
+    _say("fake kubelet running (dev tooling): starts `pd-transfer ...` and vLLM pods only")
     kubelet.run(stop, poll_s=args.poll_seconds)
     return 0
 
@@ -219,15 +221,20 @@ def add_parser(subparsers: Any) -> None:
     status.set_defaults(handler=_guarded(_status))
 
     kubelet = commands.add_parser(
-        "kubelet", help="DEV TOOLING: run `pd-transfer engine` pods as local processes",
-        description="A fake kubelet for the local control plane: runs the engine of every "
-                    "pd-operator pod whose command is `pd-transfer engine` (framework "
-                    "reference) on its own loopback IP, with the pod's environment, config "
-                    "and ServiceAccount, and writes the pod status. Other pods stay Pending.")
+        "kubelet", help="DEV TOOLING: run pd-operator's engine and router pods as local "
+        "processes",
+        description="A fake kubelet for the local control plane: runs every pd-operator pod "
+                    "whose command is `pd-transfer ...` (reference engines, the router) or "
+                    "vLLM's OpenAI server (from the cached vLLM virtualenv) on its own "
+                    "loopback IP, with the pod's environment, config and ServiceAccount, "
+                    "and writes the pod status. Other pods stay Pending.")
     state_dir_option(kubelet)
     kubelet.add_argument("--namespace", default=None,
                          help="only pods of this namespace (default: all)")
     kubelet.add_argument("--ip-prefix", default="127.0.1.",
                          help="pods get <prefix>2, <prefix>3, ... (default: %(default)s)")
     kubelet.add_argument("--poll-seconds", type=float, default=1.0)
+    kubelet.add_argument("--restart-backoff-seconds", type=float, default=10.0,
+                         help="restart a dead container after this, doubling per restart "
+                              "(0: never restart; default: %(default)s)")
     kubelet.set_defaults(handler=_guarded(_kubelet))

@@ -1,14 +1,20 @@
 """`pd-operator demo`: the whole product on this machine, in one command (dev tooling).
 
-Builds the toolchain if needed, starts (or reuses) the local control plane with the CRDs
+Builds the toolchain and the vLLM virtualenv if needed (at the same time: one is compile
+bound, the other download bound), starts (or reuses) the local control plane with the CRDs
 generated from the models, runs the operator and the fake kubelet (`kubelet.py`) against it
 as recorded daemons (so `pd-operator dev-cluster down` stops them with the rest), applies
-the example PDDeployments and waits until the operator has written their status. The
-reference-engine example (`examples/local-reference.yaml`) then runs for real: its four
-engine pods start as local processes, their agents report into TransferAgents, and a light
-`pd-transfer load` (a recorded daemon too, with the deployment's own agent ServiceAccount)
-keeps KV moving over NIXL, so `kubectl get pdd` shows live transfer health and watermarks.
-The other examples need GPUs and stay Pending.
+the examples and waits until the operator has written their status. Two run for real:
+
+- `examples/local-reference.yaml`: four reference-engine pods as local processes, their
+  agents reporting into TransferAgents, and a light `pd-transfer load` (a recorded daemon,
+  with the deployment's own agent ServiceAccount) keeping KV moving over NIXL;
+- `examples/local-vllm.yaml`: a vLLM prefill and decode pod (vLLM's CPU backend, moving KV
+  with PDTransferConnector) and the router; the demo sends a completion through the router
+  and shows it.
+
+So `kubectl get pdd` shows live transfer health and watermarks. The other examples need
+GPUs and stay Pending.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,11 +49,15 @@ from pd_operator.devcluster.components import Ports
 from pd_operator.devcluster.errors import DevClusterError
 from pd_operator.devcluster.processes import is_running, spawn_daemon
 from pd_operator.devcluster.toolchain import ensure_toolchain
+from pd_operator.devcluster.vllm_env import ensure_vllm_env
 
 OPERATOR_PROCESS = "pd-operator"
 KUBELET_PROCESS = "dev-kubelet"
 LOAD_PROCESS = "demo-load"
 REFERENCE_EXAMPLE = "local-reference"
+VLLM_EXAMPLE = "local-vllm"
+# A prompt of token ids (the tiny model has no tokenizer).
+DEMO_PROMPT = [17, 230, 9, 512, 77, 64, 901, 3, 44, 618, 25, 380]
 DEMO_METRICS_PORT = 18080
 GROUP, VERSION, PLURAL = "pd.serving.dev", "v1alpha1", "pddeployments"
 
@@ -59,8 +72,16 @@ def _generated_crds_dir() -> Path:
     return directory
 
 
+def ensure_builds() -> None:
+    """The control plane's binaries and the vLLM virtualenv, built at the same time."""
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="demo-build") as pool:
+        vllm = pool.submit(ensure_vllm_env)
+        ensure_toolchain()
+        vllm.result()
+
+
 def ensure_control_plane(state_dir: Path) -> ControlPlaneHandle:
-    ensure_toolchain()
+    ensure_builds()
     crds_dir = _generated_crds_dir()
     try:
         handle = load_handle(state_dir)
@@ -147,26 +168,91 @@ def wait_for_transfers(api: k8s.ApiClient, namespace: str, timeout_s: float) -> 
     return moving
 
 
+_DEMO_MANAGER = "pd-operator-demo"
+_APPLY = "application/apply-patch+yaml"
+
+
 def apply_examples(api: k8s.ApiClient, examples_dir: Path, namespace: str) -> list[str]:
-    """Server-side apply every PDDeployment manifest in `examples_dir` into `namespace`."""
-    objects = k8s.CustomObjectsApi(api)
+    """Server-side apply every example manifest in `examples_dir` into `namespace` (its
+    ConfigMaps, then its PDDeployments); the names of the PDDeployments applied."""
+    objects, core = k8s.CustomObjectsApi(api), k8s.CoreV1Api(api)
     names = []
     for path in sorted(examples_dir.glob("*.yaml")):
-        for document in yaml.safe_load_all(path.read_text()):
-            if not document or document.get("kind") != "PDDeployment":
-                continue
-            name = document["metadata"]["name"]
+        documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        for document in sorted(documents, key=lambda d: d.get("kind") == "PDDeployment"):
+            kind, name = document.get("kind"), document["metadata"]["name"]
             document["metadata"]["namespace"] = namespace
+            if kind == "ConfigMap":
+                core.patch_namespaced_config_map(
+                    name, namespace, document, field_manager=_DEMO_MANAGER, force=True,
+                    _content_type=_APPLY)
+                continue
+            if kind != "PDDeployment":
+                raise DevClusterError(f"{path.name}: the demo applies ConfigMaps and "
+                                      f"PDDeployments only, not {kind}")
             objects.patch_namespaced_custom_object(
                 GROUP, VERSION, namespace, PLURAL, name, document,
-                field_manager="pd-operator-demo", force=True,
-                _content_type="application/apply-patch+yaml",
-            )
+                field_manager=_DEMO_MANAGER, force=True, _content_type=_APPLY)
             names.append(name)
             _say(f"applied {path.name} as {namespace}/{name}")
     if not names:
         raise DevClusterError(f"no PDDeployment manifests found in {examples_dir}")
     return names
+
+
+def _router_address(api: k8s.ApiClient, namespace: str, name: str) -> str | None:
+    """host:port of a Ready router pod of `name`, None while there is none."""
+    listed = k8s.CoreV1Api(api).list_namespaced_pod(
+        namespace, label_selector=f"pd.serving.dev/deployment={name},"
+                                  "app.kubernetes.io/component=router")
+    pods = _as_dict(api.sanitize_for_serialization(listed))["items"]  # type: ignore[no-untyped-call]
+    for pod in pods:
+        status = pod.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in status.get("conditions") or [])
+        ports = {p.get("name"): p["containerPort"]
+                 for p in pod["spec"]["containers"][0].get("ports") or []}
+        if ready and status.get("podIP") and "http" in ports:
+            return f"{status['podIP']}:{ports['http']}"
+    return None
+
+
+def serve_completion(api: k8s.ApiClient, namespace: str, timeout_s: float) -> str | None:
+    """Wait for the vLLM example's router to be Ready (engines of both roles), send it one
+    completion and return its answer (None, said why, when it did not come)."""
+    deadline = time.monotonic() + timeout_s
+    address = None
+    next_note = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        address = _router_address(api, namespace, VLLM_EXAMPLE)
+        if address is not None:
+            break
+        if time.monotonic() >= next_note:
+            _say(f"waiting for the {VLLM_EXAMPLE} router to see a ready prefill and decode "
+                 f"engine (vLLM starts in about a minute on 2 cores)")
+            next_note += 30
+        time.sleep(2.0)
+    if address is None:
+        _say(f"the {VLLM_EXAMPLE} router is not Ready after {timeout_s:.0f} s; see the engine "
+             "logs under the state dir's kubelet/ folder")
+        return None
+    body = json.dumps({"model": "tiny-llama", "prompt": DEMO_PROMPT, "max_tokens": 8,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://{address}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        _say(f"the completion through the router at {address} failed: {exc}")
+        return None
+    tokens = answer["choices"][0].get("token_ids") or answer["choices"][0].get("text")
+    line = (f"POST http://{address}/v1/completions prompt={DEMO_PROMPT} max_tokens=8 -> "
+            f"{tokens} ({time.monotonic() - started:.2f} s, prefill and decode pods through "
+            f"the router, KV moved by pd_transfer)")
+    _say(line)
+    return line
 
 
 def _as_dict(value: object) -> dict[str, Any]:
@@ -232,6 +318,7 @@ def _show(handle: ControlPlaneHandle, namespace: str, bodies: dict[str, Any]) ->
 def run_demo(state_dir: Path, examples_dir: Path, namespace: str, timeout_s: float) -> int:
     started = time.monotonic()
     handle = ensure_kubelet(ensure_operator(ensure_control_plane(state_dir)))
+    completion = None
     with handle.api_client() as api:
         core = k8s.CoreV1Api(api)
         try:
@@ -248,13 +335,24 @@ def run_demo(state_dir: Path, examples_dir: Path, namespace: str, timeout_s: flo
             moving = wait_for_transfers(api, namespace, timeout_s)
             _say(f"{moving} reference engine pods move KV over NIXL; "
                  f"{time.monotonic() - started:.1f} s in all")
-            bodies = wait_for_status(api, namespace, names, timeout_s)
+        if VLLM_EXAMPLE in names:
+            completion = serve_completion(api, namespace, max(timeout_s, 300.0))
+            _say(f"vLLM P/D served through its router; {time.monotonic() - started:.1f} s "
+                 "in all")
+        bodies = wait_for_status(api, namespace, names, timeout_s)
     _show(handle, namespace, bodies)
+    if completion is not None:
+        print(f"\n{completion}")
     print(
-        f"\n{REFERENCE_EXAMPLE} runs for real: a fake kubelet (dev tooling) starts its "
-        "`pd-transfer engine` pods as local processes and a light load moves KV between them.\n"
+        f"\n{REFERENCE_EXAMPLE} and {VLLM_EXAMPLE} run for real: a fake kubelet (dev tooling) "
+        "starts their pods as local processes (reference engines; vLLM's CPU backend from "
+        "the cached vLLM virtualenv, and the router).\n"
         "The other examples need GPUs and a real kubelet, so their pods stay Pending.\n"
         f'Use it:   eval "$({sys.argv[0]} dev-cluster env)"; kubectl describe pdd -n {namespace}\n'
+        f"Roll a new staging pool size out to the live vLLM engines (no restart):\n"
+        f"          kubectl patch pdd {VLLM_EXAMPLE} -n {namespace} --type merge -p "
+        """'{"spec":{"transfer":{"staging":{"decodePoolMiB":32}}}}'\n"""
+        f"          kubectl get pdd -n {namespace} -w\n"
         f"Stop it:  {sys.argv[0]} dev-cluster down   (stops the operator too)"
     )
     return 0

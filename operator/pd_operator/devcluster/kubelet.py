@@ -1,9 +1,10 @@
-"""DEV TOOLING, not the product: a fake kubelet that runs reference engines as processes.
+"""DEV TOOLING, not the product: a fake kubelet that runs engine pods as local processes.
 
 The local control plane has no scheduler and no kubelet, so pods stay Pending. For the
-end-to-end demo and tests this plays the kubelet's part for exactly one kind of pod: those
-labelled ``app.kubernetes.io/managed-by=pd-operator`` whose container command is
-``pd-transfer engine ...`` (framework ``reference``). Every other pod stays Pending.
+end-to-end demo and tests this plays the kubelet's part for the pods labelled
+``app.kubernetes.io/managed-by=pd-operator`` whose container it knows how to run
+(``pod_runner``: ``pd-transfer ...`` commands, and vLLM's OpenAI server from the cached vLLM
+virtualenv). Every other pod stays Pending.
 
 For each such pod, once (``sync_once``, polled):
 - a distinct loopback IP ``<ip_prefix>N`` (all of 127.0.0.0/8 is local on Linux), so every
@@ -22,27 +23,29 @@ For each such pod, once (``sync_once``, polled):
   when its content changed; a deleted Secret leaves the last files in place. ConfigMap files
   are written once, at start;
 - ``KUBECONFIG`` = a token for the pod's ServiceAccount (``service_account_kubeconfig``),
-  so the in-pod agent runs with the per-PDDeployment RBAC, not as admin;
-- the engine started as a recorded daemon (``processes.spawn_daemon``), one log per pod;
-- the pod status patched: phase Running, podIP, containerStatuses, and conditions
-  ContainersReady (the engine's ``GET /health``) and Ready (ContainersReady AND every
-  readiness-gate condition True, as a kubelet computes it). Gate conditions are set by
-  the operator; this never writes them.
-A pod that disappears has its process stopped. A process that dies is NOT restarted (the
-container shows terminated, the pod not Ready): tests kill an engine on purpose.
-Records of the running engines are kept in ``<work_dir>/kubelet.json`` so
-``pd-operator dev-cluster down`` stops them even if the kubelet itself was killed.
+  so the in-pod agent and the router run with their own RBAC, not as admin;
+- the container started as a recorded daemon (``processes.spawn_daemon``), one log per pod;
+- the pod status patched: phase Running, podIP, containerStatuses (with restartCount), and
+  conditions ContainersReady (the container's readinessProbe: HTTP GET or TCP connect; no
+  probe: while it runs) and Ready (ContainersReady AND every readiness-gate condition True,
+  as a kubelet computes it). Gate conditions are set by the operator; this never writes them.
+A pod that disappears has its process stopped. A process that dies is restarted after
+``restart_backoff_s`` (doubling per restart, up to 5 min, as a kubelet's CrashLoopBackOff;
+``None``: never, the container stays terminated — tests that kill an engine to watch its
+pod go stale want that). Records of the running processes are kept in
+``<work_dir>/kubelet.json`` so ``pd-operator dev-cluster down`` stops them even if the
+kubelet itself was killed.
 """
 
 from __future__ import annotations
 
 import base64
-import itertools
 import json
 import logging
 import os
-import sys
+import socket
 import threading
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -54,25 +57,26 @@ from kubernetes.client.exceptions import ApiException
 
 from pd_operator.devcluster.cluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.devcluster.errors import DevClusterError
+from pd_operator.devcluster.pod_runner import LaunchPlan, NotRunnable, Probe, plan_launch
 from pd_operator.devcluster.processes import (
     ProcessRecord,
     is_running,
     spawn_daemon,
     stop_process,
 )
+from pd_operator.devcluster.vllm_env import find_vllm_env
 
 __all__ = [
-    "ENGINE_COMMAND",
     "FakeKubelet",
     "resolve_env",
     "stop_recorded_engines",
     "write_secret_volume",
 ]
 
-ENGINE_COMMAND: Final = ("pd-transfer", "engine")
 MANAGED_SELECTOR: Final = "app.kubernetes.io/managed-by=pd-operator"
 NODE_NAME: Final = "dev-kubelet"
 STATE_FILE: Final = "kubelet.json"
+MAX_BACKOFF_S: Final = 300.0
 _log = logging.getLogger("pd_operator.devcluster.kubelet")
 
 Obj = dict[str, Any]
@@ -84,9 +88,13 @@ class _PodProcess:
     namespace: str
     name: str
     ip: str
-    port: int
+    plan: LaunchPlan
+    env: dict[str, str]
+    log_path: Path
     record: ProcessRecord
     started_at: str
+    restarts: int = 0
+    died_at: float | None = None  # monotonic time the container was seen dead
     last_status: Obj | None = None
     # (Secret name, directory, defaultMode) of each Secret volume, refreshed at every sync.
     secret_volumes: list[tuple[str, Path, int | None]] = field(default_factory=list)
@@ -96,9 +104,8 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def is_engine_pod(pod: Obj) -> bool:
-    containers = pod.get("spec", {}).get("containers") or []
-    return bool(containers) and tuple(containers[0].get("command", [])[:2]) == ENGINE_COMMAND
+def has_containers(pod: Obj) -> bool:
+    return bool(pod.get("spec", {}).get("containers"))
 
 
 def _field(pod: Obj, path: str, ip: str) -> str:
@@ -174,23 +181,19 @@ def _rewrite(value: str, mounts: dict[str, str]) -> str:
     return value
 
 
-def _engine_port(command: list[str]) -> int:
-    for flag, value in itertools.pairwise(command):
-        if flag == "--port":
-            return int(value)
-    raise DevClusterError(f"engine command without --port: {command}")
-
-
 class FakeKubelet:
     """Runs the engine pods of ``namespace`` (None: every namespace); see module doc."""
 
     def __init__(self, handle: ControlPlaneHandle, work_dir: Path, *,
                  namespace: str | None = None, ip_prefix: str = "127.0.1.",
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None,
+                 restart_backoff_s: float | None = None) -> None:
         self.handle = handle
         self.work_dir = work_dir
         self.namespace = namespace
         self.ip_prefix = ip_prefix
+        self.restart_backoff_s = restart_backoff_s
+        self._not_runnable: set[str] = set()  # pods logged once as not runnable
         self.extra_env = {"UCX_NET_DEVICES": "lo", **(extra_env or {})}
         self._api = handle.api_client()
         self._core = k8s.CoreV1Api(self._api)
@@ -222,7 +225,7 @@ class FakeKubelet:
         pods = [self._plain(p) for p in listed.items]
         seen: set[str] = set()
         for pod in pods:
-            if not is_engine_pod(pod) or pod["metadata"].get("deletionTimestamp"):
+            if not has_containers(pod) or pod["metadata"].get("deletionTimestamp"):
                 continue
             uid = pod["metadata"]["uid"]
             seen.add(uid)
@@ -231,15 +234,23 @@ class FakeKubelet:
             if running is None:
                 try:
                     running = self._start(pod)
+                except NotRunnable as exc:
+                    if uid not in self._not_runnable:
+                        self._not_runnable.add(uid)
+                        _log.info("pod %s/%s stays Pending: %s", pod["metadata"]["namespace"],
+                                  pod["metadata"]["name"], exc)
+                    continue
                 except (ApiException, DevClusterError) as exc:
                     _log.warning("cannot start pod %s/%s yet: %s", pod["metadata"]["namespace"],
                                  pod["metadata"]["name"], exc)
                     continue
+            self._restart_if_due(pod, running)
             self._update_status(pod, running)
         with self._lock:
             gone = [p for uid, p in self._pods.items() if uid not in seen]
         for process in gone:
             self._stop(process)
+        self._not_runnable &= seen
         self._refresh_secret_volumes()
 
     def _refresh_secret_volumes(self) -> None:
@@ -327,27 +338,53 @@ class FakeKubelet:
                                                     path=pod_dir / "kubeconfig")
             command = [_rewrite(arg, mounts) for arg in container["command"]]
             command += [_rewrite(arg, mounts) for arg in container.get("args") or []]
-            argv = [sys.executable, "-m", "pd_transfer.cli", *command[1:]]
+            plan = plan_launch(command, container, ip, vllm_python=_vllm_python)
             process_env = {key: value for key, value in os.environ.items()
-                           if not key.startswith(("KUBECONFIG", "UCX_", "PD_"))}
+                           if not key.startswith(("KUBECONFIG", "UCX_", "PD_"))
+                           and key not in ("PYTHONPATH", "VIRTUAL_ENV")}
             tmp = pod_dir / "tmp"
             tmp.mkdir(exist_ok=True)
-            process_env |= self.extra_env | env | {"KUBECONFIG": str(kubeconfig),
-                                                   "TMPDIR": str(tmp)}
-            record = spawn_daemon(f"engine {namespace}/{name}", argv, pod_dir / "engine.log",
+            process_env |= self.extra_env | env | plan.env | {"KUBECONFIG": str(kubeconfig),
+                                                              "TMPDIR": str(tmp)}
+            log_path = pod_dir / "engine.log"
+            record = spawn_daemon(f"engine {namespace}/{name}", plan.argv, log_path,
                                   env=process_env)
         except BaseException:
             with self._lock:
                 self._used_ips.discard(ip)
             raise
-        process = _PodProcess(uid, namespace, name, ip, _engine_port(command), record, _now(),
-                              secret_volumes=secret_volumes)
+        process = _PodProcess(uid, namespace, name, ip, plan, process_env, log_path, record,
+                              _now(), secret_volumes=secret_volumes)
         with self._lock:
             self._pods[uid] = process
             self._save()
         _log.info("started pod %s/%s at %s (pid %d, log %s)", namespace, name, ip,
                   record.pid, record.log_path)
         return process
+
+    def _restart_if_due(self, pod: Obj, process: _PodProcess) -> None:
+        """Restart a dead container after its back-off, as a kubelet does (restartPolicy
+        Always, the default of StatefulSet and Deployment pods)."""
+        if is_running(process.record):
+            process.died_at = None
+            return
+        if self.restart_backoff_s is None or pod["spec"].get("restartPolicy") == "Never":
+            return
+        now = time.monotonic()
+        if process.died_at is None:
+            process.died_at = now
+            return
+        backoff = min(self.restart_backoff_s * 2 ** process.restarts, MAX_BACKOFF_S)
+        if now - process.died_at < backoff:
+            return
+        record = spawn_daemon(f"engine {process.namespace}/{process.name}", process.plan.argv,
+                              process.log_path, env=process.env)
+        process.record, process.restarts, process.died_at = record, process.restarts + 1, None
+        process.started_at = _now()
+        with self._lock:
+            self._save()
+        _log.info("restarted pod %s/%s (restart %d, pid %d)", process.namespace, process.name,
+                  process.restarts, record.pid)
 
     def _stop(self, process: _PodProcess) -> None:
         _log.info("%s", stop_process(process.record, grace_s=5.0))
@@ -364,17 +401,15 @@ class FakeKubelet:
 
     # Status -----------------------------------------------------------------------------------
 
-    def _healthy(self, process: _PodProcess) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{process.ip}:{process.port}/health",
-                                        timeout=1.0) as response:
-                return bool(response.status == 200)
-        except OSError:
-            return False
+    def _ready(self, process: _PodProcess) -> bool:
+        probe = process.plan.readiness
+        if probe is None:
+            return True
+        return _passes(probe, process.ip)
 
     def _update_status(self, pod: Obj, process: _PodProcess) -> None:
         alive = is_running(process.record)
-        ready = alive and self._healthy(process)
+        ready = alive and self._ready(process)
         current = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}
         gates = [g["conditionType"] for g in pod["spec"].get("readinessGates") or []]
         gates_true = all(current.get(g, {}).get("status") == "True" for g in gates)
@@ -390,6 +425,8 @@ class FakeKubelet:
         state: Obj = ({"running": {"startedAt": process.started_at}} if alive else
                       {"terminated": {"exitCode": 1, "reason": "Error",
                                       "startedAt": process.started_at, "finishedAt": _now()}})
+        if not alive and self.restart_backoff_s is not None:
+            state = {"waiting": {"reason": "CrashLoopBackOff"}}
         desired: Obj = {
             "phase": "Running",
             "podIP": process.ip,
@@ -401,7 +438,7 @@ class FakeKubelet:
                            condition("Ready", ready and gates_true)],
             "containerStatuses": [{
                 "name": pod["spec"]["containers"][0]["name"], "ready": ready,
-                "restartCount": 0, "started": alive, "image": image,
+                "restartCount": process.restarts, "started": alive, "image": image,
                 "imageID": f"fake://{image}", "containerID": f"fake://{process.record.pid}",
                 "state": state,
             }],
@@ -414,6 +451,27 @@ class FakeKubelet:
             pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": desired},
             _content_type="application/strategic-merge-patch+json")
         process.last_status = {"key": comparable}
+
+
+def _passes(probe: Probe, ip: str) -> bool:
+    """A readiness probe against the pod's address (a kubelet's 1 s timeout)."""
+    try:
+        if probe.http_path is None:
+            with socket.create_connection((ip, probe.port), timeout=1.0):
+                return True
+        with urllib.request.urlopen(f"http://{ip}:{probe.port}{probe.http_path}",
+                                    timeout=1.0) as response:
+            return bool(200 <= response.status < 400)
+    except OSError:  # refused, timed out, or an HTTP error status (urllib raises it)
+        return False
+
+
+def _vllm_python() -> Path:
+    env = find_vllm_env()
+    if env is None:
+        raise NotRunnable("the vLLM virtualenv is not built; `pd-operator dev-cluster build` "
+                          "builds it")
+    return env.python
 
 
 def stop_recorded_engines(work_dir: Path) -> list[str]:

@@ -13,15 +13,20 @@ from typing import Final
 from pd_operator.api.resources import PDDeployment
 from pd_operator.api.spec import Framework
 from pd_operator.engines import reference, sglang, vllm
-from pd_operator.engines.base import EngineAdapter, KVConnector, StagingOperation, role_spec
+from pd_operator.engines.base import (
+    EngineAdapter,
+    StagingOperation,
+    role_spec,
+    runs_pd_transfer,
+)
 
 __all__ = [
     "ADAPTERS",
     "EngineAdapter",
-    "KVConnector",
     "StagingOperation",
     "engine_adapter",
     "role_spec",
+    "runs_pd_transfer",
 ]
 
 

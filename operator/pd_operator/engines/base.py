@@ -7,19 +7,13 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from pd_contract.defaults import TRANSFER_METRICS_PORT
+from pd_contract.defaults import TRANSFER_BOOTSTRAP_PORT, TRANSFER_METRICS_PORT
 from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
 from pd_operator.api.spec import Framework, RoleSpec
+from pd_operator.api.types import TransferBackend
 
-__all__ = ["EngineAdapter", "KVConnector", "StagingOperation", "role_spec"]
-
-
-class KVConnector(StrEnum):
-    """What moves KV between prefill and decode pods."""
-
-    PD_TRANSFER = "pd_transfer"  # this project's transfer module, with its in-pod agent
-    NATIVE = "native"  # the engine's own connector (SGLang's NIXL backend, vLLM's NixlConnector)
+__all__ = ["EngineAdapter", "StagingOperation", "role_spec", "runs_pd_transfer"]
 
 
 class StagingOperation(StrEnum):
@@ -33,25 +27,45 @@ def role_spec(pdd: PDDeployment, role: Role) -> RoleSpec:
     return pdd.spec.prefill if role is Role.PREFILL else pdd.spec.decode
 
 
+def runs_pd_transfer(pdd: PDDeployment) -> bool:
+    """Whether pd_transfer moves the KV (the PDTransfer backend)."""
+    return pdd.spec.transfer_backend is TransferBackend.PD_TRANSFER
+
+
 class EngineAdapter(ABC):
     """One engine framework as the builders see it; one subclass per module of this package.
 
     Class attributes are facts of the framework; methods derive the parts of the pod and the
-    router that depend on it from the PDDeployment. Defaults cover what all frameworks share.
+    router that depend on it (and on the transfer backend) from the PDDeployment. Defaults
+    cover what all frameworks share.
     """
 
     framework: ClassVar[Framework]
-    kv_connector: ClassVar[KVConnector]
-    # Whether its pods run pd_transfer's agent, which reports into a TransferAgent. Only then
-    # do the pods carry the transfer readiness gate: a gate nobody sets keeps pods unready.
-    reports_transfer_health: ClassVar[bool]
-    staging_operations: ClassVar[frozenset[StagingOperation]]
-    # Where prefill and decode exchange NIXL metadata (vLLM calls it the side channel).
-    bootstrap_port: ClassVar[int]
+    # Where the engine's own connector exchanges transfer metadata (vLLM calls it the side
+    # channel); None for a framework without an EngineNative backend. pd_transfer's is
+    # TRANSFER_BOOTSTRAP_PORT.
+    native_bootstrap_port: ClassVar[int | None] = None
 
     @abstractmethod
     def command(self, pdd: PDDeployment, role: Role) -> list[str]:
         """The engine's command line, without the user's `engine.args` (appended after it)."""
+
+    def bootstrap_port(self, pdd: PDDeployment) -> int:
+        """Where prefill and decode pods exchange transfer metadata."""
+        if runs_pd_transfer(pdd) or self.native_bootstrap_port is None:
+            return TRANSFER_BOOTSTRAP_PORT
+        return self.native_bootstrap_port
+
+    def reports_transfer_health(self, pdd: PDDeployment) -> bool:
+        """Whether the pods run pd_transfer's agent, which reports into a TransferAgent. Only
+        then do the pods carry the transfer readiness gate: a gate nobody sets keeps pods
+        unready."""
+        return runs_pd_transfer(pdd)
+
+    def staging_operations(self, pdd: PDDeployment) -> frozenset[StagingOperation]:
+        """What the operator may do to running pods' staging memory: only pd_transfer has
+        staging pools."""
+        return frozenset({StagingOperation.RESIZE}) if runs_pd_transfer(pdd) else frozenset()
 
     def env(self, pdd: PDDeployment, role: Role) -> list[dict[str, Any]]:
         """The framework's own environment variables, listed after the pod identity."""
@@ -59,11 +73,14 @@ class EngineAdapter(ABC):
 
     def ports(self, pdd: PDDeployment) -> list[dict[str, Any]]:
         """The engine container's ports: HTTP, KV bootstrap, transfer metrics."""
-        return [
+        ports = [
             {"name": "http", "containerPort": pdd.spec.engine.port, "protocol": "TCP"},
-            {"name": "kv-bootstrap", "containerPort": self.bootstrap_port, "protocol": "TCP"},
-            {"name": "kv-metrics", "containerPort": TRANSFER_METRICS_PORT, "protocol": "TCP"},
+            {"name": "kv-bootstrap", "containerPort": self.bootstrap_port(pdd), "protocol": "TCP"},
         ]
+        if self.reports_transfer_health(pdd):
+            ports.append({"name": "kv-metrics", "containerPort": TRANSFER_METRICS_PORT,
+                          "protocol": "TCP"})
+        return ports
 
     def probes(self, pdd: PDDeployment) -> dict[str, Any]:
         """HTTP probes on `engine.healthPath`; loading a large model takes minutes, so a startup
@@ -83,4 +100,18 @@ class EngineAdapter(ABC):
     ) -> list[str] | None:
         """The router's command line, or None to keep the image's own entrypoint (which reads
         the deployment's facts from the `PD_*` environment the router builder sets)."""
+        return None
+
+    def router_env(self, pdd: PDDeployment) -> list[dict[str, Any]]:
+        """The framework's own router variables, after the ones every router gets."""
+        return []
+
+    def router_reads_pods(self, pdd: PDDeployment) -> bool:
+        """Whether the router finds its engines by watching the pods (it then needs a
+        ServiceAccount allowed to list and watch them) rather than from its command line."""
+        return False
+
+    def router_health_path(self, pdd: PDDeployment) -> str | None:
+        """An HTTP path that answers 200 only while the router can serve (engines of both
+        roles): its readiness probe. None: the probe only checks that the port is open."""
         return None

@@ -8,21 +8,16 @@ from pd_contract.names import TRANSFER_CONFIG_PATH
 from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
 from pd_operator.api.spec import Framework
-from pd_operator.engines.base import EngineAdapter, KVConnector, StagingOperation
+from pd_operator.engines.base import EngineAdapter
 
 __all__ = ["ADAPTER", "ReferenceAdapter"]
 
 
 class ReferenceAdapter(EngineAdapter):
-    """pd_transfer moves the KV and its agent reports; staging sizes roll out live."""
+    """pd_transfer moves the KV (the only backend) and its agent reports; staging sizes roll
+    out live."""
 
     framework: ClassVar[Framework] = Framework.REFERENCE
-    kv_connector: ClassVar[KVConnector] = KVConnector.PD_TRANSFER
-    reports_transfer_health: ClassVar[bool] = True
-    staging_operations: ClassVar[frozenset[StagingOperation]] = frozenset(
-        {StagingOperation.RESIZE}
-    )
-    bootstrap_port: ClassVar[int] = 8998
 
     def command(self, pdd: PDDeployment, role: Role) -> list[str]:
         return [

@@ -8,7 +8,7 @@ from typing import ClassVar
 from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
 from pd_operator.api.spec import Framework, KVDtype, RouterPolicy
-from pd_operator.engines.base import EngineAdapter, KVConnector, StagingOperation, role_spec
+from pd_operator.engines.base import EngineAdapter, role_spec
 
 __all__ = ["ADAPTER", "SGLangAdapter"]
 
@@ -23,13 +23,10 @@ _POLICY = {
 
 
 class SGLangAdapter(EngineAdapter):
-    """SGLang moves KV with its own NIXL backend; its pods report no TransferAgent."""
+    """SGLang moves KV with its own NIXL backend (EngineNative, its only backend)."""
 
     framework: ClassVar[Framework] = Framework.SGLANG
-    kv_connector: ClassVar[KVConnector] = KVConnector.NATIVE
-    reports_transfer_health: ClassVar[bool] = False
-    staging_operations: ClassVar[frozenset[StagingOperation]] = frozenset()
-    bootstrap_port: ClassVar[int] = 8998
+    native_bootstrap_port: ClassVar[int | None] = 8998
 
     def command(self, pdd: PDDeployment, role: Role) -> list[str]:
         spec = pdd.spec
@@ -46,7 +43,7 @@ class SGLangAdapter(EngineAdapter):
             "--page-size", str(rs.page_size),
             "--disaggregation-mode", role.value,
             "--disaggregation-transfer-backend", "nixl",
-            "--disaggregation-bootstrap-port", str(self.bootstrap_port),
+            "--disaggregation-bootstrap-port", str(self.bootstrap_port(pdd)),
         ]
         if par.data > 1:
             cmd += ["--dp-size", str(par.data), "--enable-dp-attention"]
@@ -68,7 +65,7 @@ class SGLangAdapter(EngineAdapter):
         router = pdd.spec.router
         cmd = ["python3", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
         for url in prefill_urls:
-            cmd += ["--prefill", url, str(self.bootstrap_port)]
+            cmd += ["--prefill", url, str(self.bootstrap_port(pdd))]
         for url in decode_urls:
             cmd += ["--decode", url]
         cmd += ["--policy", _POLICY[router.policy], "--host", "0.0.0.0",

@@ -1,0 +1,314 @@
+"""vLLM P/D on pd_transfer through the operator, end to end on this machine.
+
+The local control plane, the operator (its own process), and the fake kubelet running the
+pods of `examples/local-vllm.yaml` as real processes: a vLLM prefill pod and two vLLM decode
+pods (vLLM's CPU backend from the cached vLLM virtualenv, PDTransferConnector moving the KV
+over real NIXL), and the router (`pd-transfer router`, which finds the engines by watching
+their pods). A single vLLM outside the cluster, with the same weights, gives the expected
+tokens. A steady load of completions goes through the router the whole time.
+
+In order:
+1. every completion is token-identical to the single vLLM; TransferHealthy=True; every
+   pod's TransferAgent reports moved bytes;
+2. a staging rollout (grow, then shrink) completes under the load with no failed
+   completion and no engine process restarted;
+3. a decode engine killed (SIGKILL, its whole process group): the router drops it, the
+   load goes on through the other decode, its report turns stale and its readiness gate
+   False; the kubelet restarts it, and once it reports again the router sends it requests.
+Budget: about 6 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client as k8s
+
+from pd_operator.devcluster import ControlPlaneHandle
+from pd_operator.devcluster.kubelet import FakeKubelet
+from tests.e2e.rollout_harness import OperatorProcess
+from tests.e2e.vllm_harness import (
+    HttpTarget,
+    VllmServer,
+    complete,
+    free_ports,
+    prompt_ids,
+    running,
+    scrape,
+    vllm_env_or_skip,
+)
+from tests.polling import wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "local-vllm.yaml"
+NAME = "local-vllm"
+GROUP, VERSION = "pd.serving.dev", "v1alpha1"
+MAX_TOKENS = 6
+# Short, one chunk with layer groups (≥ minTokens 128), and longer than the 256-token chunk.
+PROMPTS = [prompt_ids(n, seed=4000 + n) for n in (7, 150, 300, 700)]
+DECODES = [f"{NAME}-decode-0", f"{NAME}-decode-1"]
+STALE_S = 10
+
+Obj = dict[str, Any]
+
+
+@dataclass
+class Outcome:
+    started: float
+    ended: float
+    result: str  # "identical", "DIFFERENT", or the error
+
+
+@dataclass
+class Cluster:
+    handle: ControlPlaneHandle
+    namespace: str
+    kubelet: FakeKubelet
+    operator: OperatorProcess
+    api: k8s.ApiClient
+    expected: dict[int, list[int]]
+    outcomes: list[Outcome] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def objects(self) -> k8s.CustomObjectsApi:
+        return k8s.CustomObjectsApi(self.api)
+
+    @property
+    def core(self) -> k8s.CoreV1Api:
+        return k8s.CoreV1Api(self.api)
+
+    def pdd(self) -> Obj:
+        found: Obj = self.objects.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "pddeployments", NAME)
+        return found
+
+    def condition(self, type_: str) -> Obj:
+        return next((c for c in (self.pdd().get("status") or {}).get("conditions", [])
+                     if c["type"] == type_), {})
+
+    def agents(self) -> list[Obj]:
+        listed: Obj = self.objects.list_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "transferagents")
+        return list(listed["items"])
+
+    def pod(self, name: str) -> Obj:
+        return dict(self.api.sanitize_for_serialization(  # type: ignore[no-untyped-call]
+            self.core.read_namespaced_pod(name, self.namespace)))
+
+    def pod_condition(self, name: str, type_: str) -> Obj:
+        return next((c for c in (self.pod(name).get("status") or {}).get("conditions") or []
+                     if c["type"] == type_), {})
+
+    def router(self) -> HttpTarget | None:
+        pods = self.api.sanitize_for_serialization(  # type: ignore[no-untyped-call]
+            self.core.list_namespaced_pod(
+                self.namespace, label_selector=f"pd.serving.dev/deployment={NAME},"
+                                               "app.kubernetes.io/component=router"))
+        for pod in pods["items"]:
+            status = pod.get("status") or {}
+            if any(c["type"] == "Ready" and c["status"] == "True"
+                   for c in status.get("conditions") or []):
+                return HttpTarget("router", status["podIP"], 8000)
+        return None
+
+    def router_metric(self, name: str, **labels: str) -> float | None:
+        router = self.router()
+        return None if router is None else scrape(f"{router.host}:{router.port}", name,
+                                                  **labels)
+
+    def engine_metric(self, pod: str, name: str) -> float | None:
+        ip = (self.pod(pod).get("status") or {}).get("podIP")
+        try:
+            return scrape(f"{ip}:8000", name, engine="0", model_name="tiny-llama")
+        except OSError:
+            return None
+
+    def window(self, start: float, end: float) -> Counter[str]:
+        return Counter(o.result for o in list(self.outcomes) if start <= o.started
+                       and o.ended <= end)
+
+    def drive_load(self, seed: int) -> None:
+        rng = random.Random(seed)
+        while not self.stop.is_set():
+            router = self.router()
+            if router is None:
+                time.sleep(0.5)
+                continue
+            prompt = rng.choice(PROMPTS)
+            started = time.monotonic()
+            try:
+                got = complete(router, prompt, MAX_TOKENS, timeout_s=60).token_ids
+                result = "identical" if got == self.expected[len(prompt)] else "DIFFERENT"
+            except Exception as exc:  # the outcome is what the test judges
+                result = f"{type(exc).__name__}: {str(exc)[:120]}"
+            self.outcomes.append(Outcome(started, time.monotonic(), result))
+
+
+def _manifests(namespace: str) -> tuple[Obj, Obj]:
+    config_map, pdd = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
+    for obj in (config_map, pdd):
+        obj["metadata"]["namespace"] = namespace
+    spec = pdd["spec"]
+    spec["decode"]["replicas"] = len(DECODES)
+    spec["transfer"]["health"] = {"windowSeconds": 10, "maxFailureRatio": 0.05,
+                                  "reportIntervalSeconds": 5, "staleAfterSeconds": STALE_S}
+    spec["transfer"]["staging"]["rollout"] = {"maxUnavailable": 1, "analysisSeconds": 5,
+                                              "maxFailureRatio": 0.05, "autoRollback": True}
+    return config_map, pdd
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    vllm = vllm_env_or_skip()
+    work = Path(tmp_path_factory.mktemp("vllm-cluster"))
+    core = k8s.CoreV1Api(kube_client)
+    namespace = core.create_namespace(k8s.V1Namespace(
+        metadata=k8s.V1ObjectMeta(generate_name="pdvllm-"))).metadata.name
+    config_map, pdd = _manifests(namespace)
+    model_dir = work / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(config_map["data"]["config.json"])
+    (port,) = free_ports(1)
+    single = VllmServer(role="single", port=port, vllm=vllm, model_dir=model_dir,
+                        log_dir=work, load_format="dummy", max_num_batched_tokens=256)
+    with ExitStack() as stack:
+        operator = OperatorProcess(control_plane, namespace, work)
+        operator.start()
+        stack.callback(operator.stop)
+        kubelet = FakeKubelet(control_plane, work / "kubelet", namespace=namespace,
+                              ip_prefix=f"127.{random.randint(100, 250)}.{random.randint(1, 250)}.",
+                              restart_backoff_s=2.0)
+        kubelet_stop = threading.Event()
+        kubelet_thread = threading.Thread(target=kubelet.run, args=(kubelet_stop, 0.5),
+                                          daemon=True)
+        kubelet_thread.start()
+        stack.callback(kubelet_thread.join, 60)
+        stack.callback(kubelet_stop.set)
+        core.create_namespaced_config_map(namespace, config_map)
+        k8s.CustomObjectsApi(kube_client).create_namespaced_custom_object(
+            GROUP, VERSION, namespace, "pddeployments", pdd)
+        stack.enter_context(running([single]))
+        live = Cluster(control_plane, namespace, kubelet, operator, kube_client, {})
+        live.expected = {len(p): complete(single, p, MAX_TOKENS).token_ids for p in PROMPTS}
+        wait_for("the router Ready (a ready prefill and decode engine)", live.router, 300)
+        wait_for("3 engines reporting their endpoints", lambda: len([
+            a for a in live.agents()
+            if ((a.get("status") or {}).get("endpoints") or {}).get("engine")]) == 3, 300)
+        loads = [threading.Thread(target=live.drive_load, args=(seed,), daemon=True)
+                 for seed in (1, 2)]
+        for thread in loads:
+            thread.start()
+        try:
+            yield live
+        finally:
+            live.stop.set()
+            for thread in loads:
+                thread.join(90)
+            core.delete_namespace(namespace)
+    assert not operator.errors(), "\n".join(operator.errors())
+
+
+def test_completions_match_one_vllm_and_every_pod_reports_transfers(cluster: Cluster) -> None:
+    """Guards against a vLLM deployment that serves (or reports) nothing through pd_transfer:
+    the router's completions are the single vLLM's, and the status shows it."""
+    started = time.monotonic()
+    wait_for("TransferHealthy=True", lambda: cluster.condition("TransferHealthy").get(
+        "status") == "True", 120)
+    wait_for("12 completions through the router", lambda: sum(cluster.window(
+        started, time.monotonic()).values()) >= 12, 180)
+    outcomes = cluster.window(started, time.monotonic())
+    print(f"completions through the router: {dict(outcomes)}")
+    assert set(outcomes) == {"identical"}, outcomes
+    moved = wait_for("every TransferAgent reporting moved bytes", lambda: (
+        a if len(a := [x for x in cluster.agents()
+                       if (x.get("status") or {}).get("bytesTotal", 0) > 0]) == 3 else None), 60)
+    assert sorted(a["metadata"]["name"] for a in moved) == sorted(
+        [f"{NAME}-prefill-0", *DECODES])
+    transfer = cluster.pdd()["status"]["transfer"]
+    assert transfer["summary"] == "Healthy" and transfer["totals"]["bytes"] > 0, transfer
+
+
+def _rollout(cluster: Cluster) -> Obj:
+    rollout: Obj = (cluster.pdd().get("status") or {}).get("stagingRollout") or {}
+    return rollout
+
+
+def test_staging_rollout_grow_then_shrink_under_load(cluster: Cluster) -> None:
+    """Guards against a resize that fails completions or restarts vLLM."""
+    pids = {pod: cluster.kubelet.process_of(cluster.namespace, pod)
+            for pod in [f"{NAME}-prefill-0", *DECODES]}
+    for size in (32, 8):
+        started = time.monotonic()
+        cluster.objects.patch_namespaced_custom_object(
+            GROUP, VERSION, cluster.namespace, "pddeployments", NAME,
+            {"spec": {"transfer": {"staging": {"decodePoolMiB": size}}}})
+        done = wait_for(f"rollout to {size} MiB Complete", lambda size=size: (
+            r if (r := _rollout(cluster)).get("phase") == "Complete" and r.get("to") == size
+            else None), 180)
+        ended = time.monotonic()
+        outcomes = cluster.window(started, ended)
+        print(f"rollout to {size} MiB: {ended - started:.1f} s, completions {dict(outcomes)}, "
+              f"{done.get('message')}")
+        assert set(outcomes) <= {"identical"}, outcomes
+        assert sum(outcomes.values()) > 0
+        pools = {a["metadata"]["name"]: (a.get("status") or {}).get("staging", {}).get(
+            "decodePoolMiB") for a in cluster.agents() if a["spec"]["role"] == "decode"}
+        assert pools == dict.fromkeys(DECODES, size)
+    after = {pod: cluster.kubelet.process_of(cluster.namespace, pod) for pod in pids}
+    assert {p: r.pid for p, r in after.items() if r} == {p: r.pid for p, r in pids.items() if r}
+    assert all(r is not None for r in after.values())
+
+
+def test_killed_decode_leaves_the_router_goes_stale_and_comes_back(cluster: Cluster) -> None:
+    victim, survivor = DECODES[1], DECODES[0]
+    record = cluster.kubelet.process_of(cluster.namespace, victim)
+    assert record is not None
+    killed = time.monotonic()
+    os.killpg(record.pid, signal.SIGKILL)  # the server and its engine-core process
+    wait_for("the router down to one decode engine", lambda: cluster.router_metric(
+        "pd_router_endpoints", role="decode") == 1.0, 20)
+    dropped = time.monotonic()
+    stale = wait_for(f"{victim} listed stale", lambda: (
+        t if victim in (t := (cluster.pdd().get("status") or {}).get("transfer") or {}).get(
+            "stalePods", []) else None), STALE_S + 30)
+    assert victim in stale["stalePods"]
+    gate = wait_for(f"{victim}'s transfer gate False", lambda: (
+        g if (g := cluster.pod_condition(victim, "pd.serving.dev/transfer-ready")).get(
+            "status") == "False" else None), 30)
+    print(f"{victim} killed: out of the router after {dropped - killed:.1f} s, gate "
+          f"{gate.get('reason')} after {time.monotonic() - killed:.1f} s")
+    served = cluster.window(dropped + 1.0, time.monotonic())
+    assert served["identical"] > 0 and set(served) == {"identical"}, served
+    # The kubelet restarts it; the new engine reports, its gate turns True, the router
+    # takes it back and sends it requests.
+    wait_for("the router back to two decode engines", lambda: cluster.router_metric(
+        "pd_router_endpoints", role="decode") == 2.0, 300)
+    back = time.monotonic()
+    assert cluster.pod_condition(victim, "pd.serving.dev/transfer-ready")["status"] == "True"
+    wait_for(f"{victim} serving again", lambda: (cluster.engine_metric(
+        victim, "vllm:request_success_total") or 0) > 0, 120)
+    restarted = cluster.pod(victim)["status"]["containerStatuses"][0]["restartCount"]
+    print(f"{victim} back in the router {back - killed:.1f} s after the kill "
+          f"(restartCount {restarted}); completions since: "
+          f"{dict(cluster.window(back, time.monotonic()))}")
+    assert restarted == 1
+    assert survivor != victim
+    assert json.dumps(cluster.window(back, time.monotonic())) and set(
+        cluster.window(back, time.monotonic())) <= {"identical"}

@@ -1,0 +1,151 @@
+"""Real vLLM (CPU backend) with different tensor parallelism on the two sides.
+
+Five vLLM servers as real processes: a single TP-1 instance (the reference), prefill TP 1 →
+decode TP 2, and prefill TP 2 → decode TP 1. vLLM's CPU backend runs each TP rank as its
+own worker process, so each TP-2 server is three engine processes (scheduler and two
+workers) on this host. The model has 2 KV heads: a TP-2 rank holds one, a TP-1 rank both,
+so every transfer between the two splits or joins heads through the staging path.
+
+All servers load the same seeded checkpoint (``ModelSpec.write``): vLLM shards it by rank,
+so a TP-2 server computes what a TP-1 server does. In float32: decode recomputes the prompt's
+last token over the KV prefill computed with the other TP size, whose rounding differs from
+its own, and in bfloat16 that flips exact ties (seen: a 1500-token prompt whose two top
+tokens had equal bfloat16 logprobs on TP 1 and TP 2 alike, -4.2398, came out as the other
+token through P/D). Float32 keeps those differences far below any logit gap.
+
+The transfer timeout is 60 s (decode's stall watchdog: a quarter of it): with five engines
+on two cores a prefill process was once seen starved for 8.5 s between posting a part and
+writing it, which a 30 s timeout turns into a StalledWriter failure.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tests.e2e.vllm_harness import (
+    ModelSpec,
+    PdTransferServer,
+    VllmServer,
+    complete,
+    free_ports,
+    pd_transfer_request,
+    pd_transfer_server,
+    prompt_ids,
+    running,
+    vllm_env_or_skip,
+)
+from tests.polling import wait_for
+
+pytestmark = pytest.mark.e2e
+
+MODEL = ModelSpec(layers=4, kv_heads=2, hidden=256, heads=4, dtype="float32")
+TIMEOUTS = {"transfer_seconds": 60.0, "kv_lease_seconds": 60.0}
+BATCH_TOKENS = 256
+MAX_TOKENS = 6
+BLOCK = 32
+# float32 K and V of one token and one KV head over all layers: 2 (K, V) × 64 (head dim)
+# × 4 bytes × 4 layers = 2048 bytes.
+BYTES_PER_TOKEN_HEAD = 2048
+
+
+@dataclass(frozen=True)
+class Pair:
+    prefill: PdTransferServer
+    decode: PdTransferServer
+    prefill_tp: int
+    decode_tp: int
+
+
+@dataclass
+class Fleet:
+    single: VllmServer
+    one_to_two: Pair
+    two_to_one: Pair
+
+    def expected(self, prompt: list[int]) -> list[int]:
+        return complete(self.single, prompt, MAX_TOKENS).token_ids
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    vllm = vllm_env_or_skip()
+    root = tmp_path_factory.mktemp("vllm-tp")
+    model_dir = MODEL.write(root / "model", vllm)
+
+    def pair(prefill_tp: int, decode_tp: int) -> Pair:
+        def server(role: str) -> PdTransferServer:
+            tp = prefill_tp if role == "prefill" else decode_tp
+            return pd_transfer_server(vllm, MODEL, model_dir, root, role,
+                                      name=f"{role}-tp{tp}-of-{prefill_tp}to{decode_tp}",
+                                      prefill_tp=prefill_tp, decode_tp=decode_tp,
+                                      timeouts=TIMEOUTS, dtype=MODEL.dtype,
+                                      max_num_batched_tokens=BATCH_TOKENS)
+        return Pair(server("prefill"), server("decode"), prefill_tp, decode_tp)
+
+    (single_port,) = free_ports(1)
+    fleet = Fleet(
+        single=VllmServer(role="single", port=single_port, vllm=vllm, model_dir=model_dir,
+                          log_dir=root, max_num_batched_tokens=BATCH_TOKENS, dtype=MODEL.dtype),
+        one_to_two=pair(1, 2), two_to_one=pair(2, 1))
+    servers = [fleet.single] + [s.server for p in (fleet.one_to_two, fleet.two_to_one)
+                                for s in (p.prefill, p.decode)]
+    with running(servers):
+        yield fleet
+
+
+SHARED = prompt_ids(300, seed=77)
+PROMPTS = [prompt_ids(n, seed=500 + n) for n in (1, 31, 33, 257, 700, 1500)] + [
+    SHARED + prompt_ids(n, seed=900 + n) for n in (5, 120)]
+
+
+def _request(pair: Pair, prompt: list[int], room: str) -> list[int]:
+    return pd_transfer_request(prompt, MAX_TOKENS, room=room, prefill=pair.prefill.bootstrap,
+                               decode=pair.decode.bootstrap, prefill_server=pair.prefill.server,
+                               decode_server=pair.decode.server).token_ids
+
+
+def _ends(server: PdTransferServer, tp: int, room: str) -> list[dict[str, Any]]:
+    return [e for rank in range(tp) for e in server.timeline(rank)
+            if e["event"] == "end" and room in e["rooms"]]
+
+
+@pytest.mark.parametrize("direction", ["one_to_two", "two_to_one"])
+def test_pd_across_tp_is_token_identical_and_moves_each_head_once(
+        fleet: Fleet, direction: str) -> None:
+    """Prefill TP 1 → decode TP 2 splits each page's 2 heads over 2 decode ranks; prefill
+    TP 2 → decode TP 1 joins them. Guards against wrong or doubled heads (a rank that gets
+    the other rank's head, or both) and against a rank whose transfer never ends."""
+    pair: Pair = getattr(fleet, direction)
+    expected = [fleet.expected(p) for p in PROMPTS]
+    rooms = [f"{direction}-{len(p)}-{uuid.uuid4().hex[:8]}" for p in PROMPTS]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(lambda pr: _request(pair, *pr), zip(PROMPTS, rooms, strict=True)))
+    mismatched = {len(p): (e, g, _ends(pair.decode, pair.decode_tp, room))
+                  for p, e, g, room in zip(PROMPTS, expected, got, rooms, strict=True) if e != g}
+    assert mismatched == {}, (f"{direction}: prompt length → (expected, P/D tokens, decode "
+                              f"ends) where they differ: {mismatched}")
+
+    for prompt, room in zip(PROMPTS, rooms, strict=True):
+        ends = _ends(pair.decode, pair.decode_tp, room)
+        assert [e["state"] for e in ends] == ["Succeeded"] * pair.decode_tp, (room, ends)
+        # Every page of the prompt, every KV head, exactly once over the decode ranks.
+        pages = math.ceil(len(prompt) / BLOCK)
+        full = pages * BLOCK * MODEL.kv_heads * BYTES_PER_TOKEN_HEAD
+        assert sum(e["bytes"] for e in ends) == full, (room, ends)
+        assert all(e["bytes"] == full // pair.decode_tp for e in ends), (room, ends)
+        # A prefill rank records its end once vLLM's next step reports the request finished.
+        sent = wait_for(f"every prefill rank's end of {room}",
+                        lambda room=room: _complete(_ends(pair.prefill, pair.prefill_tp, room),
+                                                    pair.prefill_tp), timeout_s=20)
+        assert [e["state"] for e in sent] == ["Succeeded"] * pair.prefill_tp, (room, sent)
+
+
+def _complete(ends: list[dict[str, Any]], ranks: int) -> list[dict[str, Any]] | None:
+    return ends if len(ends) == ranks else None

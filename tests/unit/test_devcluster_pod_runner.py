@@ -1,0 +1,116 @@
+"""The fake kubelet's launch plans: which containers run, with which interpreter, on which
+address (pure; no process is started)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pd_contract.transferagent import Role
+from pd_operator.build.pod import build_pod_template
+from pd_operator.devcluster.pod_runner import (
+    NotRunnable,
+    Probe,
+    package_roots,
+    plan_launch,
+)
+from tests.factories import make_pdd
+
+VLLM_PYTHON = Path("/venvs/vllm/bin/python")
+IP = "127.0.1.7"
+
+
+def container_of(framework: str, role: Role = Role.DECODE, **overrides: Any) -> dict[str, Any]:
+    pdd = make_pdd("tiny", "dev", engine={"framework": framework, "image": "img:1",
+                                          "port": 8000}, **overrides)
+    container: dict[str, Any] = build_pod_template(pdd, role)["spec"]["containers"][0]
+    return container
+
+
+def plan(container: dict[str, Any]) -> Any:
+    return plan_launch(container["command"] + container.get("args", []), container, IP,
+                       vllm_python=lambda: VLLM_PYTHON)
+
+
+def test_reference_engine_runs_with_this_interpreter() -> None:
+    launch = plan(container_of("reference"))
+    assert launch.argv == [sys.executable, "-m", "pd_transfer.cli", "engine", "--role",
+                           "decode", "--config", "/etc/pd-transfer/transfer.json", "--port",
+                           "8000"]
+    assert launch.env == {}
+    assert launch.readiness == Probe(8000, "/health")
+
+
+def test_vllm_pd_transfer_listens_on_the_pod_address_only() -> None:
+    """Guards against two vLLM pods on one host fighting over 0.0.0.0:<port> (the server)
+    and 0.0.0.0:<bootstrap> (the connector's rank servers and the pod agent's metrics)."""
+    launch = plan(container_of("vllm"))
+    argv = launch.argv
+    assert argv[:3] == [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--host") + 1] == IP
+    assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == {
+        "kv_connector": "PDTransferConnector",
+        "kv_connector_module_path": "pd_transfer.vllm.connector",
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"engine_port": 8000, "bind_host": IP},
+    }
+    roots = launch.env["PYTHONPATH"].split(":")
+    assert roots == package_roots("pd_transfer", "pd_contract")
+    assert all((Path(root) / package).is_dir() for root, package in
+               zip(roots, ("pd_transfer", "pd_contract"), strict=False))
+    assert launch.readiness == Probe(8000, "/health")
+
+
+def test_vllm_engine_native_keeps_its_connector_config() -> None:
+    container = container_of("vllm", transfer={"backend": "EngineNative"})
+    argv = plan(container).argv
+    assert argv[argv.index("--host") + 1] == IP
+    assert argv[argv.index("--kv-transfer-config") + 1] == (
+        '{"kv_connector":"NixlConnector","kv_role":"kv_both"}')
+
+
+def test_router_pod_runs_pd_transfer_router_with_its_health_probe() -> None:
+    container = {"command": ["pd-transfer", "router"],
+                 "ports": [{"name": "http", "containerPort": 8000}],
+                 "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}}}
+    launch = plan(container)
+    assert launch.argv == [sys.executable, "-m", "pd_transfer.cli", "router"]
+    assert launch.readiness == Probe(8000, "/health")
+
+
+def test_tcp_probe_and_numeric_port() -> None:
+    container = {"command": ["pd-transfer", "router"],
+                 "readinessProbe": {"tcpSocket": {"port": 9000}}}
+    assert plan(container).readiness == Probe(9000, None)
+
+
+@pytest.mark.parametrize("command", [
+    ["python3", "-m", "sglang.launch_server", "--model-path", "m"],
+    ["vllm", "serve", "m"],
+    ["pd-transfer"],
+])
+def test_other_containers_are_not_runnable(command: list[str]) -> None:
+    with pytest.raises(NotRunnable, match=r"runs `pd-transfer \.\.\.` and vLLM.s OpenAI server"):
+        plan({"command": command})
+
+
+def test_unknown_probe_port_is_refused_naming_the_ports() -> None:
+    container = {"command": ["pd-transfer", "router"],
+                 "ports": [{"name": "http", "containerPort": 8000}],
+                 "readinessProbe": {"httpGet": {"path": "/health", "port": "metrics"}}}
+    with pytest.raises(NotRunnable, match=r"'metrics' is neither a number nor a named "
+                                          r"container port \(\['http'\]\)"):
+        plan(container)
+
+
+def test_vllm_pod_without_the_vllm_env_is_not_runnable() -> None:
+    def missing() -> Path:
+        raise NotRunnable("the vLLM virtualenv is not built")
+
+    container = container_of("vllm")
+    with pytest.raises(NotRunnable, match="not built"):
+        plan_launch(container["command"], container, IP, vllm_python=missing)

@@ -17,6 +17,11 @@ page sets and buffer regions so repeated runs do not hit a warm L2:
 - ``call``: start event, the call, end event, synchronise: host enqueue cost included, as a
   caller that waits on each chunk would see.
 
+Calls pass the chunk as the transfer worker does: layers as a ``range`` and the pages as a
+``staging.PageIds`` prepared once per page set (per request, in the worker). ``host us`` is
+the host's time per call (median, the GPU kept busy so no call waits): prepared ids, and a
+plain list of page ids (checked and uploaded on every call) for comparison.
+
 Also: a tuning sweep of the kernel's tile size and warps (device time), page sizes 1 and 64
 (device time and a bit-exact check against the torch path), and the host's enqueue cost.
 Not a test: asserts nothing about timings (it does exit 1 on a byte mismatch).
@@ -47,6 +52,7 @@ CHUNKS = [1024, 2048, 4096, 8192, 16384, 32768]
 ROTATION_BYTES = 512 << 20  # working set per measurement: ~10x the H100's 50 MB L2
 SLEEP_CYCLES_PER_S = 4e9  # twice the ~2 GHz clock: the sleep outlasts the enqueue twice over
 SWEEP = [(tile, warps) for tile in (8192, 16384, 32768, 65536) for warps in (4, 8)]
+SWEEP_PAGE1 = [(tile, warps) for tile in (2048, 4096, 8192, 16384) for warps in (2, 4, 8)]
 
 Step = Callable[[int], object]
 
@@ -93,6 +99,22 @@ def call_time(step: Step, runs: int, warmup: int = 5) -> tuple[float, float]:
     return statistics.median(times), statistics.median(host)
 
 
+def host_time(step: Step, runs: int, warmup: int = 5) -> float:
+    """Median host seconds per call while the GPU is busy (a long sleep kernel queued
+    first), so no call waits on the device: the enqueue cost alone."""
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(0.2 * SLEEP_CYCLES_PER_S))  # type: ignore[no-untyped-call]
+    times = []
+    for i in range(runs):
+        t0 = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 class Case:
     """One chunk size and page size: pools, page sets and buffer regions to rotate over."""
 
@@ -110,9 +132,10 @@ class Case:
         self.dst = KVPool.allocate(self.layout, device)
         for tensor in self.dst.tensors():
             tensor.normal_()
-        self.layers = list(range(LAYERS))
+        self.layers = range(LAYERS)
         self.page_sets = [torch.randperm(pool_pages)[: self.pages_per_chunk].tolist()
                           for _ in range(self.rot)]
+        self.page_ids = [staging.prepare_pages(self.pool, p) for p in self.page_sets]
         self.staged = torch.empty(self.rot * self.nbytes, dtype=torch.uint8, device=device)
         self.staged.random_(0, 256)
         self.copy_src = torch.empty_like(self.staged).random_(0, 256)
@@ -122,11 +145,19 @@ class Case:
         return self.staged[r * self.nbytes:(r + 1) * self.nbytes]
 
     def gather(self, i: int) -> None:
-        gather(self.pool, self.layers, self.page_sets[i % self.rot], head_start=GATHER_HEAD,
+        gather(self.pool, self.layers, self.page_ids[i % self.rot], head_start=GATHER_HEAD,
                num_heads=SLICE, out=self.region(i))
 
     def scatter(self, i: int) -> None:
-        scatter(self.region(i), self.dst, self.layers, self.page_sets[i % self.rot],
+        scatter(self.region(i), self.dst, self.layers, self.page_ids[i % self.rot],
+                head_start=SCATTER_HEAD, num_heads=SLICE)
+
+    def gather_list(self, i: int) -> None:
+        gather(self.pool, list(self.layers), self.page_sets[i % self.rot],
+               head_start=GATHER_HEAD, num_heads=SLICE, out=self.region(i))
+
+    def scatter_list(self, i: int) -> None:
+        scatter(self.region(i), self.dst, list(self.layers), self.page_sets[i % self.rot],
                 head_start=SCATTER_HEAD, num_heads=SLICE)
 
     def copy(self, i: int) -> None:
@@ -134,13 +165,12 @@ class Case:
         self.region(i).copy_(self.copy_src[r * self.nbytes:(r + 1) * self.nbytes])
 
     def tuned(self, scatter_: bool, tile: int, warps: int) -> Step:
-        index = [torch.tensor([*self.layers, *p], device=self.staged.device)
-                 for p in self.page_sets]
+        layers = torch.arange(LAYERS, device=self.staged.device)
         pool = self.dst if scatter_ else self.pool
 
         def step(i: int) -> None:
             _staging_kernel.launch(
-                pool.tensors(), self.layout, index[i % self.rot], LAYERS, self.pages_per_chunk,
+                pool.tensors(), self.layout, layers, self.page_ids[i % self.rot].device,
                 head_start=SCATTER_HEAD if scatter_ else GATHER_HEAD, num_heads=SLICE,
                 staged=self.region(i), scatter=scatter_, tile_bytes=tile, num_warps=warps)
         return step
@@ -150,13 +180,15 @@ class Case:
         pages = self.page_sets[0]
         out = torch.empty(self.nbytes, dtype=torch.uint8, device=self.staged.device)
         ref = torch.empty_like(out)
-        gather(self.pool, self.layers, pages, head_start=GATHER_HEAD, num_heads=SLICE, out=out)
-        gather(self.pool, self.layers, pages, head_start=GATHER_HEAD, num_heads=SLICE,
+        gather(self.pool, self.layers, self.page_ids[0], head_start=GATHER_HEAD,
+               num_heads=SLICE, out=out)
+        gather(self.pool, list(self.layers), pages, head_start=GATHER_HEAD, num_heads=SLICE,
                out=ref, force_torch=True)
         ok = torch.equal(out, ref)
         twin = KVPool(self.layout, *(t.clone() for t in self.dst.tensors()))
-        scatter(out, self.dst, self.layers, pages, head_start=SCATTER_HEAD, num_heads=SLICE)
-        scatter(out, twin, self.layers, pages, head_start=SCATTER_HEAD, num_heads=SLICE,
+        scatter(out, self.dst, self.layers, self.page_ids[0], head_start=SCATTER_HEAD,
+                num_heads=SLICE)
+        scatter(out, twin, list(self.layers), pages, head_start=SCATTER_HEAD, num_heads=SLICE,
                 force_torch=True)
         return ok and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                           for a, b in zip(self.dst.tensors(), twin.tensors(), strict=True))
@@ -180,12 +212,15 @@ def measure(case: Case, runs: int, sweep: bool) -> dict[str, Any]:
         row[f"{name}_device_gb_s"] = gbs(case.nbytes, dev)
         row[f"{name}_call_gb_s"] = gbs(case.nbytes, call)
         row[f"{name}_host_enqueue_us"] = host * 1e6
+    for name, step in (("gather", case.gather), ("scatter", case.scatter),
+                       ("gather_list", case.gather_list), ("scatter_list", case.scatter_list)):
+        row[f"{name}_host_us"] = host_time(step, runs) * 1e6
     for name in ("gather", "scatter"):
         for kind in ("device", "call"):
             row[f"{name}_{kind}_ratio"] = row[f"{name}_{kind}_gb_s"] / row[f"copy_{kind}_gb_s"]
     if sweep:
         row["sweep"] = []
-        for tile, warps in SWEEP:
+        for tile, warps in SWEEP if case.page > 1 else SWEEP_PAGE1:
             cell: dict[str, Any] = {"tile_bytes": tile, "num_warps": warps}
             for name, flag in (("gather", False), ("scatter", True)):
                 host_s = row[f"{name}_host_enqueue_us"] / 1e6
@@ -213,11 +248,11 @@ def main() -> int:
     for page, chunks in ((16, CHUNKS), (1, [1024, 32768]), (64, [1024, 32768])):
         for tokens in chunks:
             case = Case(tokens, page, device)
-            rows.append(measure(case, args.runs, sweep=page == 16 and not args.no_sweep))
+            rows.append(measure(case, args.runs, sweep=page in (16, 1) and not args.no_sweep))
             case.free()
     print(f"{'page':>4} {'tokens':>6} {'MiB':>5} | device GB/s: {'copy':>5} {'gather':>6} "
           f"{'ratio':>5} {'scatter':>7} {'ratio':>5} | call GB/s: {'copy':>5} {'gather':>6} "
-          f"{'ratio':>5} {'scatter':>7} {'ratio':>5} | host us g/s | exact")
+          f"{'ratio':>5} {'scatter':>7} {'ratio':>5} | host us g/s (list g/s) | exact")
     for r in rows:
         print(f"{r['page_size']:4d} {r['tokens']:6d} {r['bytes'] / 2**20:5.0f} | "
               f"{'':12}{r['copy_device_gb_s']:5.0f} {r['gather_device_gb_s']:6.0f} "
@@ -225,7 +260,8 @@ def main() -> int:
               f"{r['scatter_device_ratio']:5.0%} | {'':10}{r['copy_call_gb_s']:5.0f} "
               f"{r['gather_call_gb_s']:6.0f} {r['gather_call_ratio']:5.0%} "
               f"{r['scatter_call_gb_s']:7.0f} {r['scatter_call_ratio']:5.0%} | "
-              f"{r['gather_host_enqueue_us']:4.0f}/{r['scatter_host_enqueue_us']:4.0f} | "
+              f"{r['gather_host_us']:4.0f}/{r['scatter_host_us']:4.0f} "
+              f"({r['gather_list_host_us']:4.0f}/{r['scatter_list_host_us']:4.0f}) | "
               f"{r['bit_exact']}")
     for r in rows:
         if "sweep" in r:
@@ -233,7 +269,8 @@ def main() -> int:
             best_s = max(r["sweep"], key=lambda s: s["scatter_gb_s"])
             cells = " ".join(f"{s['tile_bytes'] // 1024}K/{s['num_warps']}w:"
                              f"{s['gather_gb_s']:.0f}/{s['scatter_gb_s']:.0f}" for s in r["sweep"])
-            print(f"sweep {r['tokens']:6d} (gather/scatter GB/s) {cells}; best gather "
+            print(f"sweep page {r['page_size']} {r['tokens']:6d} (gather/scatter GB/s) "
+                  f"{cells}; best gather "
                   f"{best_g['tile_bytes'] // 1024}K/{best_g['num_warps']}w, best scatter "
                   f"{best_s['tile_bytes'] // 1024}K/{best_s['num_warps']}w")
     if args.json is not None:

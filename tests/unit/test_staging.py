@@ -283,3 +283,82 @@ def test_cuda_per_layer_pools_match_cpu_bit_exactly(page_format: PageFormat,
         for part in layout.parts:
             assert torch.equal(dst_gpu.page_bytes(part, layer).cpu(),
                                dst_cpu.page_bytes(part, layer))
+
+
+def test_prepared_page_ids_move_the_same_bytes_as_a_list() -> None:
+    """The worker's per-request ``PageIds`` (checked and uploaded once) and a part's
+    ``select`` of them must address exactly the pages a plain list names."""
+    layout = KVLayout(num_layers=3, num_pages=20, page_size=4, kv_heads=4, head_dim=8,
+                      dtype=torch.bfloat16)
+    pool = make_random_pool(layout, seed=5)
+    request = [17, 3, 9, 0, 12, 6]
+    ids = staging.prepare_pages(pool, request)
+    part = ids.select(1, 5)  # request pages 1..4 -> pool pages 3, 9, 0, 12
+    assert part.host.tolist() == [3, 9, 0, 12] and part.device.tolist() == [3, 9, 0, 12]
+    nbytes = staged_chunk_bytes(layout, 2, 4, 2)
+    by_list, by_ids = (torch.empty(nbytes, dtype=torch.uint8) for _ in range(2))
+    gather(pool, [1, 2], [3, 9, 0, 12], head_start=1, num_heads=2, out=by_list)
+    gather(pool, range(1, 3), part, head_start=1, num_heads=2, out=by_ids)
+    assert torch.equal(by_list, by_ids)
+    twin = KVPool(layout, pool.k.clone(), pool.v.clone() if pool.v is not None else None)
+    scatter(by_list, pool, [1, 2], [3, 9, 0, 12], head_start=0, num_heads=2)
+    scatter(by_ids, twin, range(1, 3), part, head_start=0, num_heads=2)
+    assert all(torch.equal(as_bytes(a), as_bytes(b))
+               for a, b in zip(pool.tensors(), twin.tensors(), strict=True))
+
+
+def test_prepared_page_ids_are_checked_once_against_their_pool() -> None:
+    layout = KVLayout(num_layers=2, num_pages=8, page_size=2, kv_heads=2, head_dim=2,
+                      dtype=torch.float32)
+    pool = make_arange_pool(layout)
+    with pytest.raises(IndexError, match="page 8 outside the pool's"):
+        staging.prepare_pages(pool, [1, 8])
+    repeated = staging.prepare_pages(pool, [1, 1])
+    big = torch.empty(4096, dtype=torch.uint8)
+    gather(pool, range(2), repeated, head_start=0, num_heads=1, out=big)  # reading twice: fine
+    with pytest.raises(ValueError, match="distinct page ids"):
+        scatter(big, pool, range(2), repeated, head_start=0, num_heads=1)
+    with pytest.raises(IndexError, match="layer 2 outside"):
+        gather(pool, range(1, 3), staging.prepare_pages(pool, [0]), head_start=0, num_heads=1,
+               out=big)
+    other = KVPool.allocate(KVLayout(num_layers=2, num_pages=9, page_size=2, kv_heads=2,
+                                     head_dim=2, dtype=torch.float32))
+    with pytest.raises(ValueError, match="pool of 8 pages"):
+        gather(other, range(2), staging.prepare_pages(pool, [0]), head_start=0, num_heads=1,
+               out=big)
+    with pytest.raises(IndexError, match=r"\[2, 5\) outside \[0, 4\)"):
+        staging.prepare_pages(pool, [0, 1, 2, 3]).select(2, 5)
+
+
+@pytest.mark.gpu
+@cuda
+def test_repeated_cuda_launches_stay_bit_exact() -> None:
+    """After its first launch a specialisation is launched through the compiled kernel's own
+    launcher (no Triton binding per call): later chunks of the same shape, on other pages and
+    at other buffer offsets, must still move exactly the CPU path's bytes."""
+    pytest.importorskip("triton")
+    from pd_transfer import _staging_kernel  # noqa: PLC0415 - needs Triton
+
+    rng = random.Random(11)
+    layout = KVLayout(num_layers=4, num_pages=64, page_size=16, kv_heads=4, head_dim=128,
+                      dtype=torch.bfloat16)
+    cpu = make_random_pool(layout, seed=21)
+    gpu = KVPool(layout, cpu.k.cuda(), cpu.v.cuda() if cpu.v is not None else None)
+    nbytes = staged_chunk_bytes(layout, 3, 10, 2)
+    out = torch.zeros(4 * nbytes, dtype=torch.uint8, device="cuda")
+    before = len(_staging_kernel._COMPILED)
+    for i in range(4):
+        pages = rng.sample(range(64), 10)
+        ids = staging.prepare_pages(gpu, pages)
+        region = out[i * nbytes:(i + 1) * nbytes]
+        gather(gpu, range(1, 4), ids, head_start=2, num_heads=2, out=region)
+        ref = torch.empty(nbytes, dtype=torch.uint8)
+        gather(cpu, [1, 2, 3], pages, head_start=2, num_heads=2, out=ref)
+        assert torch.equal(region.cpu(), ref), i
+        dst_cpu = make_random_pool(layout, seed=i)
+        dst = KVPool(layout, dst_cpu.k.cuda(), dst_cpu.v.cuda() if dst_cpu.v is not None else None)
+        scatter(ref, dst_cpu, [1, 2, 3], pages, head_start=0, num_heads=2)
+        scatter(region, dst, range(1, 4), ids, head_start=0, num_heads=2)
+        assert all(torch.equal(as_bytes(g).cpu(), as_bytes(c))
+                   for g, c in zip(dst.tensors(), dst_cpu.tensors(), strict=True)), i
+    assert len(_staging_kernel._COMPILED) - before <= 2  # one gather, one scatter key

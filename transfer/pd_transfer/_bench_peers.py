@@ -1,6 +1,7 @@
 """Real prefill and decode endpoints over NIXL for the pipeline benchmark and its tests.
 
-Prefill (``PrefillPeer``) lives in the calling process; decode (``DecodeProcess``) in a
+Prefill (``PrefillPeer``: every prefill TP rank of the reference model, one NIXL agent,
+sender and worker each) lives in the calling process; decode (``DecodeProcess``) in a
 spawned process hosting every decode TP rank (one NIXL agent, receiver and worker each),
 driven by commands over a pipe. Both sides wrap their transport in ``TimedTransport``,
 which stamps each WRITE post / DONE and each part notification with ``time.monotonic()``
@@ -54,6 +55,7 @@ __all__ = [
     "PrefillPeer",
     "TimedTransport",
     "kv_digest",
+    "kv_digest_of_heads",
 ]
 
 Link = Literal["nvlink", "pinned-host", "dram"]
@@ -177,6 +179,26 @@ def kv_digest(pool: KVPool, pages: Sequence[int], heads: range) -> str:
     for tensor in pool.tensors():
         for layer in range(pool.layout.num_layers):
             rows = tensor[layer].index_select(0, slots)[:, heads.start : heads.stop]
+            digest.update(rows.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def kv_digest_of_heads(pools: Sequence[KVPool], model: ReferenceModel, pages: Sequence[int],
+                       heads: range) -> str:
+    """``kv_digest`` of global ``heads`` as a decode rank holding them would hash them,
+    assembled from the prefill TP ranks' ``pools`` (each head from the first rank holding
+    it): what that decode rank's pages must hold after the transfer."""
+    owners = []
+    for head in heads:
+        rank = next(r for r in range(model.tp_size) if head in range(
+            model.local_kv_heads(r).start, model.local_kv_heads(r).stop))
+        owners.append((pools[rank], head - model.local_kv_heads(rank).start))
+    slots = pools[0].pages_to_tokens(list(pages))
+    digest = hashlib.sha256()
+    for part in range(len(pools[0].tensors())):
+        for layer in range(pools[0].layout.num_layers):
+            rows = torch.cat([pool.tensors()[part][layer].index_select(0, slots)[:, h:h + 1]
+                              for pool, h in owners], dim=1)
             digest.update(rows.contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return digest.hexdigest()
 
@@ -348,49 +370,102 @@ class DecodeProcess:
         self.process.join(10.0)
 
 
+class _PrefillRank:
+    """One prefill TP rank in this process: pool, timed NIXL transport, sender, worker."""
+
+    def __init__(self, model: ReferenceModel, pool: KVPool, rank: int, *, page_size: int,
+                 staging_bytes: int, auth: PeerAuth) -> None:
+        self.pool = pool
+        self.transport = TimedTransport(NixlTransport(f"bench-prefill-{rank}-{os.getpid()}"))
+        identity = RankIdentity("bench-prefill", RankCoord(0, rank), Parallelism(model.tp_size),
+                                _geometry(model.config, model.dtype, page_size))
+        self.sender = PrefillSender(self.transport, pool, identity, auth=auth,
+                                    staging_bytes=staging_bytes,
+                                    timeouts=Timeouts(transfer_s=300.0))
+        self.worker = Worker(self.sender, f"prefill-{rank}", _IDLE_SLEEP_S).start()
+
+
 class PrefillPeer:
-    """Prefill TP rank 0 of 1 in this process: pool, timed NIXL transport, sender, worker."""
+    """Every prefill TP rank of ``model`` (``model.tp_size``) in this process; ``pool``,
+    ``sender`` and ``transport`` are rank 0's, ``pools`` every rank's (what the forward
+    writes). It is the layer pipeline's ``PartSink``: ``send_part`` hands the part to every
+    rank that serves a decode rank."""
 
     def __init__(self, model: ReferenceModel, *, num_pages: int, page_size: int,
                  staging_bytes: int, auth: PeerAuth) -> None:
-        if model.tp_size != 1:
-            raise ValueError("the benchmark's prefill runs TP 1 (one rank per process)")
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
-        (self.pool,) = model.allocate_pools(num_pages, page_size)
-        self.transport = TimedTransport(NixlTransport(f"bench-prefill-{os.getpid()}"))
-        identity = RankIdentity("bench-prefill", RankCoord(0, 0), Parallelism(1),
-                                _geometry(model.config, model.dtype, page_size))
-        self.sender = PrefillSender(self.transport, self.pool, identity, auth=auth,
-                                    staging_bytes=staging_bytes,
-                                    timeouts=Timeouts(transfer_s=300.0))
-        self.worker = Worker(self.sender, "prefill", _IDLE_SLEEP_S).start()
+        self.pools = model.allocate_pools(num_pages, page_size)
+        self.ranks = [_PrefillRank(model, pool, rank, page_size=page_size,
+                                   staging_bytes=staging_bytes, auth=auth)
+                      for rank, pool in enumerate(self.pools)]
+        self.pool, self.sender = self.ranks[0].pool, self.ranks[0].sender
+        self.transport = self.ranks[0].transport
 
     def connect(self, decode: DecodeProcess) -> None:
         """Exchange documents with every decode rank (as the bootstrap servers would)."""
-        for document in decode.documents:
-            self.sender.add_peer_document(document).result(30.0)
-        assert decode.ask("add_peer", self.sender.document().model_dump_json()) == "ok"
+        for rank in self.ranks:
+            for document in decode.documents:
+                rank.sender.add_peer_document(document).result(30.0)
+            assert decode.ask("add_peer", rank.sender.document().model_dump_json()) == "ok"
+
+    def register(self, room: str, pages: Sequence[int], num_tokens: int) -> None:
+        for future in [r.sender.register_request(room, pages, num_tokens) for r in self.ranks]:
+            future.result(30.0)
+
+    def send_part(
+        self,
+        room: str,
+        pages: range | None = None,
+        layers: range | None = None,
+        *,
+        last: bool = False,
+        ready_event: torch.cuda.Event | None = None,
+    ) -> None:
+        """Hand the part to every rank whose request is live (a replica that serves no
+        decode rank finished it at registration)."""
+        for rank in self.ranks:
+            status = rank.sender.poll(room)
+            if status is not None and not status.finished:
+                rank.sender.send_part(room, pages, layers, last=last, ready_event=ready_event)
 
     def wait_transferring(self, room: str, timeout_s: float = 30.0) -> None:
-        """Block until decode's RequestKV arrived (the request may move data)."""
+        """Block until decode's RequestKV reached every rank (the request may move data)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            status = self.sender.poll(room)
-            if status is not None and status.state is not State.BOOTSTRAPPING:
-                return
-            time.sleep(100e-6)
-        raise RuntimeError(f"room {room!r}: decode never asked for the KV")
+        for rank in self.ranks:
+            while time.monotonic() < deadline:
+                status = rank.sender.poll(room)
+                if status is not None and status.state is not State.BOOTSTRAPPING:
+                    break
+                time.sleep(100e-6)
+            else:
+                raise RuntimeError(f"room {room!r}: decode never asked for the KV")
 
     def wait_finished(self, room: str, timeout_s: float = 120.0) -> str:
+        """Every rank's end: "Succeeded", or the first failure's state, reason and detail."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            status = self.sender.poll(room)
-            if status is not None and status.finished:
-                self.sender.forget(room)
-                return f"{status.state.value}{'' if status.reason is None else ': '}" + (
-                    "" if status.reason is None else f"{status.reason.value} {status.detail}")
-            time.sleep(100e-6)
-        raise RuntimeError(f"room {room!r}: the sender did not finish within {timeout_s} s")
+        ends = []
+        for rank in self.ranks:
+            while True:
+                status = rank.sender.poll(room)
+                if status is not None and status.finished:
+                    rank.sender.forget(room)
+                    ends.append(f"{status.state.value}{'' if status.reason is None else ': '}"
+                                + ("" if status.reason is None else
+                                   f"{status.reason.value} {status.detail}"))
+                    break
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"room {room!r}: the sender did not finish within "
+                                       f"{timeout_s} s")
+                time.sleep(100e-6)
+        return next((e for e in ends if e != "Succeeded"), "Succeeded")
+
+    def take_writes(self, room: str) -> dict[int, float]:
+        """Rank 0's WRITE post times of ``room`` by part (the others' stamps are dropped)."""
+        writes = {part: posted for part, posted, _ in self.ranks[0].transport.take(room)["writes"]}
+        for rank in self.ranks[1:]:
+            rank.transport.take(room)
+        return writes
 
     def close(self) -> None:
-        self.worker.stop()
+        for rank in self.ranks:
+            rank.worker.stop()

@@ -57,6 +57,7 @@ from pd_transfer.bootstrap import (
 from pd_transfer.errors import PeerUnreachable, RemoteProtocolError, ResizeError, TransportError
 from pd_transfer.layout import KVPool
 from pd_transfer.metrics import TransferMetrics
+from pd_transfer.phases import PartTimes, PhaseLog, RequestTimes
 from pd_transfer.plan import Parallelism, RankCoord
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Lifecycle, RequestStatus, Role
 from pd_transfer.protocol.messages import (
@@ -70,7 +71,8 @@ from pd_transfer.protocol.parts import PartMachine
 from pd_transfer.ring import StagingRing
 from pd_transfer.transport.base import RegisteredRegion, Transport
 
-__all__ = ["Endpoint", "RankIdentity", "ResizeResult", "Timeouts", "Transfer"]
+__all__ = ["CUDA_POLL", "Endpoint", "PollIntervals", "RankIdentity", "ResizeResult", "Timeouts",
+           "Transfer"]
 
 _log = logging.getLogger("pd_transfer")
 T = TypeVar("T")
@@ -100,6 +102,24 @@ class Timeouts:
             stall_s=max(4 * config.grant_seconds, config.transfer_seconds / 4),
             quarantine_grace_s=config.transfer_seconds,
         )
+
+
+@dataclass(frozen=True)
+class PollIntervals:
+    """The longest the worker may sleep between steps (``Endpoint.poll_interval_s``):
+    ``moving_s`` while a part of a request is in flight here (a grant, a WRITE's DONE or
+    notification, a gather's or scatter's event is due), ``waiting_s`` while a request
+    waits for its peer (decode: prefill's compute; prefill: decode's RequestKV)."""
+
+    moving_s: float
+    waiting_s: float
+
+
+#: CUDA: a part's steps take microseconds (64 MiB moves in ~50 µs), so each poll-bound wait
+#: on the critical path would cost up to a whole idle sleep (1 ms); a step costs ~30 µs of
+#: host time, so 20 µs polls (~70 µs apart with the kernel's timer slack) cost under half a
+#: core per rank, and only while data moves. Waiting for the peer polls at 200 µs.
+CUDA_POLL = PollIntervals(moving_s=20e-6, waiting_s=200e-6)
 
 
 @dataclass(frozen=True)
@@ -145,6 +165,7 @@ class Transfer(abc.ABC):
         self.transfer_deadline = float("inf")
         self.bytes = 0
         self.lifecycle = Lifecycle(release)  # ``release`` runs once, on the terminal state
+        self.part_times: list[PartTimes] = []  # finished parts' stamps (with a PhaseLog)
 
     @abc.abstractmethod
     def bound_peers(self) -> list[str]:
@@ -173,7 +194,11 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         timeouts: Timeouts | None = None,
         metrics: TransferMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        phases: PhaseLog | None = None,
+        poll: PollIntervals | None = None,
     ) -> None:
+        """``poll``: the worker's sleep caps while requests move data (default: CUDA_POLL
+        for a CUDA pool; none on CPU, where the idle back-off applies throughout)."""
         self.transport = transport
         self.auth = auth  # the deployment's transfer key (docs/failure-modes.md #26)
         self.pool = pool
@@ -181,6 +206,10 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         self.timeouts = timeouts or Timeouts()
         self.metrics = metrics or TransferMetrics(self.role)
         self.clock = clock
+        self.phases = phases  # finished requests' part stamps go here (benchmarks)
+        self.poll_intervals = poll if poll is not None else (
+            CUDA_POLL if pool.device.type == "cuda" else None)
+        self.wakeup = threading.Event()  # set by submit: the worker starts a command at once
         self.peers: dict[str, RankDocument] = {}
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue()
@@ -204,6 +233,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         """Run ``command`` on the endpoint's thread at its next step; thread-safe."""
         future: Future[T] = Future()
         self._commands.put((command, future))
+        self.wakeup.set()
         return future
 
     def add_peer(self, address: str, timeout_s: float | None = None) -> Future[str]:
@@ -295,6 +325,13 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             busy = True
         self._check_deadlines(self.clock())
         return busy
+
+    def poll_interval_s(self) -> float | None:
+        """The longest the worker may sleep now (``PollIntervals``; None: no cap)."""
+        intervals = self.poll_intervals
+        if intervals is None or not self._transfers:
+            return None
+        return intervals.moving_s if self._moving() else intervals.waiting_s
 
     def close(self) -> None:
         """Fail every live request (Aborted), then close the transport. Call on the worker
@@ -429,6 +466,19 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         self.publish(transfer.status(now))
         if transfer.lifecycle.finished:
             self.metrics.request_finished(transfer.room, reason, detail, now - transfer.created)
+            if self.phases is not None:
+                self.phases.add(RequestTimes(
+                    transfer.room, self.role.value, transfer.lifecycle.state.value,
+                    transfer.created, now, tuple(transfer.part_times)))
+
+    def _part_finished(  # noqa: PLR0917 - private; both sides name every field
+        self, transfer: TransferT, peer: str, sender_id: int, part: int, path: str,
+        size_bytes: int, stamps: dict[str, float],
+    ) -> None:
+        """Keep a finished part's stamps for the request's ``RequestTimes`` (with a log)."""
+        if self.phases is not None:
+            transfer.part_times.append(
+                PartTimes(peer, sender_id, part, path, size_bytes, stamps))
 
     # Staging resizes (module docstring) ---------------------------------------------------
 
@@ -541,6 +591,10 @@ class Endpoint(abc.ABC, Generic[TransferT]):
 
     def _on_peer_added(self, document: RankDocument) -> None:
         return None
+
+    @abc.abstractmethod
+    def _moving(self) -> bool:
+        """A live request has a part in flight on this side (``PollIntervals.moving_s``)."""
 
     @abc.abstractmethod
     def _on_message(self, peer: str, message: Message) -> None: ...

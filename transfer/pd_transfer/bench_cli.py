@@ -5,6 +5,8 @@ Nothing heavy is imported until a benchmark runs, so ``pd-transfer --help`` stay
 
 ``bench pipeline`` measures layer pipelining over real NIXL (``bench_pipeline``), prints one
 line per prompt length and optionally writes the JSON report and the PNG timeline.
+``bench transfer`` measures a request's transfer end to end per TP combination, staged vs
+contiguous vs raw NIXL, with each request's phases (``bench_transfer``, ``bench_phases``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``bench`` (with its ``pipeline`` subcommand) to a ``pd-transfer`` parser."""
+    """Add ``bench`` (its ``pipeline`` and ``transfer`` subcommands) to a ``pd-transfer``
+    parser."""
     bench = subparsers.add_parser("bench", help="benchmarks (not tests: print numbers)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     p = kinds.add_parser(
@@ -51,6 +54,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--saturation", type=float, default=16.0)
     p.add_argument("--decode-mode", choices=["auto", "staged", "contiguous"], default="auto",
                    help="send path decode asks for (auto: contiguous for TP 1 -> TP 1)")
+    p.add_argument("--prefill-tp", type=int, default=1,
+                   help="prefill TP ranks (in this process; the model splits its heads)")
+    p.add_argument("--decode-tp", type=int, default=1, help="decode TP ranks")
+    p.add_argument("--prefill-buffer-mib", type=int, default=64,
+                   help="each prefill rank's staging buffer (staged path)")
+    p.add_argument("--decode-pool-mib", type=int, default=64,
+                   help="each decode rank's staging ring (staged path)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="GPU: replay the forward from per-layer CUDA graphs, so compute time "
                         "is the GPU's, not the host's kernel launches (default: on for cuda)")
@@ -60,6 +70,94 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--timeline", type=Path, default=None, help="write the PNG timeline here")
     p.set_defaults(handler=_run_pipeline)
+    _add_transfer_parser(kinds)
+
+
+def _add_transfer_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = kinds.add_parser(
+        "transfer", help="staged vs contiguous vs raw NIXL, per TP combination, with phases",
+        description="Prefill and decode ranks as processes over NIXL; per TP combination and "
+                    "prompt length: per-request latency at 1 in flight and throughput at "
+                    "--concurrency in flight, of the staged and contiguous paths and of raw "
+                    "one-descriptor NIXL WRITEs of the same bytes between the same processes; "
+                    "each request's latency split into phases from the endpoints' stamps.",
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--gpus", type=int, choices=[1, 2], default=1,
+                   help="cuda: 1 (every rank on cuda:0) or 2 (decode ranks on cuda:1)")
+    p.add_argument("--combos", default="2-4:8,4-2:8,1-1:8,8-2:2",
+                   help="prefill_tp-decode_tp:kv_heads, comma-separated")
+    p.add_argument("--lengths", default=None,
+                   help="prompt lengths (default: 256..32768 on cuda, 256,1024,4096 on cpu)")
+    p.add_argument("--paths", default="raw,staged,contiguous",
+                   help="of raw, staged, contiguous (contiguous only where heads are whole)")
+    p.add_argument("--layers", type=int, default=None, help="default 16 on cuda, 4 on cpu")
+    p.add_argument("--head-dim", type=int, default=None, help="default 128 on cuda, 64 on cpu")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
+    p.add_argument("--repeats", type=int, default=5, help="requests at 1 in flight (median)")
+    p.add_argument("--waves", type=int, default=3, help="waves at --concurrency (median)")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--staging-mib", type=int, default=None,
+                   help="each prefill rank's staging buffer (default: --concurrency requests)")
+    p.add_argument("--ring-mib", type=int, default=None,
+                   help="each decode rank's ring (default: --concurrency requests)")
+    p.add_argument("--poll-us", default=None,
+                   help="MOVING,WAITING: the rank workers' sleep caps in µs while a part is in "
+                        "flight / a request waits for its peer (default: the endpoints')")
+    p.add_argument("--json", type=Path, default=None, help="write the report here")
+    p.add_argument("--chart", type=Path, default=None, help="write the PNG of phases here")
+    p.set_defaults(handler=_run_transfer)
+
+
+def _run_transfer(args: argparse.Namespace) -> int:
+    from pd_transfer.bench_transfer import (  # noqa: PLC0415 - keep `pd-transfer --help` light
+        Combo,
+        TransferBenchSettings,
+        run_transfer_bench,
+        write_json,
+    )
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    gpu = args.device == "cuda"
+    combos = []
+    for item in args.combos.split(","):
+        tps, heads = item.split(":")
+        prefill_tp, decode_tp = tps.split("-")
+        combos.append(Combo(int(prefill_tp), int(decode_tp), int(heads)))
+    lengths = args.lengths or ("256,1024,4096,16384,32768" if gpu else "256,1024,4096")
+    settings = TransferBenchSettings(
+        device=args.device, gpus=args.gpus if gpu else 1, combos=tuple(combos),
+        lengths=tuple(int(x) for x in lengths.split(",") if x),
+        paths=tuple(p for p in args.paths.split(",") if p),
+        layers=args.layers or (16 if gpu else 4), head_dim=args.head_dim or (128 if gpu else 64),
+        page_size=args.page_size, dtype=args.dtype, repeats=args.repeats, waves=args.waves,
+        concurrency=args.concurrency, staging_mib=args.staging_mib, ring_mib=args.ring_mib,
+        poll_us=None if args.poll_us is None else (
+            float(args.poll_us.split(",")[0]), float(args.poll_us.split(",")[1])),
+    )
+    unknown = set(settings.paths) - {"raw", "staged", "contiguous"}
+    if unknown:
+        print(f"unknown paths {sorted(unknown)}", file=sys.stderr)
+        return 2
+    print(f"bench transfer: {settings.device} x{settings.gpus}, {settings.layers} layers x "
+          f"head dim {settings.head_dim} {settings.dtype}, page {settings.page_size}, "
+          f"lengths {settings.lengths}, {settings.repeats} requests at 1 in flight, "
+          f"{settings.waves} waves of {settings.concurrency}, worker poll caps (µs) "
+          f"{settings.poll_us or 'endpoint default'}, UCX_TLS "
+          f"{os.environ.get('UCX_TLS', '(UCX default)')}")
+    json_path = args.json
+    report = run_transfer_bench(settings, checkpoint=None if json_path is None
+                                else lambda partial: write_json(partial, json_path))
+    if json_path is not None:
+        write_json(report, json_path)
+        print(f"wrote {json_path}")
+    if args.chart is not None:
+        from pd_transfer.bench_phases import write_phase_chart  # noqa: PLC0415 - matplotlib
+
+        write_phase_chart(report, args.chart)
+        print(f"wrote {args.chart}")
+    return 0
 
 
 def _run_pipeline(args: argparse.Namespace) -> int:
@@ -97,11 +195,16 @@ def _run_pipeline(args: argparse.Namespace) -> int:
                                      saturation=args.saturation),
         decode_mode=args.decode_mode,
         cuda_graphs=gpu if args.cuda_graphs is None else args.cuda_graphs and gpu,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        staging_mib=args.prefill_buffer_mib,
+        ring_mib=args.decode_pool_mib,
     )
     print(f"bench pipeline: prefill {settings.device}, link {link}, model {preset} "
           f"{model}, dtype {settings.dtype}, page {settings.page_size}, "
           f"repeats {settings.repeats}, torch threads {torch.get_num_threads()}, "
-          f"CUDA graphs {settings.cuda_graphs}, UCX_TLS "
+          f"CUDA graphs {settings.cuda_graphs}, TP {settings.prefill_tp} -> "
+          f"{settings.decode_tp}, buffers {settings.staging_mib}/{settings.ring_mib} MiB, UCX_TLS "
           f"{os.environ.get('UCX_TLS', '(UCX default)')}")
     json_path = args.json
     report = run_bench(settings, checkpoint=None if json_path is None

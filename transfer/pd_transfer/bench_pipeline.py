@@ -13,9 +13,13 @@ prompt length, median of ``repeats`` runs each:
   serial) and measured / ideal.
 
 After every transfer decode's pages are checked bit-exact against prefill's head slices
-(SHA-256). Links: ``nvlink`` (decode pool on a second GPU, or the same GPU when there is
-one), ``pinned-host`` (decode pool in pinned host memory, ~55 GB/s like a 400 Gb/s NIC;
-the copy up to the GPU after completion is reported apart, ``copy_up_s``), ``dram`` (CPU).
+(SHA-256). ``prefill_tp`` / ``decode_tp``: the prefill TP ranks run in this process (the
+reference model computes every rank's heads into its pool), the decode ranks in the decode
+process; different TP sizes take the staged path, whose buffers are ``staging_mib`` per
+prefill rank and ``ring_mib`` per decode rank. Links: ``nvlink`` (decode pool on a second
+GPU, or the same GPU when there is one), ``pinned-host`` (decode pool in pinned host
+memory, ~55 GB/s like a 400 Gb/s NIC; the copy up to the GPU after completion is reported
+apart, ``copy_up_s``), ``dram`` (CPU).
 Not a test: prints and writes numbers, asserts nothing about timings.
 """
 
@@ -34,8 +38,15 @@ from typing import Any
 import torch
 
 from pd_contract.config import LayerPipelineConfig
-from pd_transfer._bench_peers import DecodeProcess, DecodeSpec, Link, PrefillPeer, kv_digest
+from pd_transfer._bench_peers import (
+    DecodeProcess,
+    DecodeSpec,
+    Link,
+    PrefillPeer,
+    kv_digest_of_heads,
+)
 from pd_transfer.pipeline import GroupForward, LayerPipeline
+from pd_transfer.plan import compute_local_heads
 from pd_transfer.reference_model import (
     ChunkForward,
     GraphedChunkForward,
@@ -72,6 +83,10 @@ class BenchSettings:
     # GPU: replay the forward from per-layer CUDA graphs (GraphedChunkForward), so C is the
     # GPU's compute time rather than the host's kernel-launch time.
     cuda_graphs: bool = False
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    staging_mib: int = 64  # each prefill rank's staging buffer
+    ring_mib: int = 64  # each decode rank's staging ring
 
 
 @dataclass
@@ -122,21 +137,26 @@ class _Bench:
     def __init__(self, settings: BenchSettings, decode_device: str) -> None:
         self.s = settings
         self.device = torch.device(settings.device)
-        self.model = ReferenceModel(settings.model, seed=settings.seed, device=self.device,
-                                    dtype=settings.dtype)
+        self.model = ReferenceModel(settings.model, tp_size=settings.prefill_tp,
+                                    seed=settings.seed, device=self.device, dtype=settings.dtype)
         max_tokens = max(settings.lengths)
         self.num_pages = -(-max_tokens // settings.page_size) + 1
         self.pages = list(range(self.num_pages))
         cpu = self.device.type == "cpu"
         self.decode = DecodeProcess(DecodeSpec(
             model=settings.model, dtype=settings.dtype, page_size=settings.page_size,
-            num_pages=self.num_pages, tp=1, device=decode_device, link=settings.link,
-            ring_bytes=64 << 20, mode=settings.decode_mode,  # type: ignore[arg-type]
+            num_pages=self.num_pages, tp=settings.decode_tp, device=decode_device,
+            link=settings.link, ring_bytes=settings.ring_mib << 20,
+            mode=settings.decode_mode,  # type: ignore[arg-type]
             seed=settings.seed, torch_threads=1 if cpu else 4,
         ))
         self.prefill = PrefillPeer(self.model, num_pages=self.num_pages,
-                                   page_size=settings.page_size, staging_bytes=64 << 20,
+                                   page_size=settings.page_size,
+                                   staging_bytes=settings.staging_mib << 20,
                                    auth=self.decode.auth)
+        self.decode_heads = [compute_local_heads(settings.model.num_kv_heads,
+                                                 settings.decode_tp, rank)
+                             for rank in range(settings.decode_tp)]
         self.prefill.connect(self.decode)
         self.rooms = 0
         self._graphed: GraphedChunkForward | None = None  # of the current prompt length
@@ -161,12 +181,12 @@ class _Bench:
     def forward(self, tokens: torch.Tensor) -> GroupForward:
         """The prefill forward of ``tokens`` (graphed: captured once per prompt length)."""
         if not self.s.cuda_graphs:
-            return ChunkForward(self.model, tokens, pools=(self.prefill.pool,),
+            return ChunkForward(self.model, tokens, pools=self.prefill.pools,
                                 page_table=self.pages, start_pos=0)
         n = tokens.numel()
         if self._graphed is None or self._graphed.num_tokens != n:
             self._graphed = None  # free the previous length's graphs and buffers first
-            self._graphed = GraphedChunkForward(self.model, n, pools=(self.prefill.pool,),
+            self._graphed = GraphedChunkForward(self.model, n, pools=self.prefill.pools,
                                                 page_table=self.pages)
         return self._graphed.load(tokens)
 
@@ -183,7 +203,7 @@ class _Bench:
         pages = self.pages[: -(-n // self.s.page_size)]
         self.rooms += 1
         room = f"{mode}-{n}-{self.rooms}"
-        self.prefill.sender.register_request(room, pages, n).result(30.0)
+        self.prefill.register(room, pages, n)
         assert self.decode.ask("expect", room, pages, n) == "ok"
         self.prefill.wait_transferring(room)
         forward = self.forward(tokens)
@@ -193,22 +213,23 @@ class _Bench:
             forward(range(self.s.model.num_layers))
         origin, origin_event = self._origin()
         if mode == "transfer":
-            self.prefill.sender.send_part(room, range(len(pages)), None, last=True)
+            self.prefill.send_part(room, range(len(pages)), None, last=True)
             groups = 1
         else:
-            pipeline = LayerPipeline(config, self.s.model.num_layers, self.prefill.sender,
+            pipeline = LayerPipeline(config, self.s.model.num_layers, self.prefill,
                                      device=self.device)
             groups = len(pipeline.run_chunk(room, clock, num_tokens=n,
                                             pages=range(len(pages)), last=True).groups)
         result = self.decode.ask("wait", room, pages, 300.0)
         state = self.prefill.wait_finished(room)
-        if result["states"] != ["Succeeded"] or state != "Succeeded":
+        if set(result["states"]) != {"Succeeded"} or state != "Succeeded":
             raise RuntimeError(f"{room}: decode {result['states']}, prefill {state}")
         digests = self.decode.ask("digest", pages)
-        if digests != [kv_digest(self.prefill.pool, pages, range(self.s.model.num_kv_heads))]:
+        expected = [kv_digest_of_heads(self.prefill.pools, self.model, pages,
+                                       range(h.start, h.stop)) for h in self.decode_heads]
+        if digests != expected:
             raise RuntimeError(f"{room}: decode KV differs from prefill's (bit-exact check)")
-        writes = {part: posted for part, posted, _ in
-                  self.prefill.transport.take(room)["writes"]}
+        writes = self.prefill.take_writes(room)
         transfer = [(writes.get(part, arrived) - origin, arrived - origin)
                     for part, arrived, _ in result["arrivals"][0]]
         return _Run(result["ready_at"] - origin, groups, clock.spans(origin_event, origin),
@@ -252,6 +273,10 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print,
         "group_size": settings.group_size,
         "repeats": settings.repeats,
         "cuda_graphs": settings.cuda_graphs,
+        "prefill_tp": settings.prefill_tp,
+        "decode_tp": settings.decode_tp,
+        "staging_mib": settings.staging_mib,
+        "ring_mib": settings.ring_mib,
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
         "clock": "time.monotonic (CLOCK_MONOTONIC, shared by both processes)",
         "verified": "SHA-256 of decode's pages equals prefill's after every transfer",

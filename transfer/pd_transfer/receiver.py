@@ -44,20 +44,34 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd_transfer._endpoint import Endpoint, RankIdentity, ResizeResult, Timeouts, Transfer
+from pd_transfer._endpoint import (
+    Endpoint,
+    PollIntervals,
+    RankIdentity,
+    ResizeResult,
+    Timeouts,
+    Transfer,
+)
 from pd_transfer._paths import PathMode, choose_path, compute_layout
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import RankDocument
 from pd_transfer.errors import OversizedAllocation
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.metrics import TransferMetrics
+from pd_transfer.phases import PhaseLog, Stamp
 from pd_transfer.plan import TransferPlan, compute_transfer_topology
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.coverage import Coverage, CoverageError
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Role, State
 from pd_transfer.protocol.parts import Part, PartEvent, PartState, Quarantined
 from pd_transfer.ring import Region, StagingRing
-from pd_transfer.staging import scatter, staged_chunk_bytes
+from pd_transfer.staging import (
+    PageIds,
+    StagingStream,
+    prepare_pages,
+    scatter,
+    staged_chunk_bytes,
+)
 from pd_transfer.transport.base import RegisteredRegion, Transport
 
 __all__ = ["DecodeReceiver"]
@@ -73,6 +87,7 @@ class _InPart(Part):
     granted_at: float = 0.0
     ring_version: int = 0  # of the ring its region was granted in
     scattered: torch.cuda.Event | None = None  # CUDA: fires when its scatter has finished
+    stamps: dict[str, float] = field(default_factory=dict)  # Stamp -> clock (phases.py)
 
 
 @dataclass
@@ -119,6 +134,7 @@ class ReceiveTransfer(Transfer):
     ) -> None:
         super().__init__(room, receiver.clock(), lambda: receiver._release(self))
         self.dst_pages = dst_pages
+        self.dst_ids: PageIds | None = None  # dst_pages on the device (staged path)
         self.num_tokens = num_tokens
         self.first_page = first_page
         self.instance = instance
@@ -149,9 +165,10 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                  auth: PeerAuth, ring_bytes: int, mode: PathMode = "auto",
                  timeouts: Timeouts | None = None,
                  metrics: TransferMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 phases: PhaseLog | None = None, poll: PollIntervals | None = None) -> None:
         super().__init__(transport, pool, identity, auth=auth, timeouts=timeouts,
-                         metrics=metrics, clock=clock)
+                         metrics=metrics, clock=clock, phases=phases, poll=poll)
         self.mode: PathMode = mode
         self.ring_buffer = torch.zeros(ring_bytes, dtype=torch.uint8, device=pool.device)
         self.ring_region = transport.register(self.ring_buffer,
@@ -160,9 +177,9 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         self.ring_version = 1
         self.metrics.attach_ring(self.ring)
         self.metrics.set_staging(ring_bytes, self.ring_version)
-        self._stream: torch.cuda.Stream | None = None
+        self._stream: StagingStream | None = None
         if pool.device.type == "cuda":
-            self._stream = torch.cuda.Stream(pool.device)  # type: ignore[no-untyped-call]
+            self._stream = StagingStream(pool.device)
         self._queue: collections.deque[_Queued] = collections.deque()
         self._quarantine: list[Quarantined] = []
         self._retired: dict[int, torch.Tensor] = {}  # old ring buffers quarantine still pins
@@ -260,6 +277,8 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                                                        coverage)
         transfer.instance = instance
         transfer.transfer_deadline = now + self.timeouts.transfer_s
+        if any(writer.path == "staged" for writer in transfer.writers.values()):
+            self._dst_ids(transfer)  # now, not when the first part lands
         self._apply(transfer, Event.START)
         for writer in transfer.writers.values():
             self._ask(transfer, writer)
@@ -340,6 +359,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             self.reject("wrong_path", f"AllocRequest on the {writer.path} path")
             return
         part = writer.part(msg.part)
+        part.stamps.setdefault(Stamp.ALLOC_RECEIVED, self.clock())
         if part.state is PartState.ARRIVED:
             self.reject("duplicate", f"AllocRequest for delivered part {msg.part}")
             return
@@ -380,6 +400,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         part.region, part.granted_at, part.ring_version = region, self.clock(), self.ring_version
         self._move(writer, part, PartEvent.GRANT)
         self.send(writer.peer, self._grant(transfer, writer, part))
+        part.stamps[Stamp.GRANT_SENT] = self.clock()
 
     def _enqueue(self, transfer: ReceiveTransfer, writer: _Writer, part: _InPart) -> None:
         """No ring space for ``part`` now: queue it (FIFO), tell its writer it waits."""
@@ -406,6 +427,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         self, transfer: ReceiveTransfer, writer: _Writer, msg: wire.StagedPart
     ) -> None:
         part = writer.part(msg.part)
+        notified = self.clock()
         if part.state in (PartState.SCATTERING, PartState.ARRIVED):
             self.reject("duplicate", f"notification for part {msg.part} again")
             return
@@ -435,26 +457,38 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             self._violation(transfer, writer.peer, "notification does not match its grant")
             return
         self.part_machine.apply(part, PartEvent.LAND)
+        part.stamps[Stamp.NOTIFIED] = notified
         view = self.ring_buffer[region.offset_bytes : region.offset_bytes + region.size_bytes]
-        local_layers = [g - plan.layers.start + plan.dst_layer_start for g in layers]
-        dst_pages = transfer.dst_pages[pages.start : pages.stop]
+        first = plan.dst_layer_start - plan.layers.start
+        local_layers = range(layers.start + first, layers.stop + first)
+        dst_pages = self._dst_ids(transfer).select(pages.start, pages.stop)
         if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.pool.device))
-            with torch.cuda.stream(self._stream):
-                scatter(view, self.pool, local_layers, dst_pages,
-                        head_start=plan.heads.dst_head_offset, num_heads=plan.heads.num_heads)
-                part.scattered = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                part.scattered.record(self._stream)
+            self._stream.order()  # after the engine's default stream (no device sync)
+            scatter(view, self.pool, local_layers, dst_pages,
+                    head_start=plan.heads.dst_head_offset, num_heads=plan.heads.num_heads,
+                    stream=self._stream.stream)
+            part.scattered = self._stream.record()
+            part.stamps[Stamp.SCATTER_QUEUED] = self.clock()
         else:
             scatter(view, self.pool, local_layers, dst_pages,
                     head_start=plan.heads.dst_head_offset, num_heads=plan.heads.num_heads)
-            self._landed(transfer, part)
+            part.stamps[Stamp.SCATTER_QUEUED] = self.clock()
+            self._landed(transfer, writer, part)
 
-    def _landed(self, transfer: ReceiveTransfer, part: _InPart) -> None:
+    def _dst_ids(self, transfer: ReceiveTransfer) -> PageIds:
+        """The request's destination pages on the pool's device, made once."""
+        if transfer.dst_ids is None:
+            transfer.dst_ids = prepare_pages(self.pool, transfer.dst_pages)
+        return transfer.dst_ids
+
+    def _landed(self, transfer: ReceiveTransfer, writer: _Writer, part: _InPart) -> None:
         region, part.region = part.region, None
         assert region is not None
         self.ring.free(region)
         self.part_machine.apply(part, PartEvent.SCATTERED)
+        part.stamps[Stamp.SCATTERED] = self.clock()
+        self._part_finished(transfer, writer.peer, writer.plan.sender_id, part.index,
+                            "staged", region.size_bytes, part.stamps)
         transfer.bytes += region.size_bytes
         self.metrics.bytes_moved("staged", region.size_bytes)
 
@@ -472,6 +506,11 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         pages = range(msg.page_start, msg.page_start + msg.page_count)
         if self._claim(transfer, writer, msg, layers, pages):
             self._move(writer, part, PartEvent.NOTIFY)
+            part.stamps[Stamp.NOTIFIED] = self.clock()
+            size = (writer.plan.num_parts * writer.plan.bytes_per_token_per_layer
+                    * len(layers) * len(pages) * self.pool.layout.page_size)
+            self._part_finished(transfer, writer.peer, writer.plan.sender_id, part.index,
+                                writer.path, size, part.stamps)
 
     def _claim(self, transfer: ReceiveTransfer, writer: _Writer,
                msg: wire.StagedPart | wire.PartDone, layers: range, pages: range) -> bool:
@@ -519,6 +558,12 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
 
     # Progress, deadlines, endings ------------------------------------------------------------
 
+    def _moving(self) -> bool:
+        """A writer has started sending (a part was named): more messages, WRITEs and
+        scatters are due."""
+        return bool(self._queue) or any(any(w.parts for w in t.writers.values())
+                                         for t in self._transfers.values())
+
     def _progress(self) -> bool:
         busy = False
         for transfer in list(self._transfers.values()):
@@ -527,7 +572,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                     for part in writer.in_state(PartState.SCATTERING):
                         event = part.scattered
                         if event is not None and event.query():  # type: ignore[no-untyped-call]
-                            self._landed(transfer, part)
+                            self._landed(transfer, writer, part)
                             busy = True
                 if busy:
                     self._check_complete(transfer)

@@ -42,7 +42,14 @@ from typing import Protocol
 
 import torch
 
-from pd_transfer._endpoint import Endpoint, RankIdentity, ResizeResult, Timeouts, Transfer
+from pd_transfer._endpoint import (
+    Endpoint,
+    PollIntervals,
+    RankIdentity,
+    ResizeResult,
+    Timeouts,
+    Transfer,
+)
 from pd_transfer._paths import compute_contiguous_spans, compute_layout, compute_sliced_spans
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import RankDocument, RegionDoc
@@ -54,6 +61,7 @@ from pd_transfer.errors import (
 )
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.metrics import TransferMetrics
+from pd_transfer.phases import PhaseLog, Stamp
 from pd_transfer.plan import (
     LayerRange,
     Parallelism,
@@ -67,7 +75,13 @@ from pd_transfer.protocol.coverage import Coverage, CoverageError
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Role, State
 from pd_transfer.protocol.parts import Part, PartEvent, PartState
 from pd_transfer.ring import StagingRing
-from pd_transfer.staging import gather, staged_chunk_bytes
+from pd_transfer.staging import (
+    PageIds,
+    StagingStream,
+    gather,
+    prepare_pages,
+    staged_chunk_bytes,
+)
 from pd_transfer.transport.base import RegisteredRegion, TransferHandle, TransferState, Transport
 
 __all__ = ["PrefillSender", "ReadyEvent"]
@@ -90,6 +104,7 @@ class _PartSpec:
     layers: LayerRange
     last: bool
     ready: ReadyEvent | None
+    given_at: float  # the engine's send_part call
 
 
 @dataclass(kw_only=True, eq=False)
@@ -107,6 +122,7 @@ class _OutPart(Part):
     alloc_sent_at: float = 0.0
     retries: int = 0
     handle: TransferHandle | None = None
+    stamps: dict[str, float] = field(default_factory=dict)  # Stamp -> clock (phases.py)
 
 
 @dataclass
@@ -137,6 +153,7 @@ class SendTransfer(Transfer):
     ) -> None:
         super().__init__(room, sender.clock(), lambda: sender._release(self))
         self.src_pages = src_pages  # grows with extend_request (chunked prefill)
+        self.src_ids: PageIds | None = None  # src_pages on the device (staged path)
         self.num_tokens = num_tokens
         self.total_pages = max(len(src_pages), -(-num_tokens // sender.pool.layout.page_size))
         self.lease_deadline = self.created + sender.timeouts.kv_lease_s
@@ -161,9 +178,10 @@ class PrefillSender(Endpoint[SendTransfer]):
     def __init__(self, transport: Transport, pool: KVPool, identity: RankIdentity, *,
                  auth: PeerAuth, staging_bytes: int, timeouts: Timeouts | None = None,
                  metrics: TransferMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 phases: PhaseLog | None = None, poll: PollIntervals | None = None) -> None:
         super().__init__(transport, pool, identity, auth=auth, timeouts=timeouts,
-                         metrics=metrics, clock=clock)
+                         metrics=metrics, clock=clock, phases=phases, poll=poll)
         self.staging_buffer = torch.zeros(staging_bytes, dtype=torch.uint8, device=pool.device)
         self.staging_region = transport.register(
             self.staging_buffer, name=f"{transport.agent_name}/staging"
@@ -171,14 +189,16 @@ class PrefillSender(Endpoint[SendTransfer]):
         self.staging = StagingRing(staging_bytes)
         self.staging_version = 1
         self.metrics.set_staging(staging_bytes, self.staging_version)
-        self._stream: torch.cuda.Stream | None = None
+        self._stream: StagingStream | None = None
         if pool.device.type == "cuda":
-            self._stream = torch.cuda.Stream(pool.device)  # type: ignore[no-untyped-call]
+            self._stream = StagingStream(pool.device)
         self._stage_layers = compute_stage_layers(
             identity.geometry.num_layers, identity.parallelism.pp, identity.coord.pp_rank
         )
         self._topologies: dict[Parallelism, TransferTopology] = {}
         self._early: dict[str, list[tuple[str, wire.RequestKV, float]]] = {}
+        # Parts whose AllocRequest this step sent, gathered at its end (_enqueue_gathers).
+        self._gathers: list[tuple[SendTransfer, _Stream, _OutPart, range]] = []
         self.alloc_requests_sent = 0  # first sends only (docs/failure-modes.md #1 counts these)
 
     # Engine API ----------------------------------------------------------------------------
@@ -208,7 +228,9 @@ class PrefillSender(Endpoint[SendTransfer]):
     ) -> Future[None]:
         """Send request pages ``pages`` (indices into the registered page list; all by
         default) of global ``layers`` (this stage's by default) once ``ready_event`` fired."""
-        return self.submit(lambda: self._add_part(room, pages, layers, last, ready_event))
+        given = self.clock()
+        return self.submit(lambda: self._add_part(room, pages, layers, last, ready_event,
+                                                  given))
 
     def abort(self, room: str, detail: str = "aborted by the engine") -> Future[None]:
         return self.submit(lambda: self._abort(room, detail))
@@ -264,13 +286,14 @@ class PrefillSender(Endpoint[SendTransfer]):
                              f"[0, {layout.num_pages})")
         known.extend(pages)
 
-    def _add_part(
+    def _add_part(  # noqa: PLR0917 - private; send_part's arguments, in order
         self,
         room: str,
         pages: range | None,
         layers: range | None,
         last: bool,
         ready: ReadyEvent | None,
+        given: float,
     ) -> None:
         transfer = self._transfers.get(room)
         if transfer is None:
@@ -289,7 +312,7 @@ class PrefillSender(Endpoint[SendTransfer]):
             transfer.coverage.claim(range(span.start, span.stop), pages)
         except CoverageError as exc:
             raise ValueError(f"room {room!r}: {exc}; each page of each layer is sent once") from exc
-        transfer.specs.append(_PartSpec(pages, span, last, ready))
+        transfer.specs.append(_PartSpec(pages, span, last, ready, given))
         transfer.last_given = last
         if last and not transfer.coverage.complete:
             # The engine ended the request without handing over all of its KV: decode would
@@ -402,6 +425,8 @@ class PrefillSender(Endpoint[SendTransfer]):
             transfer.expected = frozenset((p.decode.pp_rank, p.decode.tp_rank) for p in plans)
         transfer.streams[peer] = _Stream(peer, document, layout, plan, message.path, dst_pages,
                                          first_page=first)
+        if message.path == "staged":
+            self._src_ids(transfer)  # now, not on the way of the first part
         if transfer.lifecycle.state is State.BOOTSTRAPPING:
             transfer.transfer_deadline = self.clock() + self.timeouts.transfer_s
             self._apply(transfer, Event.START)
@@ -436,9 +461,16 @@ class PrefillSender(Endpoint[SendTransfer]):
             self._violation(transfer, stream.peer, "grant of the wrong size")
             return
         out.grant = msg  # a newer version than known waits for its RingUpdate
+        out.stamps[Stamp.GRANTED] = self.clock()
         self._try_post_staged(transfer, stream, out)
 
     # Progress ------------------------------------------------------------------------------
+
+    def _moving(self) -> bool:
+        """The engine gave parts of a Transferring request: grants, gathers, WRITEs and the
+        Release are due."""
+        return any(t.specs and t.lifecycle.state is State.TRANSFERRING
+                   for t in self._transfers.values())
 
     def _progress(self) -> bool:
         busy = False
@@ -452,6 +484,7 @@ class PrefillSender(Endpoint[SendTransfer]):
                         break
                 if not transfer.lifecycle.finished:
                     self._check_complete(transfer)
+        self._enqueue_gathers()
         if self._resize is not None:
             busy = self._step_resize() or busy
         return busy
@@ -465,14 +498,17 @@ class PrefillSender(Endpoint[SendTransfer]):
                 if out.spec.ready is not None and not out.spec.ready.query():
                     continue
                 busy = True
+                out.stamps[Stamp.READY] = self.clock()
                 if stream.path == "staged":
                     self.part_machine.apply(out, PartEvent.READY)
                 else:
                     self._post_direct(transfer, stream, out)
-            if out.state is PartState.WAITING_STAGING:
+            if out.state is PartState.WAITING_STAGING and out.region is None:
                 busy = self._stage_part(transfer, stream, out) or busy
             elif out.state is PartState.AWAITING_GRANT and out.grant is not None:
                 busy = self._try_post_staged(transfer, stream, out) or busy
+            elif out.state is PartState.AWAITING_GRANT:
+                self._gathered(out)  # stamps the gather's end while the grant is awaited
             elif out.state is PartState.WRITING and out.handle is not None:
                 busy = self._poll_write(transfer, stream, out) or busy
         return busy
@@ -490,8 +526,9 @@ class PrefillSender(Endpoint[SendTransfer]):
                 index = stream.parts_made
                 stream.parts_made += 1
                 final = stream.parts_made if spec.last else None
-                stream.out[index] = _OutPart(index=index, spec=spec, pages=pages,
-                                             layers=LayerRange(start, stop), final=final)
+                stream.out[index] = _OutPart(
+                    index=index, spec=spec, pages=pages, layers=LayerRange(start, stop),
+                    final=final, stamps={Stamp.GIVEN: spec.given_at, Stamp.PICKED: self.clock()})
                 made = True
             if spec.last and not stream.final_sent:
                 stream.final_sent = True
@@ -529,9 +566,11 @@ class PrefillSender(Endpoint[SendTransfer]):
     def _stage_part(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
         if self._resize is not None:
             return False  # no new gather while the staging buffer is being re-sized
-        layers, pages = self._pairs(transfer, stream, out)
+        stage = self._stage_layers.start
+        layers = range(out.layers.start - stage, out.layers.stop - stage)  # local layers
         heads = stream.plan.heads
-        size = staged_chunk_bytes(self.pool.layout, len(layers), len(pages), heads.num_heads)
+        size = staged_chunk_bytes(self.pool.layout, len(layers), len(out.pages),
+                                  heads.num_heads)
         try:
             region = self.staging.allocate(transfer.room, size)
         except OversizedAllocation:
@@ -542,24 +581,52 @@ class PrefillSender(Endpoint[SendTransfer]):
             return True
         if region is None:
             return False  # the buffer is full: a finishing WRITE frees it
-        view = self.staging_buffer[region.offset_bytes : region.offset_bytes + size]
-        if self._stream is not None:
-            # Order after the engine's stream (stream dependency, not a device sync).
-            self._stream.wait_stream(torch.cuda.current_stream(self.pool.device))
-            with torch.cuda.stream(self._stream):
-                gather(self.pool, [s for s, _ in layers], [s for s, _ in pages],
-                       head_start=heads.src_head_offset, num_heads=heads.num_heads, out=view)
-                out.gathered = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                out.gathered.record(self._stream)
-        else:
-            gather(self.pool, [s for s, _ in layers], [s for s, _ in pages],
-                   head_start=heads.src_head_offset, num_heads=heads.num_heads, out=view)
         out.region, out.size_bytes = region, size
-        self.part_machine.apply(out, PartEvent.GATHER)
+        # The AllocRequest goes now, the gather at the end of this step
+        # (``_enqueue_gathers``): decode's turn-around overlaps the gathers' enqueue, and the
+        # AllocRequests of every part made ready in this step (one per decode rank) leave
+        # before any gather is enqueued. No grant can be handled before the gather is queued
+        # (messages are read at the start of a step).
         out.alloc_sent_at = self.clock()
         self.alloc_requests_sent += 1
-        self.send(stream.peer, self._alloc_request(transfer, stream, out))
+        if not self.send(stream.peer, self._alloc_request(transfer, stream, out)):
+            return True  # the peer is gone: its requests failed and released their staging
+        out.stamps[Stamp.ALLOC_SENT] = self.clock()
+        self._gathers.append((transfer, stream, out, layers))
         return True
+
+    def _enqueue_gathers(self) -> None:
+        """Enqueue the gathers whose AllocRequests this step sent (see ``_stage_part``)."""
+        gathers, self._gathers = self._gathers, []
+        for transfer, stream, out, layers in gathers:
+            if transfer.lifecycle.finished:
+                continue  # failed meanwhile: its staging space is freed
+            with self.guard(self._failer(transfer)):
+                region = out.region
+                assert region is not None
+                out.stamps[Stamp.GATHER_QUEUED] = self.clock()
+                view = self.staging_buffer[region.offset_bytes
+                                           : region.offset_bytes + out.size_bytes]
+                pages = self._src_ids(transfer).select(out.pages.start, out.pages.stop)
+                heads = stream.plan.heads
+                if self._stream is not None:
+                    self._stream.order()  # after the engine's default stream (no device sync)
+                    gather(self.pool, layers, pages, head_start=heads.src_head_offset,
+                           num_heads=heads.num_heads, out=view, stream=self._stream.stream)
+                    out.gathered = self._stream.record()
+                else:
+                    gather(self.pool, layers, pages, head_start=heads.src_head_offset,
+                           num_heads=heads.num_heads, out=view)
+                out.stamps[Stamp.GATHER_ENQUEUED] = self.clock()
+                self.part_machine.apply(out, PartEvent.GATHER)
+
+    def _src_ids(self, transfer: SendTransfer) -> PageIds:
+        """The request's source pages on the pool's device, made once (again only when
+        ``extend_request`` added pages since)."""
+        ids = transfer.src_ids
+        if ids is None or len(ids) != len(transfer.src_pages):
+            ids = transfer.src_ids = prepare_pages(self.pool, transfer.src_pages)
+        return ids
 
     def _alloc_request(
         self, transfer: SendTransfer, stream: _Stream, out: _OutPart
@@ -569,9 +636,7 @@ class PrefillSender(Endpoint[SendTransfer]):
 
     def _try_post_staged(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
         grant, staging = out.grant, out.region
-        if grant is None or staging is None:
-            return False
-        if out.gathered is not None and not out.gathered.query():  # type: ignore[no-untyped-call]
+        if grant is None or staging is None or not self._gathered(out):
             return False
         document = self._peer_document(stream)
         ring = document.ring
@@ -621,6 +686,7 @@ class PrefillSender(Endpoint[SendTransfer]):
             self._fail(transfer, FailureReason.TRANSPORT_FAILED, str(exc))
             return
         self.part_machine.apply(out, PartEvent.POST)
+        out.stamps[Stamp.POSTED] = self.clock()
         self.metrics.write_posted(stream.path, len(local))
 
     def _poll_write(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
@@ -642,7 +708,19 @@ class PrefillSender(Endpoint[SendTransfer]):
         transfer.bytes += out.size_bytes
         self.metrics.bytes_moved(stream.path, out.size_bytes)
         self.part_machine.apply(out, PartEvent.DONE)
+        out.stamps[Stamp.WRITTEN] = self.clock()
+        self._part_finished(transfer, stream.peer, stream.plan.sender_id, out.index,
+                            stream.path, out.size_bytes, out.stamps)
         del stream.out[out.index]
+        return True
+
+    def _gathered(self, out: _OutPart) -> bool:
+        """Whether the part's gather has finished (CUDA: its event fired); stamps it once."""
+        if Stamp.GATHERED in out.stamps:
+            return True
+        if out.gathered is not None and not out.gathered.query():  # type: ignore[no-untyped-call]
+            return False
+        out.stamps[Stamp.GATHERED] = self.clock()
         return True
 
     def _pairs(

@@ -32,12 +32,22 @@ layer; on CUDA with Triton, one fused kernel launch moves K and V for every laye
 Per-layer pools: one ``index_select``/``index_copy_`` per (layer, part) over that layer's
 ``[num_pages, a, heads, b]`` byte view. Either way data is read and written in place with no
 intermediate copy (only the small index tensor is allocated).
+
+Host cost per call (the transfer worker enqueues one gather or scatter per part): page ids
+given as a list are checked and copied to the device on every call, which costs the host
+O(pages) (milliseconds for 32K one-token pages). ``PageIds`` does that once per request:
+``prepare_pages(pool, ids)`` checks them against the pool and copies them to its device
+(CUDA: pinned, non-blocking); ``ids.select(start, stop)`` is a part's slice of them, and
+layers given as a ``range`` index a device table of layer ids held per device. A call with
+both then does O(1) host work besides the kernel launch.
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +55,10 @@ from pd_transfer.layout import KVLayout, KVPool
 
 __all__ = [
     "TRITON_AVAILABLE",
+    "PageIds",
+    "StagingStream",
     "gather",
+    "prepare_pages",
     "scatter",
     "staged_chunk_bytes",
 ]
@@ -56,6 +69,70 @@ try:  # Triton is optional: CPU builds and images without it take the torch path
     TRITON_AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installation
     TRITON_AVAILABLE = False
+
+_LAYER_IDS: dict[tuple[torch.device, int], torch.Tensor] = {}  # arange(n) per device
+
+
+@dataclass(frozen=True, eq=False)
+class PageIds:
+    """Page ids checked against one pool and held on its device (``prepare_pages``).
+
+    ``host`` keeps them as an int64 array (per-layer pools and errors read it), ``device``
+    is the int64 tensor the kernels index; ``distinct`` says whether scatter may use them.
+    """
+
+    host: array.array[int]
+    device: torch.Tensor
+    distinct: bool
+    pool_pages: int  # the pool's page count they were checked against
+
+    def __len__(self) -> int:
+        return len(self.host)
+
+    def select(self, start: int, stop: int) -> PageIds:
+        """Ids ``[start, stop)`` (a view of the device tensor; no copy, no upload)."""
+        if not 0 <= start <= stop <= len(self.host):
+            raise IndexError(f"page ids [{start}, {stop}) outside [0, {len(self.host)})")
+        return PageIds(self.host[start:stop], self.device[start:stop], self.distinct,
+                       self.pool_pages)
+
+
+class StagingStream:
+    """The CUDA stream an endpoint's gathers or scatters run on, off the engine's stream.
+
+    ``order()`` makes it wait for everything queued so far on the device's default stream
+    (where an engine that passes no ready event wrote its KV): one reused event, recorded
+    and waited on (two CUDA calls, no device sync). The kernels are launched on ``stream``
+    directly (``gather(..., stream=)``), so no stream switch is needed per chunk.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self._default = torch.cuda.default_stream(device)
+        self._mark = torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+    def order(self) -> None:
+        self._mark.record(self._default)
+        self.stream.wait_event(self._mark)
+
+    def record(self) -> torch.cuda.Event:
+        """A new event that fires when the work queued so far on ``stream`` has run."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self.stream)
+        return event
+
+
+def prepare_pages(pool: KVPool, page_ids: Sequence[int]) -> PageIds:
+    """Check ``page_ids`` against ``pool`` and copy them to its device, once per request."""
+    host = array.array("q", page_ids)  # converts (and type-checks) at C speed
+    num_pages = pool.layout.num_pages
+    # min/max rather than a Python loop: a 32K-token chunk has 2048 pages per call.
+    if host and not (min(host) >= 0 and max(host) < num_pages):
+        bad = next(x for x in host if not 0 <= x < num_pages)
+        raise IndexError(f"page {bad} outside the pool's [0, {num_pages})")
+    device = _device_index(torch.frombuffer(host, dtype=torch.int64) if host else
+                           torch.empty(0, dtype=torch.int64), pool.device)
+    return PageIds(host, device, len(set(host)) == len(host), num_pages)
 
 
 def staged_chunk_bytes(layout: KVLayout, num_layers: int, num_pages: int, num_heads: int) -> int:
@@ -74,78 +151,108 @@ def _head_bytes(layout: KVLayout) -> int:
 def gather(
     pool: KVPool,
     layers: Sequence[int],
-    page_ids: Sequence[int],
+    page_ids: Sequence[int] | PageIds,
     *,
     head_start: int,
     num_heads: int,
     out: torch.Tensor,
     force_torch: bool = False,
+    stream: torch.cuda.Stream | None = None,
 ) -> int:
     """Pack heads ``[head_start, head_start+num_heads)`` of ``page_ids`` x ``layers`` into
     ``out`` (a 1-D uint8 tensor on the pool's device, at least ``staged_chunk_bytes`` long)
     in the module's staging layout. Returns the number of bytes written (from ``out[0]``).
 
-    Asynchronous on CUDA (enqueued on the current stream), like any torch op.
+    Asynchronous on CUDA: enqueued on ``stream`` (default: the current stream), like any
+    torch op.
     """
-    return _move(pool, layers, page_ids, head_start, num_heads, out, force_torch, False)
+    return _move(pool, layers, page_ids, head_start, num_heads, out, force_torch, False,
+                 stream)
 
 
 def scatter(
     buffer: torch.Tensor,
     pool: KVPool,
     layers: Sequence[int],
-    page_ids: Sequence[int],
+    page_ids: Sequence[int] | PageIds,
     *,
     head_start: int,
     num_heads: int,
     force_torch: bool = False,
+    stream: torch.cuda.Stream | None = None,
 ) -> int:
     """The inverse of ``gather``: unpack ``buffer`` (staging layout) into ``page_ids`` x
     ``layers`` of ``pool`` at local heads ``[head_start, head_start+num_heads)``. Other heads
     of those pages, and every other page, are left untouched. Page ids must be distinct.
-    Returns the number of bytes read.
+    Returns the number of bytes read. ``stream`` as for ``gather``.
     """
-    return _move(pool, layers, page_ids, head_start, num_heads, buffer, force_torch, True)
+    return _move(pool, layers, page_ids, head_start, num_heads, buffer, force_torch, True,
+                 stream)
 
 
 def _move(  # noqa: PLR0917 - private; gather/scatter name every argument
     pool: KVPool,
     layers: Sequence[int],
-    page_ids: Sequence[int],
+    page_ids: Sequence[int] | PageIds,
     head_start: int,
     num_heads: int,
     staged: torch.Tensor,
     force_torch: bool,
     scatter: bool,
+    stream: torch.cuda.Stream | None,
 ) -> int:
     layout = pool.layout
-    # One int64 array of layers then pages: converts (and type-checks) the ids at C speed,
-    # and becomes the kernel's index tensor without another pass.
-    ids = array.array("q", layers)
-    num_layers = len(ids)
-    ids.extend(page_ids)
-    layer_list, page_list = ids[:num_layers], ids[num_layers:]
-    _validate(layout, layer_list, page_list, head_start, num_heads, staged, pool, scatter)
-    nbytes = staged_chunk_bytes(layout, len(layer_list), len(page_list), num_heads)
+    pages = page_ids if isinstance(page_ids, PageIds) else prepare_pages(pool, page_ids)
+    layer_ids = _layer_ids(pool, layers, scatter)
+    _validate(layout, len(layers), pages, head_start, num_heads, staged, pool, scatter)
+    nbytes = staged_chunk_bytes(layout, len(layers), len(pages), num_heads)
     if nbytes == 0:
         return 0
-    if not pool.is_stacked:
-        _move_layers(pool, layer_list, page_list, head_start, num_heads, staged[:nbytes], scatter)
-    elif not force_torch and TRITON_AVAILABLE and staged.is_cuda:
+    if pool.is_stacked and not force_torch and TRITON_AVAILABLE and staged.is_cuda:
         _staging_kernel.launch(
             pool.tensors(),
             layout,
-            _device_index(torch.frombuffer(ids, dtype=torch.int64), pool.device),
-            len(layer_list),
-            len(page_list),
+            layer_ids,
+            pages.device,
             head_start=head_start,
             num_heads=num_heads,
             staged=staged[:nbytes],
             scatter=scatter,
+            stream=stream,
         )
-    else:
-        _move_torch(pool, layer_list, page_list, head_start, num_heads, staged[:nbytes], scatter)
+        return nbytes
+    with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+        if not pool.is_stacked:
+            _move_layers(pool, layers, pages, head_start, num_heads, staged[:nbytes], scatter)
+        else:
+            _move_torch(pool, layer_ids, pages.device, head_start, num_heads, staged[:nbytes],
+                        scatter)
     return nbytes
+
+
+def _layer_ids(pool: KVPool, layers: Sequence[int], scatter: bool) -> torch.Tensor:
+    """``layers`` as an int64 tensor on the pool's device, checked. A ``range`` of step 1 is
+    a view of a per-device table (no host work per call); other sequences are uploaded."""
+    num_layers = pool.layout.num_layers
+    if isinstance(layers, range) and layers.step == 1:
+        if layers and not (layers.start >= 0 and layers.stop <= num_layers):
+            bad = layers.start if layers.start < 0 else layers.stop - 1
+            raise IndexError(f"layer {bad} outside the pool's [0, {num_layers})")
+        key = (pool.device, num_layers)
+        table = _LAYER_IDS.get(key)
+        if table is None:
+            table = torch.arange(num_layers, dtype=torch.int64, device=pool.device)
+            _LAYER_IDS[key] = table
+        return table[layers.start : max(layers.start, layers.stop)]
+    ids = array.array("q", layers)
+    if ids and not (min(ids) >= 0 and max(ids) < num_layers):
+        bad = next(x for x in ids if not 0 <= x < num_layers)
+        raise IndexError(f"layer {bad} outside the pool's [0, {num_layers})")
+    if scatter and len(set(ids)) != len(ids):
+        raise ValueError("scatter needs distinct page ids and layers (a page written twice "
+                         "would take an arbitrary one of the values)")
+    return _device_index(torch.frombuffer(ids, dtype=torch.int64) if ids else
+                         torch.empty(0, dtype=torch.int64), pool.device)
 
 
 def _device_index(values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -164,8 +271,8 @@ def _device_index(values: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _validate(  # noqa: PLR0917 - private, called once with _move's arguments
     layout: KVLayout,
-    layers: Sequence[int],
-    pages: Sequence[int],
+    num_layers: int,
+    pages: PageIds,
     head_start: int,
     num_heads: int,
     staged: torch.Tensor,
@@ -177,28 +284,25 @@ def _validate(  # noqa: PLR0917 - private, called once with _move's arguments
             f"staging buffer must be a contiguous 1-D uint8 tensor, got dtype {staged.dtype}, "
             f"shape {tuple(staged.shape)}"
         )
-    if staged.device != pool.device:
-        raise ValueError(f"staging buffer is on {staged.device}, the pool on {pool.device}")
+    if staged.device != pool.device or pages.device.device != pool.device:
+        raise ValueError(f"staging buffer is on {staged.device}, page ids on "
+                         f"{pages.device.device}, the pool on {pool.device}")
+    if pages.pool_pages != layout.num_pages:
+        raise ValueError(f"page ids were checked against a pool of {pages.pool_pages} pages, "
+                         f"this one has {layout.num_pages}")
     if num_heads <= 0 or head_start < 0 or head_start + num_heads > layout.kv_heads:
         raise ValueError(
             f"head slice [{head_start}, {head_start + num_heads}) is not inside the pool's "
             f"{layout.kv_heads} local heads"
         )
-    # min/max rather than a Python loop: a 32K-token chunk has 2048 pages per call.
-    if layers and not (min(layers) >= 0 and max(layers) < layout.num_layers):
-        bad = next(x for x in layers if not 0 <= x < layout.num_layers)
-        raise IndexError(f"layer {bad} outside the pool's [0, {layout.num_layers})")
-    if pages and not (min(pages) >= 0 and max(pages) < layout.num_pages):
-        bad = next(x for x in pages if not 0 <= x < layout.num_pages)
-        raise IndexError(f"page {bad} outside the pool's [0, {layout.num_pages})")
-    if scatter and (len(set(pages)) != len(pages) or len(set(layers)) != len(layers)):
+    if scatter and not pages.distinct:
         raise ValueError("scatter needs distinct page ids and layers (a page written twice "
                          "would take an arbitrary one of the values)")
-    needed = staged_chunk_bytes(layout, len(layers), len(pages), num_heads)
+    needed = staged_chunk_bytes(layout, num_layers, len(pages), num_heads)
     if staged.numel() < needed:
         raise ValueError(
             f"staging buffer holds {staged.numel()} bytes, the chunk needs {needed} "
-            f"({len(layers)} layers x {len(pages)} pages x {num_heads} heads)"
+            f"({num_layers} layers x {len(pages)} pages x {num_heads} heads)"
         )
 
 
@@ -218,21 +322,18 @@ def _pool_rows(
 
 def _move_torch(  # noqa: PLR0917 - private, called once with _move's arguments
     pool: KVPool,
-    layers: Sequence[int],
-    pages: Sequence[int],
+    layers: torch.Tensor,
+    pages: torch.Tensor,
     head_start: int,
     num_heads: int,
     staged: torch.Tensor,
     scatter: bool,
 ) -> None:
     layout = pool.layout
-    layer_rows = torch.tensor(layers, dtype=torch.int64)[:, None] * layout.num_pages
-    rows = _device_index(
-        (layer_rows + torch.tensor(pages, dtype=torch.int64)[None, :]).flatten(), pool.device
-    )
+    rows = (layers[:, None] * layout.num_pages + pages[None, :]).flatten()
     staged_parts = staged.view(
         len(layout.parts),
-        len(layers) * len(pages),
+        rows.numel(),
         layout.page_size,
         num_heads,
         _head_bytes(layout),
@@ -248,7 +349,7 @@ def _move_torch(  # noqa: PLR0917 - private, called once with _move's arguments
 def _move_layers(  # noqa: PLR0917 - private, called once with _move's arguments
     pool: KVPool,
     layers: Sequence[int],
-    pages: Sequence[int],
+    pages: PageIds,
     head_start: int,
     num_heads: int,
     staged: torch.Tensor,
@@ -257,13 +358,12 @@ def _move_layers(  # noqa: PLR0917 - private, called once with _move's arguments
     """Per-layer pools: one op per (part, layer) over its ``[num_pages, a, heads, b]`` view."""
     layout = pool.layout
     a, b = layout.page_view
-    index = _device_index(torch.tensor(pages, dtype=torch.int64), pool.device)
     staged_view = staged.view(len(layout.parts), len(layers), len(pages), a, num_heads, b)
     for part_index, part in enumerate(layout.parts):
         for layer_index, layer in enumerate(layers):
             source = pool.page_bytes(part, layer)[:, :, head_start : head_start + num_heads]
             chunk = staged_view[part_index, layer_index]
             if scatter:
-                source.index_copy_(0, index, chunk)
+                source.index_copy_(0, pages.device, chunk)
             else:
-                torch.index_select(source, 0, index, out=chunk)
+                torch.index_select(source, 0, pages.device, out=chunk)

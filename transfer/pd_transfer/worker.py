@@ -3,24 +3,41 @@
 One worker per rank owns the endpoint and its transport (which is not thread-safe). It
 never dies from one request's error (the endpoint isolates those, docs/failure-modes.md #12); an
 unexpected error of the loop itself is logged and the loop goes on after a short pause.
-It never exits the process. Idle polling backs off from 50 µs to ``max_idle_sleep_s`` so
-several ranks can share two cores (NIXL runs without a progress thread: see docs/testbed.md).
+It never exits the process.
+
+Sleeping: after a step that did nothing, the worker waits on the endpoint's ``wakeup``
+event, backing off from 50 µs to ``max_idle_sleep_s`` so several ranks can share two cores
+(NIXL runs without a progress thread: see docs/testbed.md). An engine command (``submit``)
+sets ``wakeup``, so a command never waits for a sleep to end. What a peer sends and what the
+GPU finishes can only be polled: the endpoint caps the sleep while its requests move data
+(``Endpoint.poll_interval_s``: on CUDA ~20 µs while a part is in flight, 200 µs while a
+request waits for its peer; on CPU no cap), since every wait of a step on the way (a grant,
+a notification, a gather's or scatter's event) would otherwise cost up to a whole sleep.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Protocol
 
 __all__ = ["Steppable", "Worker"]
 
 _log = logging.getLogger("pd_transfer")
+MIN_IDLE_SLEEP_S = 50e-6
 
 
 class Steppable(Protocol):
+    @property
+    def wakeup(self) -> threading.Event:
+        """Set when work arrives that a sleeping worker should start at once."""
+        ...
+
     def step(self) -> bool: ...
+
+    def poll_interval_s(self) -> float | None:
+        """The longest the worker may sleep now (None: ``max_idle_sleep_s``)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -44,6 +61,7 @@ class Worker:
     def stop(self, timeout_s: float = 10.0, *, close: bool = True) -> None:
         """Stop the loop; then (on this thread, the worker being gone) close the endpoint."""
         self._stop.set()
+        self.endpoint.wakeup.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             _log.error("worker %s did not stop within %s s", self._thread.name, timeout_s)
@@ -57,16 +75,20 @@ class Worker:
 
     def _run(self) -> None:
         sleep_s = 0.0
+        wakeup = self.endpoint.wakeup
         while not self._stop.is_set():
             try:
                 busy = self.endpoint.step()
+                cap = self.endpoint.poll_interval_s()
             except Exception:
                 self.loop_errors += 1
                 _log.exception("transfer worker loop error (the worker keeps serving)")
-                busy = False
+                busy, cap = False, None
                 sleep_s = self.max_idle_sleep_s
             if busy:
                 sleep_s = 0.0
                 continue
-            sleep_s = min(max(sleep_s * 2, 50e-6), self.max_idle_sleep_s)
-            time.sleep(sleep_s)
+            limit = self.max_idle_sleep_s if cap is None else min(cap, self.max_idle_sleep_s)
+            sleep_s = min(max(sleep_s * 2, MIN_IDLE_SLEEP_S), limit)
+            if wakeup.wait(sleep_s):
+                wakeup.clear()

@@ -1,0 +1,111 @@
+"""Phase stamps: what each endpoint records per part, the bounded log, and the latency split
+``pd-transfer bench transfer`` computes from them.
+
+Unit tests over the loopback transport (one manual clock, endpoints stepped by hand): no
+NIXL, no GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_transfer.bench_phases import STAGED_PHASES, compute_phases
+from pd_transfer.phases import PartTimes, PhaseLog, RequestTimes, Stamp
+from pd_transfer.protocol.lifecycle import State
+from pd_transfer.staging import staged_chunk_bytes
+from tests.transfer_harness import Cluster
+
+pytestmark = pytest.mark.timeout(60)
+
+PREFILL_ORDER = [Stamp.GIVEN, Stamp.PICKED, Stamp.READY, Stamp.ALLOC_SENT, Stamp.GATHER_QUEUED,
+                 Stamp.GATHER_ENQUEUED, Stamp.GRANTED, Stamp.GATHERED, Stamp.POSTED,
+                 Stamp.WRITTEN]
+DECODE_ORDER = [Stamp.ALLOC_RECEIVED, Stamp.GRANT_SENT, Stamp.NOTIFIED, Stamp.SCATTER_QUEUED,
+                Stamp.SCATTERED]
+
+
+def test_every_staged_part_is_stamped_in_order_on_both_sides() -> None:
+    """The bench splits latency from these stamps: a missing or out-of-order one would
+    misattribute time (2 -> 4 with 4 heads: 4 pairs, one part each)."""
+    cluster = Cluster(prefill_tp=2, decode_tp=4, kv_heads=4, mode="staged")
+    logs = {e.transport.agent_name: PhaseLog() for e in cluster.endpoints}
+    for endpoint in cluster.endpoints:
+        endpoint.phases = logs[endpoint.transport.agent_name]
+    request = cluster.new_request(num_tokens=10)
+    cluster.start(request)
+    cluster.run(lambda: cluster.finished(request.room))
+    assert cluster.states(request.room) == {State.SUCCEEDED}
+    prefill = [logs[s.transport.agent_name].take(request.room) for s in cluster.senders]
+    decode = [logs[r.transport.agent_name].take(request.room) for r in cluster.receivers]
+    assert all(t is not None and t.state == "Succeeded" for t in prefill + decode)
+    sent = [part.peer for t in prefill if t is not None for part in t.parts]
+    assert len(sent) == 4 and len(set(sent)) == 4  # one part per decode rank
+    layout = cluster.receivers[0].pool.layout
+    for times in decode:
+        assert times is not None and len(times.parts) == 1
+        part = times.parts[0]
+        stamps = [part.stamps[s] for s in DECODE_ORDER]
+        assert stamps == sorted(stamps) and stamps[-1] <= times.finished
+        # 2 layers x 3 pages (10 tokens, page 4) x 1 head of 4 x (4 x 2 bytes), K and V
+        assert part.size_bytes == staged_chunk_bytes(layout, 2, 3, 1) == 2 * 2 * 3 * 4 * 8
+        assert part.peer in {s.transport.agent_name for s in cluster.senders}
+    for times in prefill:
+        assert times is not None
+        for part in times.parts:
+            stamps = [part.stamps[s] for s in PREFILL_ORDER]
+            assert stamps == sorted(stamps), part.stamps
+    assert all(len(log) == 0 for log in logs.values())  # taken: nothing left behind
+
+
+def test_without_a_log_no_part_times_are_kept() -> None:
+    cluster = Cluster(mode="staged")
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request)
+    cluster.step()  # the commands ran: every endpoint holds the request
+    transfers = [e._transfers[request.room] for e in cluster.endpoints]
+    cluster.run(lambda: cluster.finished(request.room))
+    assert all(t.part_times == [] for t in transfers)
+
+
+def test_the_log_is_bounded_and_take_pops() -> None:
+    log = PhaseLog(max_requests=2)
+    for room in ("a", "b", "c"):
+        log.add(RequestTimes(room, "decode", "Succeeded", 0.0, 1.0, ()))
+    assert len(log) == 2 and log.take("a") is None  # the oldest went first
+    assert log.take("b") is not None and log.take("b") is None
+    with pytest.raises(ValueError, match="positive"):
+        PhaseLog(max_requests=0)
+
+
+def _times(peer: str, stamps: dict[Stamp, float], finished: float) -> dict[str, object]:
+    part = PartTimes(peer, 0, 0, "staged", 1024, {str(k): v for k, v in stamps.items()})
+    return {"created": 0.0, "finished": finished, "state": "Succeeded",
+            "parts": [{"peer": part.peer, "sender_id": part.sender_id, "part": part.part,
+                       "path": part.path, "size_bytes": part.size_bytes,
+                       "stamps": dict(part.stamps)}]}
+
+
+def test_staged_phases_follow_the_critical_path_and_add_up_to_the_latency() -> None:
+    """Worked example (ms after start 10.000): the gather ends after the grant, so 'gather'
+    is its exposed tail (2.5 - 2.0 = 0.5) and 'post' starts there."""
+    agents = {("prefill", 0): "P", ("decode", 0): "D"}
+    ms = 1e-3
+    pre = {Stamp.GIVEN: 10.0, Stamp.PICKED: 10 + 0.1 * ms, Stamp.READY: 10 + 0.1 * ms,
+           Stamp.ALLOC_SENT: 10 + 0.3 * ms, Stamp.GATHER_QUEUED: 10 + 0.3 * ms,
+           Stamp.GATHER_ENQUEUED: 10 + 0.4 * ms, Stamp.GRANTED: 10 + 2.0 * ms,
+           Stamp.GATHERED: 10 + 2.5 * ms, Stamp.POSTED: 10 + 2.6 * ms,
+           Stamp.WRITTEN: 10 + 3.0 * ms}
+    dec = {Stamp.ALLOC_RECEIVED: 10 + 1.0 * ms, Stamp.GRANT_SENT: 10 + 1.2 * ms,
+           Stamp.NOTIFIED: 10 + 3.2 * ms, Stamp.SCATTER_QUEUED: 10 + 3.3 * ms,
+           Stamp.SCATTERED: 10 + 4.0 * ms}
+    phases = compute_phases(10.0, {0: _times("D", pre, 10 + 5 * ms)},
+                            {0: _times("P", dec, 10 + 4.1 * ms)}, agents)
+    split = {k: round(v / ms, 6) for k, v in phases["split_s"].items()}
+    assert list(split) == list(STAGED_PHASES)
+    assert split == {"pickup": 0.1, "prepare": 0.3, "grant wait": 1.6, "gather": 0.5,
+                     "post": 0.1, "post → notification": 0.6, "scatter": 0.8,
+                     "completion": 0.1}
+    assert sum(phases["split_s"].values()) == pytest.approx(4.1 * ms)
+    assert phases["critical"] == {"decode_rank": 0, "prefill_rank": 0, "part": 0,
+                                  "size_bytes": 1024}
+    assert phases["overlapped_s"]["grant round trip"] == pytest.approx(1.7 * ms)

@@ -1,0 +1,71 @@
+"""The worker loop's sleeping: an engine command wakes it at once, and an endpoint caps its
+sleep while its requests move data (CUDA pools by default; set explicitly here on CPU).
+
+Unit tests over the loopback transport: no NIXL, no GPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pd_transfer._endpoint import CUDA_POLL, PollIntervals
+from pd_transfer.protocol.lifecycle import State
+from pd_transfer.worker import Worker
+from tests.transfer_harness import Cluster
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_command_does_not_wait_for_the_idle_sleep() -> None:
+    """Before the wake-up, a send_part issued while the worker slept waited out the sleep
+    (up to max_idle_sleep_s): at 1 ms that was most of a small transfer's latency."""
+    cluster = Cluster()
+    sender = cluster.senders[0]
+    worker = Worker(sender, "test-wakeup", max_idle_sleep_s=30.0).start()
+    try:
+        # Idle back-off doubles from 50 µs: after 1.8 s the worker is inside a sleep of
+        # ~1.6 s that ends ~1.5 s later, so only the wake-up can answer within 0.5 s.
+        time.sleep(1.8)
+        future = sender.submit(lambda: "done")
+        assert future.result(timeout=0.5) == "done"
+    finally:
+        worker.stop(close=False)
+    assert not sender.wakeup.is_set() or sender.wakeup.wait(0)  # consumed or harmless
+
+
+def test_submit_sets_the_wakeup_event() -> None:
+    cluster = Cluster()
+    sender = cluster.senders[0]
+    sender.wakeup.clear()
+    sender.submit(lambda: None)
+    assert sender.wakeup.is_set()
+
+
+def test_poll_interval_follows_what_the_requests_are_doing() -> None:
+    """No request: no cap (the idle back-off). A request waiting for its peer: waiting_s. A
+    part in flight on this side: moving_s. Done: no cap again. A CPU pool has no caps by
+    default, a CUDA pool CUDA_POLL."""
+    intervals = PollIntervals(moving_s=1e-5, waiting_s=1e-4)
+    cluster = Cluster(mode="staged")
+    assert all(e.poll_intervals is None for e in cluster.endpoints)  # CPU default
+    assert CUDA_POLL.moving_s < CUDA_POLL.waiting_s <= 1e-3
+    sender, receiver = cluster.senders[0], cluster.receivers[0]
+    for endpoint in cluster.endpoints:
+        endpoint.poll_intervals = intervals
+    assert sender.poll_interval_s() is None and receiver.poll_interval_s() is None
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request, send=False)
+    cluster.step()
+    cluster.step()
+    assert receiver.poll(request.room).state is State.TRANSFERRING  # type: ignore[union-attr]
+    assert sender.poll_interval_s() == intervals.waiting_s  # no part given yet
+    assert receiver.poll_interval_s() == intervals.waiting_s  # nothing named by prefill yet
+    sender.send_part(request.room, last=True)
+    sender.step()  # part made, AllocRequest sent, gather done
+    assert sender.poll_interval_s() == intervals.moving_s
+    receiver.step()  # AllocRequest handled, region granted: the WRITE is due
+    assert receiver.poll_interval_s() == intervals.moving_s
+    cluster.run(lambda: cluster.finished(request.room))
+    assert sender.poll_interval_s() is None and receiver.poll_interval_s() is None

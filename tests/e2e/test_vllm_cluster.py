@@ -14,8 +14,13 @@ In order:
    completion and no engine process restarted;
 3. a decode engine killed (SIGKILL, its whole process group): the router drops it, the
    load goes on through the other decode, its report turns stale and its readiness gate
-   False; the kubelet restarts it, and once it reports again the router sends it requests.
-Budget: about 6 minutes on 2 cores.
+   False; the kubelet restarts it, and once it reports again the router sends it requests;
+4. the same example with `transfer.backend: EngineNative` (vLLM's own NixlConnector, the
+   router's vllm-nixl protocol) serves completions, and a staging pool patch on it is
+   refused with the rule's message (this control plane has no CEL, so the operator refuses
+   it: SpecValid=False, a Warning Event, nothing rolled out; on 1.29+ the API server refuses
+   it first with the same message, `tests/integration/test_crd_cel_server.py`).
+Budget: about 8 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -312,3 +317,69 @@ def test_killed_decode_leaves_the_router_goes_stale_and_comes_back(cluster: Clus
     assert survivor != victim
     assert json.dumps(cluster.window(back, time.monotonic())) and set(
         cluster.window(back, time.monotonic())) <= {"identical"}
+
+
+NATIVE = f"{NAME}-native"
+NATIVE_REFUSAL = (
+    "spec.transfer.staging.prefillBufferMiB and decodePoolMiB cannot be set with "
+    "spec.transfer.backend EngineNative: the vllm engine's own KV connector moves the KV and "
+    "has no staging pool to resize. Remove them, or set spec.transfer.backend to PDTransfer.")
+
+
+def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) -> None:
+    cluster.stop.set()  # the load and the PDTransfer deployment give the cores back
+    cluster.objects.delete_namespaced_custom_object(GROUP, VERSION, cluster.namespace,
+                                                    "pddeployments", NAME)
+    wait_for("the PDTransfer pods gone", lambda: not cluster.core.list_namespaced_pod(
+        cluster.namespace, label_selector=f"pd.serving.dev/deployment={NAME}").items, 120)
+    _, pdd = _manifests(cluster.namespace)
+    pdd["metadata"]["name"] = NATIVE
+    spec = pdd["spec"]
+    spec["decode"]["replicas"] = 1
+    spec["transfer"]["backend"] = "EngineNative"
+    del spec["transfer"]["staging"]["prefillBufferMiB"], spec["transfer"]["staging"][
+        "decodePoolMiB"]
+    spec["transfer"]["transport"] = {"ucxTransports": ["tcp", "self", "sm"]}
+    cluster.objects.create_namespaced_custom_object(GROUP, VERSION, cluster.namespace,
+                                                    "pddeployments", pdd)
+
+    def router() -> HttpTarget | None:
+        pods = cluster.api.sanitize_for_serialization(  # type: ignore[no-untyped-call]
+            cluster.core.list_namespaced_pod(
+                cluster.namespace, label_selector=f"pd.serving.dev/deployment={NATIVE},"
+                                                  "app.kubernetes.io/component=router"))
+        return next((HttpTarget("router", p["status"]["podIP"], 8000) for p in pods["items"]
+                     if any(c["type"] == "Ready" and c["status"] == "True"
+                            for c in p["status"].get("conditions") or [])), None)
+
+    target = wait_for("the EngineNative router Ready", router, 300)
+    for prompt in PROMPTS[:2]:  # NixlConnector on CPU: tens of seconds per request
+        started = time.monotonic()
+        got = complete(target, prompt, MAX_TOKENS, timeout_s=240).token_ids
+        print(f"EngineNative, {len(prompt)} tokens through the router: "
+              f"{time.monotonic() - started:.1f} s")
+        assert got == cluster.expected[len(prompt)]
+    before = (cluster.objects.get_namespaced_custom_object(
+        GROUP, VERSION, cluster.namespace, "pddeployments", NATIVE).get("status") or {})
+    cluster.objects.patch_namespaced_custom_object(
+        GROUP, VERSION, cluster.namespace, "pddeployments", NATIVE,
+        {"spec": {"transfer": {"staging": {"decodePoolMiB": 6144}}}})
+
+    def refused() -> Obj | None:
+        status = cluster.objects.get_namespaced_custom_object(
+            GROUP, VERSION, cluster.namespace, "pddeployments", NATIVE).get("status") or {}
+        valid = next((c for c in status.get("conditions", []) if c["type"] == "SpecValid"), {})
+        return valid if valid.get("status") == "False" else None
+
+    valid = wait_for("SpecValid=False", refused, 60)
+    assert valid["reason"] == "InvalidSpec"
+    assert NATIVE_REFUSAL in valid["message"], valid["message"]
+    events = cluster.core.list_namespaced_event(
+        cluster.namespace, field_selector=f"involvedObject.name={NATIVE}").items
+    assert any(e.type == "Warning" and NATIVE_REFUSAL in (e.message or "") for e in events)
+    after = (cluster.objects.get_namespaced_custom_object(
+        GROUP, VERSION, cluster.namespace, "pddeployments", NATIVE).get("status") or {})
+    assert after.get("stagingRollout") == before.get("stagingRollout")
+    # Nothing was touched: the router still serves.
+    assert complete(target, PROMPTS[0], MAX_TOKENS, timeout_s=240).token_ids == (
+        cluster.expected[len(PROMPTS[0])])

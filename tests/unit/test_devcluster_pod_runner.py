@@ -78,12 +78,14 @@ def test_router_pod_runs_pd_transfer_router_with_its_health_probe() -> None:
                  "ports": [{"name": "http", "containerPort": 8000}],
                  "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}}}
     launch = plan(container)
-    assert launch.argv == [sys.executable, "-m", "pd_transfer.cli", "router"]
+    assert launch.argv == [sys.executable, "-m", "pd_transfer.cli", "router", "--host", IP]
     assert launch.readiness == Probe(8000, "/health")
+    given = {**container, "command": ["pd-transfer", "router", "--host", "0.0.0.0"]}
+    assert plan(given).argv[-2:] == ["--host", IP]
 
 
 def test_tcp_probe_and_numeric_port() -> None:
-    container = {"command": ["pd-transfer", "router"],
+    container = {"command": ["pd-transfer", "engine", "--port", "9000"],
                  "readinessProbe": {"tcpSocket": {"port": 9000}}}
     assert plan(container).readiness == Probe(9000, None)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pd_operator.devcluster.vllm_env import KUBERNETES_REQUIREMENT, NIXL_REQUIREMENT
 from pd_transfer.vllm.versions import SUPPORTED_VLLM_VERSIONS
 from tests.factories import example_pdd
 from tests.unit.test_api_crd import EXAMPLES
@@ -47,8 +48,11 @@ def test_vllm_image_builds_on_the_supported_vllm_release() -> None:
     assert base in SUPPORTED_VLLM_VERSIONS
     # The CPU build named in its instructions is the same release.
     assert f"vllm-cpu-release-repo:v{base}" in text
-    # The pins it adds are the ones the project is tested with.
-    assert '"nixl==1.5.1"' in text and "nixl==1.5.1" in (REPO / "pyproject.toml").read_text()
+    # The pins it adds are the ones the project is tested with (the vLLM env of the tests
+    # stands in for this image).
+    assert f'"{NIXL_REQUIREMENT}"' in text and NIXL_REQUIREMENT in (
+        REPO / "pyproject.toml").read_text()
+    assert f'"{KUBERNETES_REQUIREMENT}"' in text
 
 
 def test_vllm_examples_run_the_engine_image() -> None:

@@ -43,7 +43,9 @@ import base64
 import json
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import urllib.request
@@ -93,6 +95,7 @@ class _PodProcess:
     log_path: Path
     record: ProcessRecord
     started_at: str
+    tmp_dir: Path | None = None  # the container's TMPDIR, removed when the pod stops
     restarts: int = 0
     died_at: float | None = None  # monotonic time the container was seen dead
     last_status: Obj | None = None
@@ -342,8 +345,9 @@ class FakeKubelet:
             process_env = {key: value for key, value in os.environ.items()
                            if not key.startswith(("KUBECONFIG", "UCX_", "PD_"))
                            and key not in ("PYTHONPATH", "VIRTUAL_ENV")}
-            tmp = pod_dir / "tmp"
-            tmp.mkdir(exist_ok=True)
+            # Short: engines put unix sockets under TMPDIR (vLLM's ZMQ IPC), and a socket
+            # path may have at most 107 characters.
+            tmp = Path(tempfile.mkdtemp(prefix=f"pdk-{uid[:8]}-"))
             process_env |= self.extra_env | env | plan.env | {"KUBECONFIG": str(kubeconfig),
                                                               "TMPDIR": str(tmp)}
             log_path = pod_dir / "engine.log"
@@ -354,7 +358,7 @@ class FakeKubelet:
                 self._used_ips.discard(ip)
             raise
         process = _PodProcess(uid, namespace, name, ip, plan, process_env, log_path, record,
-                              _now(), secret_volumes=secret_volumes)
+                              _now(), tmp_dir=tmp, secret_volumes=secret_volumes)
         with self._lock:
             self._pods[uid] = process
             self._save()
@@ -388,6 +392,8 @@ class FakeKubelet:
 
     def _stop(self, process: _PodProcess) -> None:
         _log.info("%s", stop_process(process.record, grace_s=5.0))
+        if process.tmp_dir is not None:
+            shutil.rmtree(process.tmp_dir, ignore_errors=True)
         with self._lock:
             self._pods.pop(process.uid, None)
             self._used_ips.discard(process.ip)

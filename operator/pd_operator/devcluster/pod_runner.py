@@ -11,9 +11,9 @@ container commands and runs each with a local interpreter:
 
 Every pod shares the host's network here, each on its own loopback address: a server told
 to listen on `0.0.0.0` would take its port on every pod's address, so listening addresses
-are narrowed to the pod's (`--host`, and the connector's `bind_host` in vLLM's
-`--kv-transfer-config`). Any other command is not runnable: its pod stays Pending, as it
-would on a node without the image.
+are narrowed to the pod's (`--host`, given to the router when its command has none, and the
+connector's `bind_host` in vLLM's `--kv-transfer-config`). Any other command is not
+runnable: its pod stays Pending, as it would on a node without the image.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ __all__ = [
 PD_TRANSFER: Final = "pd-transfer"
 VLLM_SERVER_MODULE: Final = "vllm.entrypoints.openai.api_server"
 _KV_CONFIG_FLAG: Final = "--kv-transfer-config"
+# pd-transfer subcommands that listen on `--host` (the reference engine binds its pod IP).
+_SERVERS_ON_HOST_FLAG: Final = frozenset({"router", "vllm-proxy"})
 
 
 class NotRunnable(ValueError):
@@ -135,8 +137,10 @@ def plan_launch(command: Sequence[str], container: dict[str, Any], ip: str, *,
     args = list(command)
     readiness = _probe(container)
     if args[:1] == [PD_TRANSFER] and len(args) > 1:
-        return LaunchPlan([sys.executable, "-m", "pd_transfer.cli", *args[1:]],
-                          readiness=readiness)
+        if args[1] in _SERVERS_ON_HOST_FLAG and "--host" not in args:
+            args += ["--host", ip]  # its default, 0.0.0.0, would take the port on every pod
+        return LaunchPlan([sys.executable, "-m", "pd_transfer.cli",
+                           *_narrow_host(args[1:], ip)], readiness=readiness)
     if len(args) >= 3 and Path(args[0]).name.startswith("python") and args[1:3] == [
             "-m", VLLM_SERVER_MODULE]:
         roots = package_roots("pd_transfer", "pd_contract")

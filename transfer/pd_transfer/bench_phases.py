@@ -17,9 +17,13 @@ staged::
     completion      → decode's request Succeeded (the other writers, the checks)
 
 contiguous: pickup, post (descriptors computed and posted), post → notification,
-completion. Also kept, not part of the sum: each overlapped step's own duration (gather from
-enqueue to seen complete, the grant round trip, the WRITE from post to DONE as prefill saw
-it, scatter) and every stamp relative to the start. Pure functions over plain dicts, apart
+completion. With thousands of descriptors NIXL's post call can itself progress the whole
+WRITE, and decode may handle the notification before the call returns: "post" then ends
+at the notification and "post → notification" is 0.
+
+Also kept, not part of the sum: each overlapped step's own duration (gather from enqueue to
+seen complete, the grant round trip, the WRITE from post to DONE as prefill saw it, scatter)
+and every stamp relative to the start. Pure functions over plain dicts, apart
 from ``write_phase_chart`` (matplotlib, imported there).
 """
 
@@ -77,10 +81,11 @@ def compute_phases(start: float, prefill: Mapping[int, Times], decode: Mapping[i
             "scatter enqueue": dec[Stamp.SCATTER_QUEUED] - dec[Stamp.NOTIFIED],
         }
     else:
+        posted = min(pre[Stamp.POSTED], dec[Stamp.NOTIFIED])
         split = {
             "pickup": pre[Stamp.PICKED] - start,
-            "post": pre[Stamp.POSTED] - pre[Stamp.PICKED],
-            "post → notification": dec[Stamp.NOTIFIED] - pre[Stamp.POSTED],
+            "post": posted - pre[Stamp.PICKED],
+            "post → notification": dec[Stamp.NOTIFIED] - posted,
             "completion": finished - dec[Stamp.NOTIFIED],
         }
         overlapped = {"write (post → DONE)": pre[Stamp.WRITTEN] - pre[Stamp.POSTED]}
@@ -128,8 +133,11 @@ def write_phase_chart(report: Mapping[str, Any], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(13, 0.32 * len(bars) + 1.8))
     for y, (_, split, latency, raw_s) in enumerate(reversed(bars)):
         left = 0.0
+        # Shares of the phases' sum (= the latency; records made before "post" was clipped
+        # at the notification may hold a small negative "post → notification", drawn as 0).
+        total = sum(max(0.0, v) for v in split.values()) or 1.0
         for phase in phases:
-            share = split.get(phase, 0.0) / latency * 100 if latency > 0 else 0.0
+            share = max(0.0, split.get(phase, 0.0)) / total * 100
             if share > 0:
                 axis.barh(y, share, left=left, color=colors[phase], height=0.75)
                 left += share
@@ -138,9 +146,11 @@ def write_phase_chart(report: Mapping[str, Any], path: Path) -> None:
     axis.set_yticks(range(len(bars)), [b[0] for b in reversed(bars)], fontsize=7)
     axis.set_xlim(0, 125)
     axis.set_xlabel("share of the request's latency (%), 1 in flight, median request")
-    axis.set_title(f"bench transfer: {report['device']}, {report['link']}", fontsize=9)
+    axis.set_title(f"bench transfer: {report['device']}, {report['link']}", fontsize=9,
+                   pad=24)
     axis.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in phases],
-                labels=phases, fontsize=7, loc="lower right", ncols=2)
+                labels=phases, fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0),
+                ncols=len(phases), frameon=False)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -108,10 +108,15 @@ class StagingStream:
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self._device = self.stream.device_index
         self._default = torch.cuda.default_stream(device)
         self._mark = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
     def order(self) -> None:
+        """Called on the thread that enqueues (the endpoint's worker), which it also makes
+        use the stream's device, so launches need no device switch (a pool on cuda:1)."""
+        if torch.cuda.current_device() != self._device:
+            torch.cuda.set_device(self._device)
         self._mark.record(self._default)
         self.stream.wait_event(self._mark)
 

@@ -25,7 +25,13 @@ from pd_transfer.auth import PeerAuth, Purpose
 from pd_transfer.bootstrap import BootstrapServer, fetch_document, open_document
 from pd_transfer.errors import BootstrapError
 from pd_transfer.metrics import RecentFailure, RingWatermark, TransferSnapshot
-from pd_transfer.vllm.pod_agent import LIVE_REQUESTS, RANK_REACHABLE, PodAgent, PodAgentOptions
+from pd_transfer.vllm.pod_agent import (
+    LIVE_REQUESTS,
+    RANK_REACHABLE,
+    PodAgent,
+    PodAgentOptions,
+    rank_host,
+)
 from pd_transfer.vllm.rank_control import (
     CONTROL_VERSION,
     REPORT_ROUTE,
@@ -419,3 +425,11 @@ def test_fetch_report_refuses_a_server_of_another_rank() -> None:
         with pytest.raises(ControlError, match="MAC matches none"):
             fetch_report(f"127.0.0.1:{base}", 1, TEST_AUTH, 2.0)
 
+
+
+@pytest.mark.parametrize(("bind_host", "expected"), [
+    ("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"), ("10.1.2.3", "10.1.2.3")])
+def test_ranks_are_read_where_they_listen(bind_host: str, expected: str) -> None:
+    """Guards against an agent knocking on 127.0.0.1 while its ranks listen on the pod's own
+    address only (seen: every status said the ranks were unreachable)."""
+    assert rank_host(bind_host) == expected

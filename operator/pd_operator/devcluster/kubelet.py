@@ -21,7 +21,8 @@ For each such pod, once (``sync_once``, polled):
   Secret files follow their Secret at every sync (a rotated transfer key reaches running
   engines, as a kubelet's periodic volume sync does), each replaced atomically and only
   when its content changed; a deleted Secret leaves the last files in place. ConfigMap files
-  are written once, at start;
+  are written once per content and shared by the pods that mount them (one path for all, as
+  one mount path inside each container);
 - ``KUBECONFIG`` = a token for the pod's ServiceAccount (``service_account_kubeconfig``),
   so the in-pod agent and the router run with their own RBAC, not as admin;
 - the container started as a recorded daemon (``processes.spawn_daemon``), one log per pod;
@@ -40,6 +41,7 @@ kubelet itself was killed.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import os
@@ -325,10 +327,7 @@ class FakeKubelet:
             cm_name = volume["configMap"]["name"]
             config_map = self._plain(self._core.read_namespaced_config_map(cm_name, namespace))
             config_maps[cm_name] = config_map
-            directory = pod_dir / "volumes" / volume["name"]
-            directory.mkdir(parents=True, exist_ok=True)
-            for key, value in (config_map.get("data") or {}).items():
-                (directory / key).write_text(value)
+            directory = self._config_map_dir(namespace, config_map)
             volume_dirs[volume["name"]] = str(directory)
         mounts = {m["mountPath"]: volume_dirs[m["name"]]
                   for m in container.get("volumeMounts") or [] if m["name"] in volume_dirs}
@@ -389,6 +388,24 @@ class FakeKubelet:
             self._save()
         _log.info("restarted pod %s/%s (restart %d, pid %d)", process.namespace, process.name,
                   process.restarts, record.pid)
+
+    def _config_map_dir(self, namespace: str, config_map: Obj) -> Path:
+        """The files of a ConfigMap, written once per content and shared by every pod that
+        mounts it: in a cluster each pod sees them at the same mount path, and engines that
+        fingerprint their configuration (vLLM's NixlConnector hashes the model path) must
+        see the same path here too."""
+        data = config_map.get("data") or {}
+        digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+        directory = (self.work_dir / "configmaps" / namespace
+                     / f"{config_map['metadata']['name']}-{digest}")
+        if not directory.is_dir():
+            partial = directory.with_name(directory.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            for key, value in data.items():
+                (partial / key).write_text(value)
+            partial.replace(directory)
+        return directory
 
     def _stop(self, process: _PodProcess) -> None:
         _log.info("%s", stop_process(process.record, grace_s=5.0))

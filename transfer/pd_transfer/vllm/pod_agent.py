@@ -65,7 +65,8 @@ from pd_transfer.vllm.rank_control import (
     post_staging,
 )
 
-__all__ = ["LIVE_REQUESTS", "RANK_REACHABLE", "PodAgent", "PodAgentOptions", "start_pod_agent"]
+__all__ = ["LIVE_REQUESTS", "RANK_REACHABLE", "PodAgent", "PodAgentOptions", "rank_host",
+           "start_pod_agent"]
 
 _log = logging.getLogger("pd_transfer.agent")
 
@@ -108,11 +109,18 @@ def start_pod_agent(settings: ConnectorSettings, role: Literal["prefill", "decod
             auth=PeerAuth.from_file(settings.key_file),
             bootstrap_port=settings.bootstrap_port or config.network.bootstrap_port,
             metrics_port=settings.metrics_port or config.network.metrics_port,
-            metrics_host=settings.bind_host, engine_port=settings.engine_port)
+            metrics_host=settings.bind_host, engine_port=settings.engine_port,
+            rank_host=rank_host(settings.bind_host))
     except Exception as exc:
         _log.error("the pod agent is OFF (no reports, no metrics): %s", exc)
         return None
     return PodAgent(options, scheduler_live).start()
+
+
+def rank_host(bind_host: str) -> str:
+    """Where the ranks' control routes are reached from this pod: their listening address,
+    or loopback when they listen on every address."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "", "::") else bind_host
 
 
 def _in_daemon(fn: Callable[[], T], name: str) -> Future[T]:

@@ -30,7 +30,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +119,6 @@ def _group_spec(settings: TransferBenchSettings, combo: Combo) -> GroupSpec:
 
     def room(needed: int, mib: int | None) -> int:
         return (mib << 20) if mib is not None else -(-needed * settings.concurrency // MIB) * MIB
-
-    from dataclasses import replace  # noqa: PLC0415 - only here
 
     return replace(base, staging_bytes=room(max(per_prefill), settings.staging_mib),
                    ring_bytes=room(max(per_decode), settings.ring_mib), poll_us=settings.poll_us)

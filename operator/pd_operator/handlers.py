@@ -60,7 +60,8 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 @kopf.on.startup()
 async def start(memo: kopf.Memo, **_: Any) -> None:
     config = settings.current()
-    loop = ReconcileLoop.connect(config.kubeconfig, config.tuning)
+    loop = ReconcileLoop.connect(config.kubeconfig, config.tuning,
+                                 agent_image=config.agent_image)
     loop.start()
     memo["reconcile_loop"] = loop
 

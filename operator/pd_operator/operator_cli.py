@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from pd_operator.build import DEFAULT_AGENT_IMAGE
 from pd_operator.workqueue import QueueTuning
 
 
@@ -35,6 +36,10 @@ def add_parser(subparsers: Any) -> None:
                         "triggered by TransferAgent reports (spec changes stay immediate)")
     parser.add_argument("--workers", type=int, default=4,
                         help="PDDeployments reconciled in parallel")
+    parser.add_argument("--agent-image", default=DEFAULT_AGENT_IMAGE,
+                        help="image of the transfer-agent sidecar of pods whose engine runs "
+                             "its own KV connector (default: %(default)s; the chart passes "
+                             "the operator's own image, which holds `pd-transfer agent`)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.set_defaults(handler=run)
 
@@ -53,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ["KUBECONFIG"] = args.kubeconfig
     settings.configure(
         kubeconfig=args.kubeconfig,
+        agent_image=args.agent_image,
         tuning=QueueTuning(workers=args.workers, resync_s=args.resync_seconds,
                            status_interval_s=args.status_interval_seconds),
     )

@@ -14,6 +14,7 @@ from typing import Any
 import kopf
 
 from pd_contract.api import GROUP, TRANSFERAGENT_PLURAL, VERSION
+from pd_operator.build import DEFAULT_AGENT_IMAGE
 from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER
 from pd_operator.workqueue import QueueTuning
 
@@ -46,10 +47,12 @@ TRANSFER_AGENT_RESOURCE: tuple[str, str, str] = (GROUP, VERSION, TRANSFERAGENT_P
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    """Runtime choices made outside kopf: API credentials and the work queue's timing."""
+    """Runtime choices made outside kopf: API credentials, the work queue's timing, and the
+    image of the transfer-agent sidecar engine-native pods get."""
 
     kubeconfig: str | None = None
     tuning: QueueTuning = field(default_factory=QueueTuning)
+    agent_image: str = DEFAULT_AGENT_IMAGE
 
 
 _config = OperatorConfig()

@@ -265,7 +265,8 @@ def test_staging_rollout_grow_then_shrink_under_load(cluster: Cluster) -> None:
             GROUP, VERSION, cluster.namespace, "pddeployments", NAME,
             {"spec": {"transfer": {"staging": {"decodePoolMiB": size}}}})
         done = wait_for(f"rollout to {size} MiB Complete", lambda size=size: (
-            r if (r := _rollout(cluster)).get("phase") == "Complete" and r.get("to") == size
+            r if (r := _rollout(cluster)).get("phase") == "Complete"
+            and r.get("toDecodePoolMiB") == size
             else None), 180)
         ended = time.monotonic()
         outcomes = cluster.window(started, ended)
@@ -307,8 +308,9 @@ def test_killed_decode_leaves_the_router_goes_stale_and_comes_back(cluster: Clus
         "pd_router_endpoints", role="decode") == 2.0, 300)
     back = time.monotonic()
     assert cluster.pod_condition(victim, "pd.serving.dev/transfer-ready")["status"] == "True"
+    # Requests the restarted engine finished (its counters start at 0 with the process).
     wait_for(f"{victim} serving again", lambda: (cluster.engine_metric(
-        victim, "vllm:request_success_total") or 0) > 0, 120)
+        victim, "vllm:e2e_request_latency_seconds_count") or 0) > 0, 120)
     restarted = cluster.pod(victim)["status"]["containerStatuses"][0]["restartCount"]
     print(f"{victim} back in the router {back - killed:.1f} s after the kill "
           f"(restartCount {restarted}); completions since: "

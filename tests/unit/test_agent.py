@@ -135,6 +135,20 @@ def test_unhealthy_above_the_ratio_and_healthy_without_traffic() -> None:
     assert build_status(facts, [], [], idle, NOW).healthy is True
 
 
+def test_failures_caused_by_a_peer_going_away_leave_the_pod_healthy() -> None:
+    """Guards against a cascade: a decode killed mid-transfer failed the prefill's transfers
+    with it, the prefill judged itself unhealthy, its readiness gate turned False and the
+    router lost its only prefill (seen on the local cluster with vLLM)."""
+    facts = make_facts(ratio=0.05)
+    peer_gone = compute_window([WindowSample(0.0, 10, 4, {"PeerUnreachable": 2,
+                                                          "LeaseExpired": 1,
+                                                          "AbortedByPeer": 1})], 1.0, 10.0)
+    assert build_status(facts, [], [], peer_gone, NOW).healthy is True  # own: 0 of 10
+    own = compute_window([WindowSample(0.0, 10, 4, {"PeerUnreachable": 3,
+                                                    "StalledWriter": 1})], 1.0, 10.0)
+    assert build_status(facts, [], [], own, NOW).healthy is False  # own: 1 of 10 > 5%
+
+
 # Reporter -----------------------------------------------------------------------------------------
 
 class FakeAPI:

@@ -428,19 +428,63 @@ def test_vllm_command() -> None:
     assert pod["automountServiceAccountToken"] is True
 
 
-def test_vllm_engine_native_command() -> None:
+def test_vllm_engine_native_command_and_transfer_agent_sidecar() -> None:
+    """EngineNative: vLLM's NixlConnector, and the transfer-agent sidecar that reports it
+    (the whole container). Only the sidecar gets an API token; the engine none."""
     pdd = tiny(engine={"framework": "vllm", "image": "vllm/vllm-openai:latest", "port": 8000},
                transfer={"backend": "EngineNative"})
-    sts = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")]
-    pod = sts["spec"]["template"]["spec"]
-    container = pod["containers"][0]
-    assert container["command"][-2:] == [
+    children = by_key(build_children(pdd, Capabilities(agent_image="agent:9")))
+    pod = children[("StatefulSet", "tiny-decode")]["spec"]["template"]["spec"]
+    engine, agent = pod["containers"]
+    assert engine["command"][-2:] == [
         "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}']
-    env = {e["name"]: e for e in container["env"]}
+    env = {e["name"]: e for e in engine["env"]}
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
     assert "PD_TRANSFER_AUTH_KEY_FILE" not in env
-    assert "readinessGates" not in pod
+    assert [p["name"] for p in engine["ports"]] == ["http", "kv-bootstrap"]
+    identity = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE",
+         "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "PD_DEPLOYMENT", "value": "tiny"},
+        {"name": "PD_ROLE", "value": "decode"},
+        {"name": "PD_TENSOR_PARALLEL", "value": "2"},
+        {"name": "PD_PIPELINE_PARALLEL", "value": "1"},
+        {"name": "PD_DATA_PARALLEL", "value": "1"},
+        {"name": "PD_PEER_SERVICE", "value": "tiny-prefill"},
+        {"name": "PD_TRANSFER_CONFIG", "value": "/etc/pd-transfer/transfer.json"},
+        {"name": "PD_TRANSFER_METRICS_PORT", "value": "9400"},
+    ]
+    assert agent == {
+        "name": "transfer-agent", "image": "agent:9", "imagePullPolicy": "IfNotPresent",
+        "command": ["pd-transfer", "agent", "--engine", "vllm", "--engine-metrics-url",
+                    "http://127.0.0.1:8000/metrics", "--engine-bootstrap-port", "5600"],
+        "env": identity,
+        "ports": [{"name": "kv-metrics", "containerPort": 9400, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"},
+                      "limits": {"memory": "256Mi"}},
+        "readinessProbe": {"httpGet": {"path": "/metrics", "port": "kv-metrics"},
+                           "periodSeconds": 10},
+        "livenessProbe": {"httpGet": {"path": "/metrics", "port": "kv-metrics"},
+                          "periodSeconds": 30, "failureThreshold": 3, "timeoutSeconds": 5},
+        "volumeMounts": [
+            {"name": "transfer-config", "mountPath": "/etc/pd-transfer", "readOnly": True},
+            {"name": "transfer-agent-token",
+             "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True},
+        ],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                            "readOnlyRootFilesystem": True,
+                            "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
     assert pod["automountServiceAccountToken"] is False
+    assert pod["readinessGates"] == [{"conditionType": "pd.serving.dev/transfer-ready"}]
+    token = next(v for v in pod["volumes"] if v["name"] == "transfer-agent-token")
+    assert token["projected"]["sources"][0] == {
+        "serviceAccountToken": {"path": "token", "expirationSeconds": 3600}}
 
 
 @pytest.mark.parametrize("version", ["1.29", "1.32"])
@@ -453,17 +497,26 @@ def test_children_pass_strict_kubernetes_schema(example: Any, version: str) -> N
         kubernetes_validate.validate(child, version, strict=True)
 
 
-def test_readiness_gate_only_where_the_agent_reports() -> None:
-    """Guards against pods that can never become Ready: SGLang (and vLLM with EngineNative)
-    move KV with their own connectors and run no agent to set the gate."""
-    def gates(pdd: PDDeployment) -> list[Any]:
+def test_every_engine_pod_carries_the_transfer_gate_and_someone_sets_it() -> None:
+    """Guards against pods that can never become Ready (a gate nobody sets) and against
+    pods whose transfer failures never reach the status: pd_transfer's agent reports for
+    PDTransfer pods, the transfer-agent sidecar for SGLang and vLLM with EngineNative."""
+    def pod(pdd: PDDeployment) -> dict[str, Any]:
         sts = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")]
-        return list(sts["spec"]["template"]["spec"].get("readinessGates", []))
+        spec: dict[str, Any] = sts["spec"]["template"]["spec"]
+        return spec
 
-    assert gates(tiny()) == [{"conditionType": "pd.serving.dev/transfer-ready"}]
-    assert gates(tiny(engine={"framework": "sglang", "image": "lmsysorg/sglang:latest"})) == []
-    assert gates(tiny(engine={"framework": "vllm", "image": "v"},
-                      transfer={"backend": "EngineNative"})) == []
+    gate = [{"conditionType": "pd.serving.dev/transfer-ready"}]
+    for pdd, reporter in (
+            (tiny(), "engine"),
+            (tiny(engine={"framework": "sglang", "image": "lmsysorg/sglang:latest"}),
+             "transfer-agent"),
+            (tiny(engine={"framework": "vllm", "image": "v"},
+                  transfer={"backend": "EngineNative"}), "transfer-agent"),
+            (tiny(engine={"framework": "vllm", "image": "v"}), "engine")):
+        spec = pod(pdd)
+        assert spec["readinessGates"] == gate
+        assert [c["name"] for c in spec["containers"]][-1] == reporter
 
 
 def test_engine_network_policy_whole_object() -> None:

@@ -192,6 +192,8 @@ def test_deployment_is_one_standalone_operator_watching_all_namespaces_by_defaul
         "--all-namespaces",
         "--metrics-port=8080",
         "--liveness=http://0.0.0.0:8081/healthz",
+        # The sidecar of engine-native pods runs from the operator's own image.
+        "--agent-image=ghcr.io/pd-operator/pd-operator:0.1.0",
     ]
     probe = {"path": "/healthz", "port": "health"}
     assert container["livenessProbe"]["httpGet"] == probe
@@ -209,6 +211,7 @@ def test_deployment_watches_listed_namespaces_only(helm: Path, full_values_file:
         "--namespace=team-b",
         "--metrics-port=9090",
         "--liveness=http://0.0.0.0:8081/healthz",
+        "--agent-image=registry.example/pd-operator:dev",
         "--verbose",
         "--some-flag",
     ]

@@ -116,3 +116,18 @@ def test_vllm_pod_without_the_vllm_env_is_not_runnable() -> None:
     container = container_of("vllm")
     with pytest.raises(NotRunnable, match="not built"):
         plan_launch(container["command"], container, IP, vllm_python=missing)
+
+
+def test_transfer_agent_sidecar_reaches_its_engine_on_the_pod_address() -> None:
+    """Containers of a pod share its network; here each pod is a loopback address, so the
+    sidecar's http://127.0.0.1:<port> is the pod's address, and it serves its own metrics
+    there rather than on every pod's."""
+    container = container_of("vllm", transfer={"backend": "EngineNative"})
+    pdd = make_pdd("tiny", "dev", engine={"framework": "vllm", "image": "img:1", "port": 8000},
+                   transfer={"backend": "EngineNative"})
+    agent = build_pod_template(pdd, Role.DECODE)["spec"]["containers"][1]
+    assert container["name"] == "engine" and agent["name"] == "transfer-agent"
+    assert plan(agent).argv == [
+        sys.executable, "-m", "pd_transfer.cli", "agent", "--engine", "vllm",
+        "--engine-metrics-url", f"http://{IP}:8000/metrics", "--engine-bootstrap-port",
+        "5600", "--metrics-host", IP]

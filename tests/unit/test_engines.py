@@ -75,11 +75,14 @@ RESIZE = frozenset({StagingOperation.RESIZE})
 def test_backend_facts(framework: str, backend: str | None, pd_transfer: bool,
                        staging: frozenset[StagingOperation], port: int) -> None:
     """Each framework's default backend (PDTransfer for vllm and reference, EngineNative for
-    sglang) and what it implies: who reports, what may be resized, where metadata goes."""
+    sglang) and what it implies: who reports (pd_transfer's agent, or the transfer-agent
+    sidecar from the engine's metrics: every pod reports), what may be resized, where
+    metadata goes."""
     pdd = pdd_of(framework, transfer={"backend": backend} if backend else {})
     adapter = engine_adapter(pdd)
     assert runs_pd_transfer(pdd) is pd_transfer
-    assert adapter.reports_transfer_health(pdd) is pd_transfer
+    assert adapter.reports_transfer_health(pdd) is True
+    assert adapter.runs_native_agent(pdd) is not pd_transfer
     assert adapter.staging_operations(pdd) == staging
     assert adapter.bootstrap_port(pdd) == port
 

@@ -71,3 +71,31 @@ def test_next_stale_in_counts_fresh_reports_only() -> None:
     fleet = observe_fleet(pods, agents, NOW, health=HEALTH)
     assert fleet.next_stale_in() == 40.0
     assert observe_fleet(pods, [], NOW, health=HEALTH).next_stale_in() is None
+
+
+def test_a_pod_is_not_failing_for_peers_that_went_away() -> None:
+    """The pod's verdict (so its readiness gate) counts only its own failures; failures
+    whose cause is a peer going away are named in the detail, not held against it."""
+    pods = [make_pod("p-0", role="prefill"), make_pod("d-0", role="decode")]
+    agents = [make_agent("p-0", role="prefill", report_time=FRESH, window=(20, 6),
+                         window_reasons={"PeerUnreachable": 4, "LeaseExpired": 2}),
+              make_agent("d-0", report_time=FRESH, window=(20, 6), healthy=False,
+                         window_reasons={"PeerUnreachable": 4, "TransferTimeout": 2})]
+    verdicts = {p.name: p.verdict for p in observe_fleet(pods, agents, NOW,
+                                                          health=HEALTH).pods}
+    assert verdicts["p-0"].state is ReportState.HEALTHY
+    assert verdicts["p-0"].detail == (
+        "6 of 20 transfers failed in the last 60 s (6 of them because a peer went away); "
+        "the agent reports healthy.")
+    assert verdicts["d-0"].state is ReportState.FAILING
+    assert verdicts["d-0"].detail.startswith(
+        "6 of 20 transfers failed in the last 60 s (4 of them because a peer went away); "
+        "its own failures: 10%, limit 5%, mostly PeerUnreachable")
+
+
+def test_every_peer_caused_reason_is_a_transfer_failure_reason() -> None:
+    """The shared list names reasons the transfer module really reports."""
+    from pd_contract.health import PEER_CAUSED_FAILURES  # noqa: PLC0415
+    from pd_transfer.protocol.lifecycle import FailureReason  # noqa: PLC0415
+
+    assert PEER_CAUSED_FAILURES <= {r.value for r in FailureReason}

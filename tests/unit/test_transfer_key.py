@@ -263,12 +263,14 @@ def test_native_connector_pods_get_no_key(framework: str) -> None:
     """Only pd_transfer reads the key: an engine with its own connector gets neither the
     volume nor the variable (the reference engine's whole template is checked in
     test_build_children)."""
-    pdd = tiny(engine={"framework": framework, "image": f"{framework}:1"})
+    pdd = tiny(engine={"framework": framework, "image": f"{framework}:1"},
+               transfer={"backend": "EngineNative"})
     spec = build_pod_template(pdd, Role.PREFILL)["spec"]
-    assert [v["name"] for v in spec["volumes"]] == ["dshm", "transfer-config"]
-    container = spec["containers"][0]
-    assert [m["name"] for m in container["volumeMounts"]] == ["dshm", "transfer-config"]
-    assert "PD_TRANSFER_AUTH_KEY_FILE" not in {e["name"] for e in container["env"]}
+    assert [v["name"] for v in spec["volumes"]] == ["dshm", "transfer-config",
+                                                    "transfer-agent-token"]
+    for container in spec["containers"]:
+        assert "transfer-key" not in [m["name"] for m in container["volumeMounts"]]
+        assert "PD_TRANSFER_AUTH_KEY_FILE" not in {e["name"] for e in container["env"]}
 
 
 def test_user_env_cannot_redirect_the_key_file() -> None:

@@ -7,8 +7,15 @@ compare whole objects and the garbage collector removes children with their owne
 No Kubernetes client is imported here.
 """
 
-from pd_operator.build.capabilities import Capabilities
+from pd_operator.build.capabilities import DEFAULT_AGENT_IMAGE, Capabilities
 from pd_operator.build.children import build_children, child_key, desired_hash
 from pd_operator.build.names import FIELD_MANAGER
 
-__all__ = ["FIELD_MANAGER", "Capabilities", "build_children", "child_key", "desired_hash"]
+__all__ = [
+    "DEFAULT_AGENT_IMAGE",
+    "FIELD_MANAGER",
+    "Capabilities",
+    "build_children",
+    "child_key",
+    "desired_hash",
+]

@@ -33,7 +33,7 @@ def build_children(pdd: PDDeployment, capabilities: Capabilities) -> list[Manife
     # Before the workloads, so no engine pod starts reachable by every pod of the cluster.
     children += build_network_policies(pdd)
     for role in (Role.PREFILL, Role.DECODE):
-        children.append(build_statefulset(pdd, role))
+        children.append(build_statefulset(pdd, role, capabilities.agent_image))
     if capabilities.pod_disruption_budgets:
         for role in (Role.PREFILL, Role.DECODE):
             children.append(build_pod_disruption_budget(pdd, role))

@@ -40,15 +40,12 @@ def _env_var(var: EnvVar) -> dict[str, Any]:
     return var.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-def engine_env(pdd: PDDeployment, role: Role) -> list[dict[str, Any]]:
-    """Pod identity and deployment facts (read by the in-pod agent), the framework's own
-    variables, UCX hints, then the user's variables (later entries win)."""
-    spec = pdd.spec
-    rs = role_spec(pdd, role)
-    par = rs.parallelism
+def identity_env(pdd: PDDeployment, role: Role) -> list[dict[str, Any]]:
+    """Pod identity and deployment facts: what any in-pod agent reads."""
+    par = role_spec(pdd, role).parallelism
     peer = Role.DECODE if role is Role.PREFILL else Role.PREFILL
-    env: list[dict[str, Any]] = [_field_env(name, path) for name, path in DOWNWARD_API_ENV.items()]
-    env += [
+    return [
+        *(_field_env(name, path) for name, path in DOWNWARD_API_ENV.items()),
         {"name": ENV_DEPLOYMENT, "value": pdd.metadata.name},
         {"name": ENV_ROLE, "value": role.value},
         {"name": ENV_TENSOR_PARALLEL, "value": str(par.tensor)},
@@ -58,6 +55,14 @@ def engine_env(pdd: PDDeployment, role: Role) -> list[dict[str, Any]]:
         {"name": ENV_TRANSFER_CONFIG, "value": TRANSFER_CONFIG_PATH},
         {"name": ENV_TRANSFER_METRICS_PORT, "value": str(TRANSFER_METRICS_PORT)},
     ]
+
+
+def engine_env(pdd: PDDeployment, role: Role) -> list[dict[str, Any]]:
+    """Pod identity and deployment facts (read by the in-pod agent), the framework's own
+    variables, UCX hints, then the user's variables (later entries win)."""
+    spec = pdd.spec
+    rs = role_spec(pdd, role)
+    env = identity_env(pdd, role)
     env += engine_adapter(pdd).env(pdd, role)
     rdma = spec.network.rdma
     if rdma.enabled and rdma.ib_devices:

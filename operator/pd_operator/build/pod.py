@@ -12,6 +12,8 @@ from pd_contract.names import (
 )
 from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
+from pd_operator.build.agent import build_agent_container, build_agent_token_volume
+from pd_operator.build.capabilities import DEFAULT_AGENT_IMAGE
 from pd_operator.build.config import transfer_config_hash
 from pd_operator.build.engine import (
     ENGINE_CONTAINER,
@@ -122,11 +124,13 @@ def reports_transfer_health(pdd: PDDeployment) -> bool:
     return engine_adapter(pdd).reports_transfer_health(pdd)
 
 
-def build_pod_template(pdd: PDDeployment, role: Role) -> dict[str, Any]:
+def build_pod_template(pdd: PDDeployment, role: Role,
+                       agent_image: str = DEFAULT_AGENT_IMAGE) -> dict[str, Any]:
     """The pod template, labelled with the hash of everything that needs a pod restart.
 
     The staging pool sizes are not part of it: they reach running pods through their
-    TransferAgents, so changing them never restarts an engine.
+    TransferAgents, so changing them never restarts an engine. An engine-native pod gets the
+    transfer-agent sidecar (`build.agent`), from `agent_image`.
     """
     spec = pdd.spec
     rs = role_spec(pdd, role)
@@ -155,15 +159,21 @@ def build_pod_template(pdd: PDDeployment, role: Role) -> dict[str, Any]:
         "securityContext": copy.deepcopy(_ENGINE_SECURITY_CONTEXT),
         **engine_probes(pdd),
     }
+    native_agent = engine_adapter(pdd).runs_native_agent(pdd)
+    containers = [container]
+    if native_agent:
+        containers.append(build_agent_container(pdd, role, agent_image))
+        volumes.append(build_agent_token_volume())
     pod_spec: dict[str, Any] = {
         "serviceAccountName": agent_service_account(name),
-        # Only pd_transfer's agent talks to the API server (it writes the pod's
-        # TransferAgent); an engine with its own connector gets no token to leak.
-        "automountServiceAccountToken": reports_transfer_health(pdd),
+        # Only the agent talks to the API server (it writes the pod's TransferAgent): with
+        # pd_transfer it runs inside the engine, which then needs the token; the sidecar of
+        # an engine-native pod gets its own (a projected volume), the engine none.
+        "automountServiceAccountToken": runs_pd_transfer(pdd),
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
-        "containers": [container],
+        "containers": containers,
         "volumes": volumes,
     }
     if reports_transfer_health(pdd):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
+from pd_operator.build.capabilities import DEFAULT_AGENT_IMAGE
 from pd_operator.build.meta import Manifest, object_meta
 from pd_operator.build.names import LABEL_ROLE, role_selector, role_workload
 from pd_operator.build.pod import build_pod_template
 from pd_operator.engines import role_spec
 
 
-def build_statefulset(pdd: PDDeployment, role: Role) -> Manifest:
+def build_statefulset(pdd: PDDeployment, role: Role,
+                      agent_image: str = DEFAULT_AGENT_IMAGE) -> Manifest:
     name = pdd.metadata.name
     workload = role_workload(name, role)
     return {
@@ -24,7 +26,7 @@ def build_statefulset(pdd: PDDeployment, role: Role) -> Manifest:
             # Engines do not depend on each other's start order: start them all at once.
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
-            "template": build_pod_template(pdd, role),
+            "template": build_pod_template(pdd, role, agent_image),
         },
     }
 

@@ -87,19 +87,28 @@ Obj = dict[str, Any]
 
 
 @dataclass
-class _PodProcess:
-    uid: str
-    namespace: str
+class _Container:
+    """One container of a pod, run as a local process."""
+
     name: str
-    ip: str
+    image: str
     plan: LaunchPlan
     env: dict[str, str]
     log_path: Path
     record: ProcessRecord
     started_at: str
-    tmp_dir: Path | None = None  # the container's TMPDIR, removed when the pod stops
     restarts: int = 0
-    died_at: float | None = None  # monotonic time the container was seen dead
+    died_at: float | None = None  # monotonic time it was seen dead
+
+
+@dataclass
+class _PodProcess:
+    uid: str
+    namespace: str
+    name: str
+    ip: str
+    containers: list[_Container]
+    tmp_dir: Path | None = None  # the pod's TMPDIR, removed when the pod stops
     last_status: Obj | None = None
     # (Secret name, directory, defaultMode) of each Secret volume, refreshed at every sync.
     secret_volumes: list[tuple[str, Path, int | None]] = field(default_factory=list)
@@ -287,10 +296,16 @@ class FakeKubelet:
         plain: Obj = self._api.sanitize_for_serialization(model)  # type: ignore[no-untyped-call]
         return plain
 
-    def process_of(self, namespace: str, name: str) -> ProcessRecord | None:
+    def process_of(self, namespace: str, name: str,
+                   container: str | None = None) -> ProcessRecord | None:
+        """The process of a pod's `container` (default: its first, the engine)."""
         with self._lock:
-            return next((p.record for p in self._pods.values()
-                         if (p.namespace, p.name) == (namespace, name)), None)
+            pod = next((p for p in self._pods.values()
+                        if (p.namespace, p.name) == (namespace, name)), None)
+            if pod is None:
+                return None
+            return next((c.record for c in pod.containers
+                         if container is None or c.name == container), None)
 
     # Start / stop -----------------------------------------------------------------------------
 
@@ -307,7 +322,6 @@ class FakeKubelet:
         namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
         pod_dir = self.work_dir / namespace / f"{name}-{uid[:8]}"
         pod_dir.mkdir(parents=True, exist_ok=True)
-        container = spec["containers"][0]
         config_maps: dict[str, Obj] = {}
         volume_dirs: dict[str, str] = {}
         secret_volumes: list[tuple[str, Path, int | None]] = []
@@ -329,65 +343,82 @@ class FakeKubelet:
             config_maps[cm_name] = config_map
             directory = self._config_map_dir(namespace, config_map)
             volume_dirs[volume["name"]] = str(directory)
-        mounts = {m["mountPath"]: volume_dirs[m["name"]]
-                  for m in container.get("volumeMounts") or [] if m["name"] in volume_dirs}
         with self._lock:
             ip = self._allocate_ip()
+        started: list[_Container] = []
         try:
-            env = resolve_env(pod, container, ip, config_maps, mounts)
             service_account = spec.get("serviceAccountName") or "default"
             kubeconfig = service_account_kubeconfig(self.handle, namespace, service_account,
                                                     path=pod_dir / "kubeconfig")
-            command = [_rewrite(arg, mounts) for arg in container["command"]]
-            command += [_rewrite(arg, mounts) for arg in container.get("args") or []]
-            plan = plan_launch(command, container, ip, vllm_python=_vllm_python)
-            process_env = {key: value for key, value in os.environ.items()
-                           if not key.startswith(("KUBECONFIG", "UCX_", "PD_"))
-                           and key not in ("PYTHONPATH", "VIRTUAL_ENV")}
             # Short: engines put unix sockets under TMPDIR (vLLM's ZMQ IPC), and a socket
             # path may have at most 107 characters.
             tmp = Path(tempfile.mkdtemp(prefix=f"pdk-{uid[:8]}-"))
-            process_env |= self.extra_env | env | plan.env | {"KUBECONFIG": str(kubeconfig),
-                                                              "TMPDIR": str(tmp)}
-            log_path = pod_dir / "engine.log"
-            record = spawn_daemon(f"engine {namespace}/{name}", plan.argv, log_path,
-                                  env=process_env)
+            base_env = {key: value for key, value in os.environ.items()
+                        if not key.startswith(("KUBECONFIG", "UCX_", "PD_"))
+                        and key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+            # Every container is planned before any starts: a pod runs whole or not at all.
+            plans = [self._plan(pod, container, ip, volume_dirs, config_maps)
+                     for container in spec["containers"]]
+            for container, (plan, env) in zip(spec["containers"], plans, strict=True):
+                process_env = base_env | self.extra_env | env | plan.env | {
+                    "KUBECONFIG": str(kubeconfig), "TMPDIR": str(tmp)}
+                log_path = pod_dir / f"{container['name']}.log"
+                record = spawn_daemon(f"{container['name']} {namespace}/{name}", plan.argv,
+                                      log_path, env=process_env)
+                started.append(_Container(container["name"], container.get("image", ""),
+                                          plan, process_env, log_path, record, _now()))
         except BaseException:
+            for running in started:
+                stop_process(running.record, grace_s=1.0)
             with self._lock:
                 self._used_ips.discard(ip)
             raise
-        process = _PodProcess(uid, namespace, name, ip, plan, process_env, log_path, record,
-                              _now(), tmp_dir=tmp, secret_volumes=secret_volumes)
+        process = _PodProcess(uid, namespace, name, ip, started, tmp_dir=tmp,
+                              secret_volumes=secret_volumes)
         with self._lock:
             self._pods[uid] = process
             self._save()
-        _log.info("started pod %s/%s at %s (pid %d, log %s)", namespace, name, ip,
-                  record.pid, record.log_path)
+        for running in started:
+            _log.info("started %s of pod %s/%s at %s (pid %d, log %s)", running.name,
+                      namespace, name, ip, running.record.pid, running.log_path)
         return process
 
+    @staticmethod
+    def _plan(pod: Obj, container: Obj, ip: str, volume_dirs: dict[str, str],
+              config_maps: dict[str, Obj]) -> tuple[LaunchPlan, dict[str, str]]:
+        """One container's process and environment, its mount paths rewritten."""
+        mounts = {m["mountPath"]: volume_dirs[m["name"]]
+                  for m in container.get("volumeMounts") or [] if m["name"] in volume_dirs}
+        env = resolve_env(pod, container, ip, config_maps, mounts)
+        command = [_rewrite(arg, mounts) for arg in container.get("command") or []]
+        command += [_rewrite(arg, mounts) for arg in container.get("args") or []]
+        return plan_launch(command, container, ip, vllm_python=_vllm_python), env
+
     def _restart_if_due(self, pod: Obj, process: _PodProcess) -> None:
-        """Restart a dead container after its back-off, as a kubelet does (restartPolicy
+        """Restart each dead container after its back-off, as a kubelet does (restartPolicy
         Always, the default of StatefulSet and Deployment pods)."""
-        if is_running(process.record):
-            process.died_at = None
-            return
-        if self.restart_backoff_s is None or pod["spec"].get("restartPolicy") == "Never":
-            return
-        now = time.monotonic()
-        if process.died_at is None:
-            process.died_at = now
-            return
-        backoff = min(self.restart_backoff_s * 2 ** process.restarts, MAX_BACKOFF_S)
-        if now - process.died_at < backoff:
-            return
-        record = spawn_daemon(f"engine {process.namespace}/{process.name}", process.plan.argv,
-                              process.log_path, env=process.env)
-        process.record, process.restarts, process.died_at = record, process.restarts + 1, None
-        process.started_at = _now()
-        with self._lock:
-            self._save()
-        _log.info("restarted pod %s/%s (restart %d, pid %d)", process.namespace, process.name,
-                  process.restarts, record.pid)
+        for container in process.containers:
+            if is_running(container.record):
+                container.died_at = None
+                continue
+            if self.restart_backoff_s is None or pod["spec"].get("restartPolicy") == "Never":
+                continue
+            now = time.monotonic()
+            if container.died_at is None:
+                container.died_at = now
+                continue
+            backoff = min(self.restart_backoff_s * 2 ** container.restarts, MAX_BACKOFF_S)
+            if now - container.died_at < backoff:
+                continue
+            record = spawn_daemon(f"{container.name} {process.namespace}/{process.name}",
+                                  container.plan.argv, container.log_path, env=container.env)
+            container.record, container.died_at = record, None
+            container.restarts += 1
+            container.started_at = _now()
+            with self._lock:
+                self._save()
+            _log.info("restarted %s of pod %s/%s (restart %d, pid %d)", container.name,
+                      process.namespace, process.name, container.restarts, record.pid)
 
     def _config_map_dir(self, namespace: str, config_map: Obj) -> Path:
         """The files of a ConfigMap, written once per content and shared by every pod that
@@ -408,7 +439,8 @@ class FakeKubelet:
         return directory
 
     def _stop(self, process: _PodProcess) -> None:
-        _log.info("%s", stop_process(process.record, grace_s=5.0))
+        for container in process.containers:
+            _log.info("%s", stop_process(container.record, grace_s=5.0))
         if process.tmp_dir is not None:
             shutil.rmtree(process.tmp_dir, ignore_errors=True)
         with self._lock:
@@ -419,20 +451,15 @@ class FakeKubelet:
     def _save(self) -> None:
         path = self.work_dir / STATE_FILE
         partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps([p.record.to_json() for p in self._pods.values()]))
+        partial.write_text(json.dumps([c.record.to_json() for p in self._pods.values()
+                                       for c in p.containers]))
         partial.replace(path)
 
     # Status -----------------------------------------------------------------------------------
 
-    def _ready(self, process: _PodProcess) -> bool:
-        probe = process.plan.readiness
-        if probe is None:
-            return True
-        return _passes(probe, process.ip)
-
     def _update_status(self, pod: Obj, process: _PodProcess) -> None:
-        alive = is_running(process.record)
-        ready = alive and self._ready(process)
+        statuses = [self._container_status(c, process.ip) for c in process.containers]
+        ready = all(status["ready"] for status in statuses)
         current = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}
         gates = [g["conditionType"] for g in pod["spec"].get("readinessGates") or []]
         gates_true = all(current.get(g, {}).get("status") == "True" for g in gates)
@@ -444,36 +471,41 @@ class FakeKubelet:
                      and previous.get("status") == status else None) or _now()
             return {"type": type_, "status": status, "lastTransitionTime": since}
 
-        image = pod["spec"]["containers"][0].get("image", "reference")
-        state: Obj = ({"running": {"startedAt": process.started_at}} if alive else
-                      {"terminated": {"exitCode": 1, "reason": "Error",
-                                      "startedAt": process.started_at, "finishedAt": _now()}})
-        if not alive and self.restart_backoff_s is not None:
-            state = {"waiting": {"reason": "CrashLoopBackOff"}}
         desired: Obj = {
             "phase": "Running",
             "podIP": process.ip,
             "podIPs": [{"ip": process.ip}],
             "hostIP": "127.0.0.1",
-            "startTime": process.started_at,
+            "startTime": process.containers[0].started_at,
             "conditions": [condition("PodScheduled", True), condition("Initialized", True),
                            condition("ContainersReady", ready),
                            condition("Ready", ready and gates_true)],
-            "containerStatuses": [{
-                "name": pod["spec"]["containers"][0]["name"], "ready": ready,
-                "restartCount": process.restarts, "started": alive, "image": image,
-                "imageID": f"fake://{image}", "containerID": f"fake://{process.record.pid}",
-                "state": state,
-            }],
+            "containerStatuses": statuses,
         }
         comparable = json.dumps({**desired, "containerStatuses": [
-            {**desired["containerStatuses"][0], "state": list(state)}]}, sort_keys=True)
+            {**status, "state": list(status["state"])} for status in statuses]},
+            sort_keys=True)
         if process.last_status is not None and process.last_status.get("key") == comparable:
             return
         self._core.patch_namespaced_pod_status(
             pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": desired},
             _content_type="application/strategic-merge-patch+json")
         process.last_status = {"key": comparable}
+
+    def _container_status(self, container: _Container, ip: str) -> Obj:
+        alive = is_running(container.record)
+        probe = container.plan.readiness
+        ready = alive and (probe is None or _passes(probe, ip))
+        state: Obj = ({"running": {"startedAt": container.started_at}} if alive else
+                      {"terminated": {"exitCode": 1, "reason": "Error",
+                                      "startedAt": container.started_at,
+                                      "finishedAt": _now()}})
+        if not alive and self.restart_backoff_s is not None:
+            state = {"waiting": {"reason": "CrashLoopBackOff"}}
+        image = container.image or "local"
+        return {"name": container.name, "ready": ready, "restartCount": container.restarts,
+                "started": alive, "image": image, "imageID": f"fake://{image}",
+                "containerID": f"fake://{container.record.pid}", "state": state}
 
 
 def _passes(probe: Probe, ip: str) -> bool:

@@ -11,9 +11,11 @@ container commands and runs each with a local interpreter:
 
 Every pod shares the host's network here, each on its own loopback address: a server told
 to listen on `0.0.0.0` would take its port on every pod's address, so listening addresses
-are narrowed to the pod's (`--host`, given to the router when its command has none, and the
-connector's `bind_host` in vLLM's `--kv-transfer-config`). Any other command is not
-runnable: its pod stays Pending, as it would on a node without the image.
+are narrowed to the pod's (`--host` of the router, `--metrics-host` of the transfer-agent
+sidecar, given when the command has none, and the connector's `bind_host` in vLLM's
+`--kv-transfer-config`), and a URL to the pod's own loopback (`http://127.0.0.1:…`, how a
+sidecar reaches its engine) points at the pod's address. Any other command is not runnable:
+its pod stays Pending, as it would on a node without the image.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,8 +43,10 @@ __all__ = [
 PD_TRANSFER: Final = "pd-transfer"
 VLLM_SERVER_MODULE: Final = "vllm.entrypoints.openai.api_server"
 _KV_CONFIG_FLAG: Final = "--kv-transfer-config"
-# pd-transfer subcommands that listen on `--host` (the reference engine binds its pod IP).
-_SERVERS_ON_HOST_FLAG: Final = frozenset({"router", "vllm-proxy"})
+_LOOPBACK: Final = re.compile(r"//(?:127\.0\.0\.1|localhost):")
+# pd-transfer subcommands that listen on all addresses unless told (the reference engine
+# binds its pod IP), and the flag that tells them.
+_LISTEN_FLAG: Final = {"router": "--host", "vllm-proxy": "--host", "agent": "--metrics-host"}
 
 
 class NotRunnable(ValueError):
@@ -106,10 +111,10 @@ def _probe(container: dict[str, Any]) -> Probe | None:
     raise NotRunnable(f"readiness probe {sorted(probe)} is not supported (httpGet, tcpSocket)")
 
 
-def _narrow_host(args: list[str], ip: str) -> list[str]:
+def _narrow_host(args: list[str], ip: str, host_flag: str = "--host") -> list[str]:
     out = list(args)
     for index, (flag, _) in enumerate(itertools.pairwise(out)):
-        if flag == "--host":
+        if flag == host_flag:
             out[index + 1] = ip
     return out
 
@@ -136,11 +141,14 @@ def plan_launch(command: Sequence[str], container: dict[str, Any], ip: str, *,
     refuses, with NotRunnable) the vLLM env's interpreter, only when a vLLM pod asks."""
     args = list(command)
     readiness = _probe(container)
+    # Containers of one pod share its network: their loopback is the pod's address here.
+    args = [_LOOPBACK.sub(f"//{ip}:", arg) for arg in args]
     if args[:1] == [PD_TRANSFER] and len(args) > 1:
-        if args[1] in _SERVERS_ON_HOST_FLAG and "--host" not in args:
-            args += ["--host", ip]  # its default, 0.0.0.0, would take the port on every pod
+        flag = _LISTEN_FLAG.get(args[1])
+        if flag is not None and flag not in args:
+            args += [flag, ip]  # its default, 0.0.0.0, would take the port on every pod
         return LaunchPlan([sys.executable, "-m", "pd_transfer.cli",
-                           *_narrow_host(args[1:], ip)], readiness=readiness)
+                           *_narrow_host(args[1:], ip, flag or "--host")], readiness=readiness)
     if len(args) >= 3 and Path(args[0]).name.startswith("python") and args[1:3] == [
             "-m", VLLM_SERVER_MODULE]:
         roots = package_roots("pd_transfer", "pd_contract")

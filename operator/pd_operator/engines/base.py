@@ -45,6 +45,9 @@ class EngineAdapter(ABC):
     # channel); None for a framework without an EngineNative backend. pd_transfer's is
     # TRANSFER_BOOTSTRAP_PORT.
     native_bootstrap_port: ClassVar[int | None] = None
+    # `pd-transfer agent --engine <this>`: the sidecar that turns the engine's own transfer
+    # metrics into TransferAgent reports under EngineNative (None: no such mapping).
+    native_agent_engine: ClassVar[str | None] = None
 
     @abstractmethod
     def command(self, pdd: PDDeployment, role: Role) -> list[str]:
@@ -57,10 +60,15 @@ class EngineAdapter(ABC):
         return self.native_bootstrap_port
 
     def reports_transfer_health(self, pdd: PDDeployment) -> bool:
-        """Whether the pods run pd_transfer's agent, which reports into a TransferAgent. Only
-        then do the pods carry the transfer readiness gate: a gate nobody sets keeps pods
+        """Whether the pods report into a TransferAgent: pd_transfer's agent (PDTransfer), or
+        the transfer-agent sidecar reading the engine's own metrics (EngineNative). Only then
+        do the pods carry the transfer readiness gate: a gate nobody sets keeps pods
         unready."""
-        return runs_pd_transfer(pdd)
+        return runs_pd_transfer(pdd) or self.native_agent_engine is not None
+
+    def runs_native_agent(self, pdd: PDDeployment) -> bool:
+        """Whether the pods get the transfer-agent sidecar (EngineNative with a mapping)."""
+        return not runs_pd_transfer(pdd) and self.native_agent_engine is not None
 
     def staging_operations(self, pdd: PDDeployment) -> frozenset[StagingOperation]:
         """What the operator may do to running pods' staging memory: only pd_transfer has
@@ -77,7 +85,7 @@ class EngineAdapter(ABC):
             {"name": "http", "containerPort": pdd.spec.engine.port, "protocol": "TCP"},
             {"name": "kv-bootstrap", "containerPort": self.bootstrap_port(pdd), "protocol": "TCP"},
         ]
-        if self.reports_transfer_health(pdd):
+        if runs_pd_transfer(pdd):  # an engine-native pod's sidecar serves it instead
             ports.append({"name": "kv-metrics", "containerPort": TRANSFER_METRICS_PORT,
                           "protocol": "TCP"})
         return ports

@@ -23,9 +23,11 @@ _POLICY = {
 
 
 class SGLangAdapter(EngineAdapter):
-    """SGLang moves KV with its own NIXL backend (EngineNative, its only backend)."""
+    """SGLang moves KV with its own NIXL backend (EngineNative, its only backend); the
+    transfer-agent sidecar reports it from SGLang's metrics."""
 
     framework: ClassVar[Framework] = Framework.SGLANG
+    native_agent_engine: ClassVar[str | None] = "sglang"
     native_bootstrap_port: ClassVar[int | None] = 8998
 
     def command(self, pdd: PDDeployment, role: Role) -> list[str]:

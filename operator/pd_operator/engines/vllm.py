@@ -29,6 +29,7 @@ class VLLMAdapter(EngineAdapter):
 
     framework: ClassVar[Framework] = Framework.VLLM
     # The NixlConnector's side channel, at vLLM's default port.
+    native_agent_engine: ClassVar[str | None] = "vllm"
     native_bootstrap_port: ClassVar[int | None] = 5600
 
     def kv_transfer_config(self, pdd: PDDeployment, role: Role) -> dict[str, Any]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
+from pd_operator.build import DEFAULT_AGENT_IMAGE
 from pd_operator.kube import KubeClient
 from pd_operator.metrics import STATUS_WRITES_COALESCED, TRANSFER_REPORTS
 from pd_operator.reconcile.reconciler import Reconciler
@@ -30,10 +32,11 @@ class ReconcileLoop:
         self.queue: WorkQueue[Key] = WorkQueue(self._work, tuning)
 
     @classmethod
-    def connect(cls, kubeconfig: str | None, tuning: QueueTuning | None = None) -> ReconcileLoop:
+    def connect(cls, kubeconfig: str | None, tuning: QueueTuning | None = None, *,
+                agent_image: str = DEFAULT_AGENT_IMAGE) -> ReconcileLoop:
         """Connect to the API server and discover its optional APIs once (cached for life)."""
         kube = KubeClient.from_kubeconfig(kubeconfig)
-        capabilities = kube.discover_capabilities()
+        capabilities = replace(kube.discover_capabilities(), agent_image=agent_image)
         log.info("API server capabilities: %s", capabilities)
         return cls(Reconciler(kube, capabilities), tuning)
 

@@ -39,6 +39,7 @@ from pd_operator.api.status import (
     RoleStatus,
     StagingRolloutStatus,
 )
+from pd_operator.api.types import TransferBackend
 from pd_operator.status.child_events import create_failure
 from pd_operator.status.conditions import (
     CONDITION_TYPES,
@@ -267,6 +268,8 @@ def _ordered(conditions: Sequence[Condition]) -> list[Condition]:
 
 
 def _staging_summary(spec: PDDeploymentSpec) -> str:
+    if spec.transfer_backend is TransferBackend.ENGINE_NATIVE:
+        return "n/a"  # the engine's own connector: no staging pool of ours exists
     if not staging_in_use(spec):
         return "Unused"
     return f"{spec.transfer.staging.decode_pool_mib}MiB"

@@ -27,6 +27,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
+from pd_contract.health import own_failures
 from pd_contract.transferagent import Role, TransferAgentSpec, TransferAgentStatus
 from pd_operator.api.conditions import ConditionStatus
 from pd_operator.api.resources import format_validation_error
@@ -228,11 +229,15 @@ def _verdict(
                          f"{health.stale_after_seconds} s); the agent may be hung or gone.",
                          status)
     window = status.window
-    ratio = min(1.0, window.failures / window.transfers) if window.transfers else 0.0
+    own = own_failures(window.failures, window.failures_by_reason)
+    ratio = min(1.0, own / window.transfers) if window.transfers else 0.0
+    peer = window.failures - own
+    by_peers = f" ({peer} of them because a peer went away)" if peer else ""
     if status.healthy is False or ratio > health.max_failure_ratio:
         top = top_reason(window.failures_by_reason) or top_reason(status.failures_by_reason)
         detail = (f"{window.failures} of {window.transfers} transfers failed in the last "
-                  f"{window.seconds} s ({ratio:.0%}, limit {health.max_failure_ratio:.0%})")
+                  f"{window.seconds} s{by_peers}; its own failures: {ratio:.0%}, limit "
+                  f"{health.max_failure_ratio:.0%}")
         if top:
             detail += f", mostly {top}"
         if status.last_error:
@@ -240,7 +245,7 @@ def _verdict(
         return PodReport(name, role, ReportState.FAILING, detail + ".", status)
     return PodReport(name, role, ReportState.HEALTHY,
                      f"{window.failures} of {window.transfers} transfers failed in the last "
-                     f"{window.seconds} s; the agent reports healthy.", status)
+                     f"{window.seconds} s{by_peers}; the agent reports healthy.", status)
 
 
 def top_reason(counts: Mapping[str, int]) -> str | None:

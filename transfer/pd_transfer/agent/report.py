@@ -10,8 +10,9 @@ peer and the window counts into one ``TransferAgentStatus``:
   largest free extent of any rank (the largest allocation that would succeed somewhere);
 - ``window`` counts requests that finished in the last ``window_seconds``
   (``compute_window`` over cumulative samples), and ``healthy`` is
-  ``window.failures <= max_failure_ratio * window.transfers``: with no traffic nothing
-  failed, so the pod is healthy. The operator decides from these counts, not from memory
+  ``own failures <= max_failure_ratio * window.transfers``, own failures being those not
+  caused by a peer going away (``pd_contract.health``): with no traffic nothing failed, so
+  the pod is healthy. The operator decides from these counts, not from memory
   of earlier reports, so it survives its own restarts;
 - ``recent_failures`` keeps the ``RECENT_FAILURES`` newest failures of all ranks.
 
@@ -27,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from pd_contract.health import within_failure_ratio
 from pd_contract.transferagent import (
     AgentEndpoints,
     AgentStaging,
@@ -161,7 +163,8 @@ def build_status(
     for snap in snapshots:
         reasons.update(snap.failures_by_reason)
     recent = _recent(facts.identity.name, snapshots)
-    healthy = window.failures <= facts.max_failure_ratio * window.transfers
+    healthy = within_failure_ratio(window.failures, window.failures_by_reason,
+                                   window.transfers, facts.max_failure_ratio)
     return TransferAgentStatus(
         pod_uid=facts.identity.uid,
         endpoints=facts.endpoints,

@@ -295,6 +295,27 @@ def test_an_unreachable_rank_is_reported_as_such_never_as_zeros() -> None:
             agent.stop()
 
 
+def test_one_slow_read_is_not_a_failure_a_rank_unread_past_the_grace_is() -> None:
+    """Guards against a false alarm that rolled a staging rollout back: a rank busy
+    re-registering its resized ring missed one 2-s report fetch, and the pod agent wrote
+    healthy: false at once."""
+    base = free_ports(2)
+    now = [1000.0]
+    with canned_ranks(base, [0, 1]) as servers:
+        agent = PodAgent(options(base), scheduler_live=lambda: 0, clock=lambda: now[0])
+        agent.refresh()
+        assert agent.unhealthy_ranks() == {}
+        servers[1].close()
+        now[0] += 1.0
+        agent.refresh()  # rank 1 missed one read
+        assert list(agent.unreadable()) == [1]
+        assert agent.unhealthy_ranks() == {}
+        now[0] += agent.options.unread_grace_s
+        assert list(agent.unhealthy_ranks()) == [1]  # unread past the grace
+    never = PodAgent(options(free_ports(2)), scheduler_live=lambda: 0, clock=lambda: now[0])
+    assert sorted(never.unhealthy_ranks()) == [0, 1]  # never read: nothing to vouch for
+
+
 def test_without_identity_reporting_is_off_and_metrics_are_still_served(
         caplog: pytest.LogCaptureFixture) -> None:
     base = free_ports(2)

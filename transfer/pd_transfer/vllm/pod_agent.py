@@ -11,8 +11,10 @@ control routes each rank's bootstrap server carries (``rank_control``: rank ``r`
   scheduler thread never waits for the agent);
 - ``snapshots()`` are the ranks' last reports. A rank not read yet contributes nothing (never
   zeros); a rank that stopped answering keeps its last counters (they only grow, so the
-  window stays right) and, while any rank is unreadable, every status written says
-  ``healthy: false`` with ``lastError`` naming the ranks and why (``_FlaggingClient``);
+  window stays right). A rank never read, or not read for longer than ``unread_grace_s``
+  (two report intervals: one slow answer, e.g. while the rank re-registers its resized
+  ring on a busy host, is not a failure), makes every status written say ``healthy:
+  false`` with ``lastError`` naming the ranks and why (``_FlaggingClient``);
 - ``resize_staging`` posts the new sizes to every rank at once and completes when all
   answered: the rings' new registration version, or the first rank's error (rank order);
 - ``reported()`` restarts the decode rings' high-water marks (per report, as the engine);
@@ -31,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -94,6 +97,11 @@ class PodAgentOptions:
     poll_s: float = 1.0
     fetch_timeout_s: float = 2.0
 
+    @property
+    def unread_grace_s(self) -> float:
+        """How long a rank read before may go unread before the reports say so."""
+        return 2 * self.config.reporting.report_interval_seconds
+
     def rank_address(self, rank: int) -> str:
         return f"{self.rank_host}:{self.bootstrap_port + rank}"
 
@@ -151,8 +159,10 @@ class PodAgent:
     """One pod's agent over its TP ranks (module docstring). ``start`` and ``stop`` never
     raise; ``refresh`` is one poll round (tests call it directly)."""
 
-    def __init__(self, options: PodAgentOptions, scheduler_live: Callable[[], int]) -> None:
+    def __init__(self, options: PodAgentOptions, scheduler_live: Callable[[], int], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.options = options
+        self.clock = clock
         self.scheduler_live = scheduler_live
         self.reporter: Reporter | None = None
         self.watch: SpecWatch | None = None
@@ -162,6 +172,7 @@ class PodAgent:
         self._reports: dict[int, RankReport] = {}
         self._snapshots: dict[int, TransferSnapshot] = {}
         self._errors: dict[int, str] = dict.fromkeys(ranks, _NOT_READ)
+        self._read_at: dict[int, float] = {}  # when each rank was last read
         self._families = [_Families() for _ in ranks]
         self.registry = CollectorRegistry(auto_describe=False)
         rank_registries = []
@@ -293,6 +304,7 @@ class PodAgent:
                 self._reports[rank] = report
                 self._snapshots[rank] = report.snapshot.to_snapshot()
                 was = self._errors.pop(rank, None)
+                self._read_at[rank] = self.clock()
                 self._families[rank].families = families
             if was is not None and not first:
                 _log.info("rank %d answers again", rank)
@@ -309,6 +321,13 @@ class PodAgent:
         """Ranks whose last fetch failed (or that were never read), with why."""
         with self._lock:
             return dict(self._errors)
+
+    def unhealthy_ranks(self) -> dict[int, str]:
+        """Ranks the reports cannot vouch for: never read, or unread past the grace."""
+        now, grace = self.clock(), self.options.unread_grace_s
+        with self._lock:
+            return {rank: why for rank, why in self._errors.items()
+                    if rank not in self._read_at or now - self._read_at[rank] > grace}
 
     def rank_reports(self) -> dict[int, RankReport]:
         """The last report read from each rank (ranks never read are absent)."""
@@ -413,8 +432,9 @@ class _ConnectorCollector(Collector):
 
 
 class _FlaggingClient:
-    """The reporter's client, marking every status written while a rank is unreadable as
-    unhealthy, with the ranks and errors in ``lastError`` (the report cannot vouch for them)."""
+    """The reporter's client, marking every status written while a rank is unreadable (past
+    the grace) as unhealthy, with the ranks and errors in ``lastError`` (the report cannot
+    vouch for them)."""
 
     def __init__(self, inner: AgentClient, agent: PodAgent) -> None:
         self._inner = inner
@@ -430,7 +450,7 @@ class _FlaggingClient:
         return self._inner.list(namespace, label_selector)
 
     def replace_status(self, body: dict[str, Any]) -> dict[str, Any]:
-        errors = self._agent.unreadable()
+        errors = self._agent.unhealthy_ranks()
         if errors and "status" in body:
             status = _Status.model_validate(body["status"])
             ports = self._agent.options

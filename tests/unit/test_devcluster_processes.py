@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -57,3 +58,32 @@ def test_sigkill_after_grace_for_a_daemon_ignoring_sigterm(tmp_path: Path) -> No
     outcome = stop_process(record, grace_s=0.5)
     assert outcome.startswith("killed stubborn")
     assert not is_running(record)
+
+
+def test_stopping_a_daemon_ends_its_whole_process_group(tmp_path: Path) -> None:
+    """Guards against a stopped engine leaving its worker processes behind (seen: vLLM
+    engine cores orphaned by their killed API server, holding ports and 1.7 GB each):
+    the leader exits on SIGTERM, a child that ignores it is killed with the group."""
+    shell = shutil.which("sh") or "/bin/sh"
+    log = tmp_path / "parent.log"
+    record = spawn_daemon("parent", [
+        shell, "-c", f"sh -c \"trap '' TERM; echo \\$\\$ > {tmp_path / 'child'}; "
+                     f"while :; do sleep 0.1; done\" & wait"], log)
+    child_file = tmp_path / "child"
+    deadline = time.monotonic() + 5
+    while not child_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child = int(child_file.read_text())
+    assert child != record.pid and os.getpgid(child) == record.pid
+    stop_process(record, grace_s=2)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, os.WNOHANG)
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the child {child} outlived its stopped daemon")

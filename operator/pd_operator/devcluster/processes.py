@@ -117,7 +117,10 @@ def spawn_daemon(name: str, argv: list[str], log_path: Path,
 
 
 def stop_process(record: ProcessRecord, grace_s: float = 10.0) -> str:
-    """SIGTERM the recorded daemon, SIGKILL after `grace_s`; returns what happened, in words.
+    """SIGTERM the recorded daemon, SIGKILL after `grace_s`; then SIGKILL whatever is left
+    of its process group, as a container runtime ends every process of a container (a
+    daemon starts its own session, so the group is its own: an engine's worker processes
+    must not outlive it). Returns what happened, in words.
 
     Does nothing to a PID that no longer belongs to the recorded command.
     """
@@ -130,14 +133,24 @@ def stop_process(record: ProcessRecord, grace_s: float = 10.0) -> str:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         if not is_running(record):
+            _kill_group(record.pid)
             return f"stopped {record.name} (pid {record.pid})"
         time.sleep(0.05)
     if is_running(record):  # re-verified right before the hard kill
         try:
             os.kill(record.pid, signal.SIGKILL)
         except ProcessLookupError:
+            _kill_group(record.pid)
             return f"stopped {record.name} (pid {record.pid})"
         kill_deadline = time.monotonic() + 10.0
         while is_running(record) and time.monotonic() < kill_deadline:
             time.sleep(0.05)
+    _kill_group(record.pid)
     return f"killed {record.name} (pid {record.pid}) after {grace_s:.0f} s grace"
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the rest of a daemon's process group (its session, started by spawn_daemon:
+    Linux reuses no PID while a group of that number exists, so the group is still ours)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

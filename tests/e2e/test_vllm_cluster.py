@@ -16,11 +16,16 @@ In order:
    load goes on through the other decode, its report turns stale and its readiness gate
    False; the kubelet restarts it, and once it reports again the router sends it requests;
 4. the same example with `transfer.backend: EngineNative` (vLLM's own NixlConnector, the
-   router's vllm-nixl protocol) serves completions, and a staging pool patch on it is
-   refused with the rule's message (this control plane has no CEL, so the operator refuses
-   it: SpecValid=False, a Warning Event, nothing rolled out; on 1.29+ the API server refuses
-   it first with the same message, `tests/integration/test_crd_cel_server.py`).
-Budget: about 8 minutes on 2 cores.
+   router's vllm-nixl protocol, the transfer-agent sidecar reporting from vLLM's metrics)
+   serves completions, both pods report healthy transfers, and a staging pool patch on it
+   is refused with the rule's message (this control plane has no CEL, so the operator
+   refuses it: SpecValid=False, a Warning Event, nothing rolled out; on 1.29+ the API
+   server refuses it first with the same message, `tests/integration/test_crd_cel_server.py`);
+5. an EngineNative decode whose model has other KV heads than its prefill's (vLLM then
+   fails every request with HTTP 500 while its /health stays 200): within one report window
+   TransferHealthy=False names the pod and the reason, its readiness gate turns False, a
+   Warning Event says so, and the router stops sending to it.
+Budget: about 10 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -121,21 +126,22 @@ class Cluster:
                      if c["type"] == type_), {})
 
     def router(self) -> HttpTarget | None:
-        pods = self.api.sanitize_for_serialization(  # type: ignore[no-untyped-call]
-            self.core.list_namespaced_pod(
-                self.namespace, label_selector=f"pd.serving.dev/deployment={NAME},"
-                                               "app.kubernetes.io/component=router"))
-        for pod in pods["items"]:
-            status = pod.get("status") or {}
-            if any(c["type"] == "Ready" and c["status"] == "True"
-                   for c in status.get("conditions") or []):
-                return HttpTarget("router", status["podIP"], 8000)
-        return None
+        return _router_of(self, NAME)
 
     def router_metric(self, name: str, **labels: str) -> float | None:
         router = self.router()
         return None if router is None else scrape(f"{router.host}:{router.port}", name,
                                                   **labels)
+
+    def router_metric_of(self, deployment: str, name: str, **labels: str) -> float | None:
+        """A metric of `deployment`'s router pod, Ready or not (an unready router answers)."""
+        pods = self.api.sanitize_for_serialization(  # type: ignore[no-untyped-call]
+            self.core.list_namespaced_pod(
+                self.namespace, label_selector=f"pd.serving.dev/deployment={deployment},"
+                                               "app.kubernetes.io/component=router"))
+        ips = [p["status"]["podIP"] for p in pods["items"]
+               if (p.get("status") or {}).get("podIP")]
+        return scrape(f"{ips[0]}:8000", name, **labels) if ips else None
 
     def engine_metric(self, pod: str, name: str) -> float | None:
         ip = (self.pod(pod).get("status") or {}).get("podIP")
@@ -345,16 +351,7 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
     cluster.objects.create_namespaced_custom_object(GROUP, VERSION, cluster.namespace,
                                                     "pddeployments", pdd)
 
-    def router() -> HttpTarget | None:
-        pods = cluster.api.sanitize_for_serialization(  # type: ignore[no-untyped-call]
-            cluster.core.list_namespaced_pod(
-                cluster.namespace, label_selector=f"pd.serving.dev/deployment={NATIVE},"
-                                                  "app.kubernetes.io/component=router"))
-        return next((HttpTarget("router", p["status"]["podIP"], 8000) for p in pods["items"]
-                     if any(c["type"] == "Ready" and c["status"] == "True"
-                            for c in p["status"].get("conditions") or [])), None)
-
-    target = wait_for("the EngineNative router Ready", router, 300)
+    target = wait_for("the EngineNative router Ready", lambda: _router_of(cluster, NATIVE), 300)
     for prompt in PROMPTS[:2]:  # NixlConnector on CPU: tens of seconds per request
         started = time.monotonic()
         got = complete(target, prompt, MAX_TOKENS, timeout_s=240).token_ids
@@ -385,3 +382,100 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
     # Nothing was touched: the router still serves.
     assert complete(target, PROMPTS[0], MAX_TOKENS, timeout_s=240).token_ids == (
         cluster.expected[len(PROMPTS[0])])
+    # Both pods report through their sidecars.
+    healthy = wait_for("EngineNative TransferHealthy=True", lambda: (
+        c if (c := _condition(cluster, NATIVE, "TransferHealthy")).get("status") == "True"
+        else None), 60)
+    print(f"EngineNative transfer health: {healthy['message']}")
+    agents = {a["metadata"]["name"]: a.get("status") or {} for a in cluster.agents()
+              if a["spec"]["pdDeployment"] == NATIVE}
+    assert sorted(agents) == [f"{NATIVE}-decode-0", f"{NATIVE}-prefill-0"]
+    assert all(s.get("healthy") is True for s in agents.values()), agents
+    assert agents[f"{NATIVE}-decode-0"]["transfersTotal"] >= 3, agents
+
+
+def _condition(cluster: Cluster, name: str, type_: str) -> Obj:
+    status = cluster.objects.get_namespaced_custom_object(
+        GROUP, VERSION, cluster.namespace, "pddeployments", name).get("status") or {}
+    return next((c for c in status.get("conditions", []) if c["type"] == type_), {})
+
+
+MISMATCHED = f"{NAME}-kv-mismatch"
+
+
+def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_router(
+        cluster: Cluster) -> None:
+    """Guards against the fleet that looks Ready and serves nothing: the decode answers
+    /health but fails every KV transfer ("compatibility hash mismatch")."""
+    cluster.objects.delete_namespaced_custom_object(GROUP, VERSION, cluster.namespace,
+                                                    "pddeployments", NATIVE)
+    wait_for("the EngineNative pods gone", lambda: not cluster.core.list_namespaced_pod(
+        cluster.namespace, label_selector=f"pd.serving.dev/deployment={NATIVE}").items, 120)
+    config_map, pdd = _manifests(cluster.namespace)
+    config = json.loads(config_map["data"]["config.json"])
+    config["num_key_value_heads"] = 4  # the decode's model: 4 KV heads, its prefill's 2
+    other = {"apiVersion": "v1", "kind": "ConfigMap",
+             "metadata": {"name": "tiny-llama-4kv", "namespace": cluster.namespace},
+             "data": {"config.json": json.dumps(config)}}
+    cluster.core.create_namespaced_config_map(cluster.namespace, other)
+    pdd["metadata"]["name"] = MISMATCHED
+    spec = pdd["spec"]
+    spec["decode"]["replicas"] = 1
+    spec["transfer"]["backend"] = "EngineNative"
+    del spec["transfer"]["staging"]["prefillBufferMiB"], spec["transfer"]["staging"][
+        "decodePoolMiB"]
+    spec["transfer"]["transport"] = {"ucxTransports": ["tcp", "self", "sm"]}
+    spec["decode"]["pod"] = {
+        "volumes": [{"name": "model", "configMap": {"name": "tiny-llama-4kv"}}],
+        "volumeMounts": [{"name": "model", "mountPath": "/models/tiny-llama",
+                          "readOnly": True}]}
+    cluster.objects.create_namespaced_custom_object(GROUP, VERSION, cluster.namespace,
+                                                    "pddeployments", pdd)
+    decode = f"{MISMATCHED}-decode-0"
+    wait_for(f"{decode} Running with its sidecar", lambda: all(
+        c.get("ready") for c in (cluster.pod(decode).get("status") or {}).get(
+            "containerStatuses") or [{}]) and cluster.pod_condition(
+        decode, "ContainersReady").get("status") == "True", 300)
+    wait_for("the router has the prefill and the decode", lambda: _router_of(
+        cluster, MISMATCHED) is not None, 120)
+    router = _router_of(cluster, MISMATCHED)
+    assert router is not None
+    started = time.monotonic()
+    answers = Counter()
+    while time.monotonic() - started < 30 and _condition(
+            cluster, MISMATCHED, "TransferHealthy").get("status") != "False":
+        try:
+            complete(router, PROMPTS[1], MAX_TOKENS, timeout_s=60)
+            answers["ok"] += 1
+        except RuntimeError as exc:
+            answers[str(exc).split(":")[0]] += 1
+    unhealthy = wait_for("TransferHealthy=False", lambda: (
+        c if (c := _condition(cluster, MISMATCHED, "TransferHealthy")).get("status")
+        == "False" else None), 30)
+    noticed = time.monotonic() - started
+    print(f"mismatched decode: answers {dict(answers)}; TransferHealthy=False after "
+          f"{noticed:.1f} s: {unhealthy['reason']}: {unhealthy['message']}")
+    assert answers["ok"] == 0, answers
+    assert decode in unhealthy["message"]
+    gate = wait_for(f"{decode}'s transfer gate False", lambda: (
+        g if (g := cluster.pod_condition(decode, "pd.serving.dev/transfer-ready")).get(
+            "status") == "False" else None), 30)
+    assert decode in gate.get("message", "") or gate.get("reason")
+    events = cluster.core.list_namespaced_event(
+        cluster.namespace, field_selector=f"involvedObject.name={MISMATCHED}").items
+    assert any(e.type == "Warning" and decode in (e.message or "") for e in events)
+    wait_for("the router without a decode engine", lambda: cluster.router_metric_of(
+        MISMATCHED, "pd_router_endpoints", role="decode") == 0.0, 30)
+
+
+def _router_of(cluster: Cluster, name: str) -> HttpTarget | None:
+    pods = cluster.api.sanitize_for_serialization(  # type: ignore[no-untyped-call]
+        cluster.core.list_namespaced_pod(
+            cluster.namespace, label_selector=f"pd.serving.dev/deployment={name},"
+                                              "app.kubernetes.io/component=router"))
+    for pod in pods["items"]:
+        status = pod.get("status") or {}
+        if status.get("podIP") and any(c["type"] == "Ready" and c["status"] == "True"
+                                       for c in status.get("conditions") or []):
+            return HttpTarget("router", status["podIP"], 8000)
+    return None

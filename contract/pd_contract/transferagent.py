@@ -13,11 +13,13 @@ __all__ = [
     "AgentEndpoints",
     "AgentStaging",
     "PeerTransport",
+    "QueueDepth",
     "RingWatermark",
     "Role",
     "TransferAgentSpec",
     "TransferAgentStatus",
     "TransferFailure",
+    "TransferTime",
     "WindowCounts",
 ]
 
@@ -83,6 +85,17 @@ class AgentEndpoints(APIModel):
     metrics: str = Field(default="", description="Prometheus metrics endpoint, host:port.")
 
 
+class TransferTime(APIModel):
+    """How long transfers took in the window, estimated from the engine's histogram buckets
+    (linear within a bucket, as PromQL's histogram_quantile; a quantile in the last, open
+    bucket is that bucket's lower bound). A quantile is absent when no transfer was timed."""
+
+    count: int = Field(default=0, ge=0, description="Transfers timed in the window.")
+    p50_seconds: float | None = Field(default=None, ge=0, description="Median, in seconds.")
+    p90_seconds: float | None = Field(default=None, ge=0, description="90th percentile, s.")
+    p99_seconds: float | None = Field(default=None, ge=0, description="99th percentile, s.")
+
+
 class WindowCounts(APIModel):
     """Transfers finished in the last window; the operator's health decision reads these, so
     it needs no memory of earlier reports and survives its own restarts."""
@@ -93,6 +106,10 @@ class WindowCounts(APIModel):
     failures_by_reason: dict[str, int] = Field(
         default_factory=dict, description="Failed requests per reason in the window."
     )
+    transfer_time: TransferTime | None = Field(
+        default=None, description="Transfer durations in the window, where the engine times "
+        "them (absent otherwise; see status.unknown)."
+    )
 
 
 class PeerTransport(APIModel):
@@ -100,6 +117,16 @@ class PeerTransport(APIModel):
 
     peer: str = Field(description="Peer agent name.")
     transport: str = Field(description="Transport seen, e.g. rc, tcp, cuda_ipc, shm.")
+
+
+class QueueDepth(APIModel):
+    """Requests waiting in one of the engine's own transfer queues (engine-native backends)."""
+
+    name: str = Field(description="The engine's queue, e.g. decodePrealloc, prefillInflight.")
+    depth: int = Field(default=0, ge=0, description="Requests in it at the last reading.")
+    high_water: int = Field(
+        default=0, ge=0, description="Most requests read in it since the previous report."
+    )
 
 
 class TransferAgentStatus(APIModel):
@@ -147,6 +174,18 @@ class TransferAgentStatus(APIModel):
         default=None, description="The pod's own judgement of its transfer health."
     )
     last_error: str = Field(default="", description="Most recent error message.")
+    queues: list[QueueDepth] = Field(
+        default_factory=list,
+        description="Depths of the engine's own transfer queues, where it exports them "
+        "(engine-native backends).",
+    )
+    unknown: list[str] = Field(
+        default_factory=list,
+        description="Fields of this status (paths as written here, e.g. bytesTotal, "
+        "window.transfers, ring) whose values the pod cannot measure because its engine does "
+        "not export them: their 0 or empty value means 'not measured', not 'none'. Empty when "
+        "every field is measured.",
+    )
     report_time: datetime | None = Field(default=None, description="When this was written.")
     observed_generation: int = Field(
         default=0, ge=0, description="metadata.generation of the spec the pod has applied."

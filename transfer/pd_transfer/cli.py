@@ -1,7 +1,8 @@
 """``pd-transfer``: command-line entry point of the in-pod transfer module.
 
 Subcommands register themselves with an ``add_*_parser(subparsers)`` function that sets
-``handler``; later issues add ``bench``, ``agent`` and ``engine`` the same way.
+``handler`` (``selftest``, ``bench``, ``engine``, ``load``, ``router``, ``vllm-proxy``,
+``agent``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from pd_transfer.bench_cli import add_bench_parser
 from pd_transfer.engine.cli import add_engine_parser
 from pd_transfer.load import add_load_parser
+from pd_transfer.native.cli import add_agent_parser
 from pd_transfer.router.cli import add_router_parser, add_vllm_proxy_parser
 
 __all__ = ["add_selftest_parser", "main"]
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_parser(subparsers)
     add_router_parser(subparsers)
     add_vllm_proxy_parser(subparsers)
+    add_agent_parser(subparsers)
     return parser
 
 

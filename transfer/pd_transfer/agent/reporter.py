@@ -30,6 +30,12 @@ prefill pod its buffer, ``prefillBufferMiB``) is confirmed at once, without the 
 next report says the new sizes are in force, with ``resizing`` never true and
 ``stagingSince`` unchanged (the memory in force is the same).
 
+An ``amend`` function, when given, gets every status just before the reporter decides
+whether it is due, and returns the status to write: the engine-native agent
+(``pd_transfer.native``) fills in what only it knows that way (its own health verdict,
+fields its engine does not measure, queue depths), so a health flip it decides is written at
+once like any other.
+
 ``Reporter.tick()`` is one iteration, driven by the thread or directly by tests with a
 manual clock and an in-process fake client.
 """
@@ -146,9 +152,11 @@ class Reporter:
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
         rng: random.Random | None = None,
         resizer: Resizer | None = None,
+        amend: Callable[[TransferAgentStatus], TransferAgentStatus] | None = None,
     ) -> None:
         self.facts = facts
         self.resizer = resizer
+        self.amend = amend
         self.source = source
         self.client = client
         self.tuning = tuning
@@ -226,6 +234,8 @@ class Reporter:
         status = status.model_copy(update={
             "resizing": self._resize is not None, "staging_since": self._staging_since,
             "last_error": self._resize_error or status.last_error})
+        if self.amend is not None:
+            status = self.amend(status)
         due = transition or self._due(now_s, status.healthy)
         if not due or now_s < self._next_attempt_s:
             return False

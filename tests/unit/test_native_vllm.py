@@ -1,0 +1,224 @@
+"""The engine-native agent's vLLM 0.32.0 NixlConnector mapping, against real `/metrics` text.
+
+The captures in `tests/unit/data/vllm_0.32.0_nixl_*.prom` come from real vLLM CPU servers
+(`python -m tests.e2e.capture_vllm_nixl_metrics`; each file's header says how). Expected
+statuses are worked out by hand from the samples quoted next to each assert. No engine, no
+network, no NIXL: the agent reads the files through a fake fetch and writes to an in-memory
+API server (`tests/native_harness.py`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_contract.transferagent import (
+    AgentEndpoints,
+    QueueDepth,
+    TransferAgentStatus,
+    TransferFailure,
+    TransferTime,
+    WindowCounts,
+)
+from pd_transfer.native.vllm_nixl import VLLM_0_32_0
+from tests.native_harness import NOW, Run, capture
+
+pytestmark = pytest.mark.timeout(10)
+
+P = "vllm_0.32.0_nixl_"
+# process_start_time_seconds 1.79567598278e+09 in the healthy pair's captures (both servers
+# were launched together), 1.79567613271e+09 in the mismatched decode's.
+PAIR_INCARNATION = "uid-1-1795675982780"
+MISMATCH_INCARNATION = "uid-1-1795676132710"
+ENDPOINTS = AgentEndpoints(engine="10.0.0.7:8000", metrics="10.0.0.7:9400")
+NO_FETCH = [QueueDepth(name="kvFetchWaitingToStart"), QueueDepth(name="kvFetchInProgress"),
+            QueueDepth(name="kvFetchCompletedWaiting")]
+FAILED_TRANSFERS = ("vllm:nixl_num_failed_transfers_total +6 since the previous reading: "
+                    "failed NIXL transfers, handshakes and notifications")
+
+
+def decode(**changes: object) -> TransferAgentStatus:
+    """A decode report with nothing measured yet; `changes` are what a test expects."""
+    base = TransferAgentStatus(
+        pod_uid="uid-1", endpoints=ENDPOINTS, incarnation=PAIR_INCARNATION,
+        window=WindowCounts(seconds=60, transfer_time=TransferTime()), healthy=True,
+        report_time=NOW, observed_generation=1, queues=NO_FETCH,
+        unknown=["ring", "transports"])
+    return base.model_copy(update=changes)
+
+
+PREFILL_UNKNOWN = ["bytesTotal", "liveRequests", "queues", "ring", "transfersTotal",
+                   "transports", "window.transferTime", "window.transfers"]
+
+
+def prefill(**changes: object) -> TransferAgentStatus:
+    base = TransferAgentStatus(
+        pod_uid="uid-1", endpoints=ENDPOINTS, incarnation=PAIR_INCARNATION,
+        window=WindowCounts(seconds=60), healthy=True, report_time=NOW,
+        observed_generation=1, unknown=PREFILL_UNKNOWN)
+    return base.model_copy(update=changes)
+
+
+def test_healthy_decode_reports_transfers_bytes_and_transfer_time() -> None:
+    """Guards the decode mapping (the side of NixlConnector that READs): transfers and bytes
+    from the transfer histograms, time quantiles from the buckets, queues from kv_fetch."""
+    run = Run(VLLM_0_32_0, "decode")
+    run.read(P + "decode_fresh.prom", 0).read(P + "decode_warm.prom", 5)
+    status = run.read(P + "decode_healthy.prom", 10).report(10)
+    # healthy: vllm:nixl_xfer_time_seconds_count 5 (1 warm-up + 4), _bytes_transferred_sum
+    # 458752 (65536 + 4 × 98304), failures 0. The engine started after the agent, so all of
+    # it is in the 60 s window. Buckets: 4 in (0, 0.005], 1 in (0.3, 0.5]:
+    #   p50: rank 2.5 of 5 → first bucket, 0.005 × 2.5/4 = 0.003125
+    #   p90: rank 4.5 → (0.3, 0.5], 0.3 + 0.2 × 0.5/1 = 0.4; p99: 0.3 + 0.2 × 0.95 = 0.49
+    assert status == decode(
+        bytes_total=458752, transfers_total=5,
+        window=WindowCounts(seconds=60, transfers=5, transfer_time=TransferTime(
+            count=5, p50_seconds=0.003125, p90_seconds=0.4, p99_seconds=0.49)))
+
+
+def test_a_decode_agent_started_after_its_engine_counts_only_what_it_saw() -> None:
+    """Guards against an agent restart reporting the engine's whole history as the window."""
+    run = Run(VLLM_0_32_0, "decode")
+    run.agent.tracker.agent_start_unix_s = 1.8e9  # after the engine's start (1.7957e9)
+    run.read(P + "decode_warm.prom", 0)
+    status = run.read(P + "decode_healthy.prom", 10).report(10)
+    # Totals are the engine's (since its start): 5 transfers, 458752 bytes. The window is
+    # what the agent saw: 5 - 1 = 4 transfers, all in (0, 0.005]:
+    #   p50 0.005 × 2/4 = 0.0025, p90 0.005 × 3.6/4 = 0.0045, p99 0.005 × 3.96/4 = 0.00495
+    assert status == decode(
+        bytes_total=458752, transfers_total=5,
+        window=WindowCounts(seconds=60, transfers=4, transfer_time=TransferTime(
+            count=4, p50_seconds=0.0025, p90_seconds=0.0045, p99_seconds=0.00495)))
+
+
+def test_decode_with_other_kv_heads_than_its_prefill_is_unhealthy_with_the_reason() -> None:
+    """Guards the issue's fleet that looks Ready and serves nothing: every request fails with
+    HTTP 500 ('compatibility hash mismatch') while /health stays 200; only
+    vllm:nixl_num_failed_transfers_total grows (6 after 3 requests: a failed handshake is
+    counted per handshake, and each request tried two)."""
+    status = Run(VLLM_0_32_0, "decode").read(P + "decode_kv_heads_mismatch.prom", 0).report(0)
+    failure = TransferFailure(pod="demo-decode-0", reason="TransferFailed",
+                              message=FAILED_TRANSFERS, time=NOW)
+    # 6 failed of 6 (no READ completed): ratio 1 > 0.05.
+    assert status == decode(
+        incarnation=MISMATCH_INCARNATION, transfers_total=6, failures_total=6,
+        failures_by_reason={"TransferFailed": 6},
+        window=WindowCounts(seconds=60, transfers=6, failures=6,
+                            failures_by_reason={"TransferFailed": 6},
+                            transfer_time=TransferTime()),
+        recent_failures=[failure], healthy=False, last_error=FAILED_TRANSFERS)
+
+
+def test_failing_decode_is_written_at_once_not_at_the_next_interval() -> None:
+    """Guards 'within one report window': a health flip is written at the reporter's next
+    tick (>= 1 s after the previous write), not after the 5 s report interval."""
+    run = Run(VLLM_0_32_0, "decode")
+    healthy = run.read(P + "decode_healthy.prom", 0).report(0)
+    assert healthy is not None and healthy.healthy is True
+    assert run.report(1) is None  # nothing changed: the interval is 5 s
+    # The engine restarted as the mismatched decode (another process start time).
+    failing = run.read(P + "decode_kv_heads_mismatch.prom", 2).report(2)
+    assert failing is not None
+    # Totals: the new incarnation's own (6 failed); the window: both incarnations, 5 + 6.
+    assert (failing.healthy, failing.incarnation, failing.transfers_total,
+            failing.failures_total) == (False, MISMATCH_INCARNATION, 6, 6)
+    assert (failing.window.transfers, failing.window.failures) == (11, 6)
+
+
+def test_prefill_reports_expired_leases_as_its_peers_failures_and_unknown_transfers() -> None:
+    """Guards unknown-vs-zero on the side that does not READ: a NixlConnector prefill exports
+    the transfer histograms but never fills them, so its transfers, bytes and transfer times
+    are listed unknown (not 0 measured), and its expired KV leases (the decode never read)
+    are recent failures of a peer, not failures of this pod (which would make the router
+    drop a healthy prefill for a broken decode)."""
+    run = Run(VLLM_0_32_0, "prefill")
+    run.read(P + "prefill_fresh.prom", 0).read(P + "prefill_warm.prom", 5)
+    status = run.read(P + "prefill_leases_expired.prom", 100).report(100)
+    # warm: kv_expired_reqs 1, notifications_after_expiry 1; leases_expired: 4 and 1.
+    expired_3 = TransferFailure(
+        pod="demo-prefill-0", reason="LeaseExpired", time=NOW,
+        message="vllm:nixl_num_kv_expired_reqs_total +3 since the previous reading: requests "
+                "whose KV no decode read before its lease expired; a failure of a peer's "
+                "transfer, not counted as this pod's")
+    late_1 = TransferFailure(
+        pod="demo-prefill-0", reason="ReadAfterExpiry", time=NOW,
+        message="vllm:nixl_num_notifications_after_expiry_total +1 since the previous "
+                "reading: reads of KV blocks after their lease expired (blocks may have been "
+                "reused); a failure of a peer's transfer, not counted as this pod's")
+    expired_1 = expired_3.model_copy(update={"message": expired_3.message.replace("+3", "+1")})
+    assert status == prefill(recent_failures=[expired_3, late_1, expired_1],
+                             last_error=expired_3.message)
+
+
+def test_the_same_zero_is_measured_on_decode_and_unknown_on_prefill() -> None:
+    """Guards against reporting 'not exported' as 0: both fresh servers export
+    vllm:nixl_bytes_transferred_sum 0.0, but only the decode's means 'no bytes'."""
+    on_decode = Run(VLLM_0_32_0, "decode").read(P + "decode_fresh.prom", 0).report(0)
+    on_prefill = Run(VLLM_0_32_0, "prefill").read(P + "prefill_fresh.prom", 0).report(0)
+    assert on_decode is not None and on_prefill is not None
+    assert (on_decode.bytes_total, "bytesTotal" in on_decode.unknown) == (0, False)
+    assert (on_prefill.bytes_total, "bytesTotal" in on_prefill.unknown) == (0, True)
+    assert on_decode.window.transfer_time == TransferTime()  # measured: none in the window
+    assert on_prefill.window.transfer_time is None  # not measured
+
+
+def _without(text: str, family: str) -> str:
+    return "\n".join(line for line in text.splitlines() if family not in line) + "\n"
+
+
+def test_a_vanished_metric_is_an_agent_error_not_health_and_clears_when_back() -> None:
+    """Guards against a renamed or dropped metric reading as 'no failures': the status says
+    which metric is missing, healthy false, and keeps the last numbers."""
+    run = Run(VLLM_0_32_0, "decode")
+    run.read(P + "decode_healthy.prom", 0).report(0)
+    text = _without(capture(P + "decode_healthy.prom"), "vllm:nixl_bytes_transferred")
+    status = run.read_text(text, 2).report(2)
+    assert status is not None
+    assert status.last_error == (
+        "agent error: vllm 0.32.0 (NixlConnector) metrics of a decode: "
+        "vllm:nixl_bytes_transferred (histogram: bytes per NIXL KV cache transfer) is "
+        "missing. This agent maps vllm 0.32.0; another engine version, connector or role "
+        "exports other metrics (vLLM serves its metrics on its API port at /metrics; the "
+        "vllm:nixl_* metrics exist only with --kv-transfer-config naming NixlConnector)")
+    assert (status.healthy, status.bytes_total, status.transfers_total) == (False, 458752, 5)
+    back = run.read(P + "decode_healthy.prom", 4).report(4)
+    assert back is not None and (back.healthy, back.last_error) == (True, "")
+
+
+def test_an_engine_version_with_other_names_is_reported_as_such() -> None:
+    """Guards a vLLM upgrade that renames the NIXL metrics: every mapped one is named."""
+    text = capture(P + "decode_healthy.prom").replace("vllm:nixl_", "vllm:nixl_v2_")
+    status = Run(VLLM_0_32_0, "decode").read_text(text, 0).report(0)
+    assert status is not None and status.healthy is False
+    for family in ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred",
+                   "vllm:nixl_num_failed_transfers_total",
+                   "vllm:nixl_num_failed_notifications_total",
+                   "vllm:nixl_num_kv_expired_reqs_total"):
+        assert f"{family} (" in status.last_error
+
+
+UNREADABLE = ("agent error: cannot read the engine's metrics: GET "
+              "http://127.0.0.1:8000/metrics failed: ConnectionRefusedError")
+
+
+def test_an_engine_never_read_is_unhealthy_with_the_reason() -> None:
+    status = Run(VLLM_0_32_0, "decode").unreachable(0).report(0)
+    assert status is not None and (status.healthy, status.last_error) == (False, UNREADABLE)
+
+
+def test_one_missed_reading_is_tolerated_two_in_a_row_are_not() -> None:
+    """Guards a busy engine whose /metrics misses one scrape's timeout from taking its pod
+    out of service, without hiding an engine that stays unreadable."""
+    run = Run(VLLM_0_32_0, "decode")
+    run.read(P + "decode_healthy.prom", 0).report(0)
+    tolerated = run.unreachable(5).report(5)
+    assert tolerated is not None and (tolerated.healthy, tolerated.last_error) == (True, "")
+    failing = run.unreachable(10).report(10)
+    assert failing is not None and (failing.healthy, failing.last_error) == (False, UNREADABLE)
+    assert (failing.transfers_total, failing.bytes_total) == (5, 458752)  # the last numbers
+
+
+def test_other_engines_text_is_not_read_as_vllm() -> None:
+    status = Run(VLLM_0_32_0, "decode").read("sglang_0.5.23_decode_healthy.prom", 0).report(0)
+    assert status is not None and status.healthy is False
+    assert status.last_error.startswith(
+        "agent error: no vllm:* metric is exported at all: vLLM serves its metrics")

@@ -3,8 +3,9 @@
 
 A failure whose cause is the other side going away says nothing about the pod that reports
 it: the peer process died (`PeerUnreachable`), no decode claimed the KV before its lease
-ended (`LeaseExpired`), the prefill pod could not be found (`BootstrapTimeout`), or the peer
-gave up on the request (`AbortedByPeer`, e.g. its client left). Counting them would take a
+ended (`LeaseExpired`), the prefill pod could not be found (`BootstrapTimeout`; SGLang's
+`BootstrapFailed` as its sidecar reports it), or the peer gave up on the request
+(`AbortedByPeer`, e.g. its client left). Counting them would take a
 healthy pod out of service whenever a peer dies: a prefill whose decode was killed mid-
 transfer would be gated out next, and with it every request. They still count in the
 totals, the failures by reason and the deployment's TransferHealthy message; the dead peer
@@ -19,7 +20,8 @@ from typing import Final
 __all__ = ["PEER_CAUSED_FAILURES", "own_failures", "within_failure_ratio"]
 
 PEER_CAUSED_FAILURES: Final = frozenset(
-    {"PeerUnreachable", "LeaseExpired", "BootstrapTimeout", "AbortedByPeer"})
+    {"PeerUnreachable", "LeaseExpired", "BootstrapTimeout", "BootstrapFailed",
+     "AbortedByPeer"})
 
 
 def own_failures(failures: int, failures_by_reason: Mapping[str, int]) -> int:

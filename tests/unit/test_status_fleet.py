@@ -93,9 +93,13 @@ def test_a_pod_is_not_failing_for_peers_that_went_away() -> None:
         "its own failures: 10%, limit 5%, mostly PeerUnreachable")
 
 
-def test_every_peer_caused_reason_is_a_transfer_failure_reason() -> None:
-    """The shared list names reasons the transfer module really reports."""
+def test_every_peer_caused_reason_is_one_an_agent_reports() -> None:
+    """The shared list names reasons the transfer module or an engine-native mapping really
+    reports (a misspelt one would never match)."""
     from pd_contract.health import PEER_CAUSED_FAILURES  # noqa: PLC0415
+    from pd_transfer.native.versions import MAPPINGS  # noqa: PLC0415
     from pd_transfer.protocol.lifecycle import FailureReason  # noqa: PLC0415
 
-    assert PEER_CAUSED_FAILURES <= {r.value for r in FailureReason}
+    native = {spec.reason for versions in MAPPINGS.values() for mapping in versions.values()
+              for spec in mapping.metrics if spec.reason}
+    assert PEER_CAUSED_FAILURES <= {r.value for r in FailureReason} | native

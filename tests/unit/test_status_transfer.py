@@ -253,6 +253,27 @@ def test_no_transport_seen_is_unknown() -> None:
     assert (verified.status, verified.reason) == (ConditionStatus.UNKNOWN, "NoTransportSeen")
 
 
+def test_an_engine_that_does_not_export_its_transport_leaves_rdma_unverified() -> None:
+    """Engine-native pods (their sidecar lists `transports` in `unknown`): RDMA is required
+    but nothing can verify it, and the status says why instead of waiting for a report
+    that never comes."""
+    native = spec(engine={"framework": "vllm", "image": "v"},
+                  transfer={"backend": "EngineNative"}, prefill={"parallelism": {"tensor": 2}},
+                  decode={"parallelism": {"tensor": 2}})
+    agents = [make_agent("llama-decode-0", report_time=FRESH, window=(10, 0)),
+              make_agent("llama-prefill-0", role="prefill", report_time=FRESH)]
+    for agent in agents:
+        agent["status"]["unknown"] = ["transports", "ring"]
+    _, conditions = transfer_status(native, fleet()[:2], agents, NOW)
+    verified = cond(conditions, "TransportVerified")
+    assert (verified.status, verified.reason) == (ConditionStatus.UNKNOWN,
+                                                  "TransportNotExposed")
+    assert verified.message == (
+        "The vllm engine's own KV connector (transfer.backend EngineNative) does not export "
+        "the transport it uses (llama-decode-0, llama-prefill-0 say so), so RDMA cannot be "
+        "verified from the pods; use backend PDTransfer to have it verified.")
+
+
 def test_staging_resizing_mismatch_near_capacity_and_not_in_use() -> None:
     _, conditions = transfer_status(spec(), fleet(), healthy_agents(resizing=True),
                                             NOW)

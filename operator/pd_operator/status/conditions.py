@@ -91,6 +91,7 @@ class Reason:
     RDMA_VERIFIED: Final = "RDMAVerified"
     TCP_FALLBACK: Final = "TCPFallback"
     NO_TRANSPORT_SEEN: Final = "NoTransportSeen"
+    TRANSPORT_NOT_EXPOSED: Final = "TransportNotExposed"
     NOT_REQUIRED: Final = "NotRequired"
     # StagingPoolReady
     POOL_SIZE_APPLIED: Final = "PoolSizeApplied"

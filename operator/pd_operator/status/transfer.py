@@ -241,6 +241,14 @@ def _transport_verified(
         return cond(TRANSPORT_VERIFIED, U, Reason.NO_REPORTS,
                      "No pod has reported yet, so the transport in use is unknown.", at)
     if not seen:
+        hidden = [r.pod for r in reports
+                  if r.report is not None and "transports" in r.report.unknown]
+        if hidden:
+            return cond(TRANSPORT_VERIFIED, U, Reason.TRANSPORT_NOT_EXPOSED,
+                         f"The {spec.engine.framework.value} engine's own KV connector "
+                         f"(transfer.backend EngineNative) does not export the transport it "
+                         f"uses ({_names(hidden)} say so), so RDMA cannot be verified from "
+                         "the pods; use backend PDTransfer to have it verified.", at)
         return cond(TRANSPORT_VERIFIED, U, Reason.NO_TRANSPORT_SEEN,
                      "No pod has reported the transport it uses towards its peers yet.", at)
     fallback = {pod: [t for t in ts if classify_transport(t) is TransportClass.FALLBACK]

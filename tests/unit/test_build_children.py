@@ -325,7 +325,8 @@ def test_sglang_command_and_router() -> None:
         "--served-model-name", "tiny", "--host", "0.0.0.0", "--port", "30000",
         "--tp-size", "1", "--pp-size", "1", "--page-size", "16",
         "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nixl",
-        "--disaggregation-bootstrap-port", "8998", "--chunked-prefill-size", "8192",
+        "--disaggregation-bootstrap-port", "8998", "--enable-metrics",
+        "--chunked-prefill-size", "8192",
         "--kv-cache-dtype", "fp8_e4m3",
     ]
     router = children[("Deployment", "tiny-router")]["spec"]["template"]["spec"]

@@ -124,7 +124,8 @@ def test_sglang_adapter() -> None:
         "--served-model-name", "tiny", "--host", "0.0.0.0", "--port", "30000",
         "--tp-size", "4", "--pp-size", "1", "--page-size", "16",
         "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl",
-        "--disaggregation-bootstrap-port", "8998", "--dp-size", "2", "--enable-dp-attention",
+        "--disaggregation-bootstrap-port", "8998", "--enable-metrics", "--dp-size", "2",
+        "--enable-dp-attention",
         "--disaggregation-ib-device", "mlx5_0,mlx5_1",
     ]
     assert adapter.env(pdd, Role.DECODE) == []

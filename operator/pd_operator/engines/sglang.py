@@ -46,6 +46,8 @@ class SGLangAdapter(EngineAdapter):
             "--disaggregation-mode", role.value,
             "--disaggregation-transfer-backend", "nixl",
             "--disaggregation-bootstrap-port", str(self.bootstrap_port(pdd)),
+            # /metrics, which the transfer-agent sidecar reads, is off by default.
+            "--enable-metrics",
         ]
         if par.data > 1:
             cmd += ["--dp-size", str(par.data), "--enable-dp-attention"]

@@ -581,3 +581,33 @@ def test_a_spec_that_moves_only_the_other_roles_size_is_confirmed_at_once(
     assert reporter.tick()
     assert asked == [AgentStaging.model_validate(obj["spec"]["staging"])]
     assert api.status_writes[-1]["resizing"] is True
+
+
+def test_join_resizes_gives_the_rings_version_or_the_first_ranks_error() -> None:
+    from concurrent.futures import Future  # noqa: PLC0415
+    from dataclasses import dataclass  # noqa: PLC0415
+
+    from pd_transfer.agent.reporter import join_resizes  # noqa: PLC0415
+
+    @dataclass(frozen=True)
+    class Done:
+        registration_version: int
+        side: str
+
+    def futures(*outcomes: Done | Exception) -> list[Future[Done]]:
+        out: list[Future[Done]] = [Future() for _ in outcomes]
+        joined = join_resizes(out)
+        for future, outcome in zip(out, outcomes, strict=True):
+            assert not joined.done()  # only once every rank answered
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+        out.append(joined)  # type: ignore[arg-type]
+        return out
+
+    assert futures(Done(3, "ring"), Done(5, "ring"), Done(0, "buffer"))[-1].result() == 5
+    assert futures(Done(0, "buffer"))[-1].result() == 0
+    joined = futures(Done(3, "ring"), RuntimeError("rank 1"), RuntimeError("rank 2"))[-1]
+    assert str(joined.exception()) == "rank 1"
+    assert join_resizes([]).result() == 0

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from pd_contract.api import API_VERSION, TRANSFERAGENT_KIND
 from pd_contract.names import AGENT_MANAGER, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, LABEL_ROLE
@@ -79,6 +79,7 @@ __all__ = [
     "ReporterTuning",
     "Resizer",
     "build_transfer_agent",
+    "join_resizes",
 ]
 
 _log = logging.getLogger("pd_transfer.agent")
@@ -99,6 +100,46 @@ class ReportSource(Protocol):
 Resizer = Callable[[AgentStaging], "Future[int]"]
 """Resize every rank of the pod to these sizes; the Future yields the new registration
 version (decode: the rings'; prefill: 0) or raises (the old sizes stay in force)."""
+
+
+R = TypeVar("R", bound="RankResize")
+
+
+class RankResize(Protocol):
+    """What one rank's finished resize says (``ResizeResult``, a rank's ``StagingReply``)."""
+
+    @property
+    def registration_version(self) -> int: ...
+
+    @property
+    def side(self) -> str: ...
+
+
+def join_resizes(futures: Sequence[Future[R]]) -> Future[int]:
+    """One ``Resizer`` Future over every rank's: once all are done, the highest registration
+    version of a resized ring (0 when only prefill buffers were), or the first rank's error
+    in rank order."""
+    done: Future[int] = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def finished(_: Future[R]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [exc for f in futures if (exc := f.exception()) is not None]
+        if errors:
+            done.set_exception(errors[0])
+        else:
+            done.set_result(max((f.result().registration_version for f in futures
+                                 if f.result().side == "ring"), default=0))
+
+    if not futures:
+        done.set_result(0)
+    for future in futures:
+        future.add_done_callback(finished)
+    return done
 
 
 @dataclass(frozen=True)

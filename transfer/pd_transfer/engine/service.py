@@ -41,6 +41,7 @@ import torch
 from pd_contract.config import TransferConfig
 from pd_contract.transferagent import AgentStaging, PeerTransport
 from pd_transfer._endpoint import RankIdentity, ResizeResult, Timeouts
+from pd_transfer.agent.reporter import join_resizes
 from pd_transfer.agent.transport_probe import ProtoInfoParser
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import (
@@ -288,25 +289,7 @@ class EngineService:
             else:
                 futures.append(r.endpoint.resize_buffer(staging.prefill_buffer_mib << 20,
                                                         deadline))
-        done: Future[int] = Future()
-        remaining = [len(futures)]
-        lock = threading.Lock()
-
-        def finished(_: Future[ResizeResult]) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            errors = [f.exception() for f in futures if f.exception() is not None]
-            if errors:
-                done.set_exception(errors[0])
-            else:
-                done.set_result(max((f.result().registration_version for f in futures
-                                     if f.result().side == "ring"), default=0))
-
-        for future in futures:
-            future.add_done_callback(finished)
-        return done
+        return join_resizes(futures)
 
     def reported(self) -> None:
         for r in self.ranks:

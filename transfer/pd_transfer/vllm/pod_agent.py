@@ -53,7 +53,7 @@ from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.kube import AgentClient, KubeAgentClient
 from pd_transfer.agent.metrics_http import RankCollector
 from pd_transfer.agent.report import ReportFacts
-from pd_transfer.agent.reporter import Reporter, ReporterTuning
+from pd_transfer.agent.reporter import Reporter, ReporterTuning, join_resizes
 from pd_transfer.agent.spec_watch import SpecWatch
 from pd_transfer.auth import PeerAuth
 from pd_transfer.config_file import load_transfer_config
@@ -368,25 +368,7 @@ class PodAgent:
         futures = [_in_daemon(partial(_resize_rank, options.rank_address(rank), rank, staging,
                                       options.auth, timeout_s), f"pd-transfer-resize-{rank}")
                    for rank in range(options.tp_size)]
-        done: Future[int] = Future()
-        remaining = [len(futures)]
-        lock = threading.Lock()
-
-        def finished(_: Future[StagingReply]) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            errors = [f.exception() for f in futures if f.exception() is not None]
-            if errors:
-                done.set_exception(errors[0])
-            else:
-                done.set_result(max((f.result().registration_version for f in futures
-                                     if f.result().side == "ring"), default=0))
-
-        for future in futures:
-            future.add_done_callback(finished)
-        return done
+        return join_resizes(futures)
 
 
 def _resize_rank(address: str, rank: int, staging: AgentStaging, auth: PeerAuth,

@@ -798,6 +798,19 @@ class PdTransferServer:
         return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def scrape_sum(address: str, name: str) -> float:
+    """The sum of every `name` sample at `http://address/metrics`, whatever its labels."""
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    return sum(float(sample.value) for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == name)
+
+
 def scrape(address: str, name: str, **labels: str) -> float | None:
     """The value of the sample `name{labels}` at `http://address/metrics` (labels must match
     exactly), None when there is no such sample."""

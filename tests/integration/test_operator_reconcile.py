@@ -126,7 +126,8 @@ def test_edited_deleted_and_scaled_children_are_restored(operator: KopfRunner,
     """Hand edits are undone, a deleted child comes back, and the scale subresource drives
     the decode StatefulSet. Guards against create-only reconciles (a deleted or hand-edited child
     must be restored)."""
-    cluster.create(example_body(cluster.ns))
+    body = example_body(cluster.ns)
+    cluster.create(body)
     wait_for("children", lambda: not cluster.children_match())
     sts_name = f"{NAME}-prefill"
     cluster.apps.patch_namespaced_stateful_set(sts_name, cluster.ns, {"spec": {"template": {
@@ -138,7 +139,7 @@ def test_edited_deleted_and_scaled_children_are_restored(operator: KopfRunner,
              lambda: not cluster.children_match())
     image = cluster.apps.read_namespaced_stateful_set(sts_name, cluster.ns) \
         .spec.template.spec.containers[0].image
-    assert image == "lmsysorg/sglang:latest"
+    assert image == body["spec"]["engine"]["image"] != "evil:latest"
 
     cluster.objects.patch_namespaced_custom_object_scale(
         GROUP, VERSION, cluster.ns, PLURAL, NAME, {"spec": {"replicas": 3}})
@@ -165,7 +166,7 @@ def test_old_revision_pods_never_count_as_ready_or_updated(operator: KopfRunner,
     wait_for("Ready=True", lambda: cluster.condition("Ready").get("status") == "True")
     old_revision = cluster.status()["prefill"]["revision"]
 
-    cluster.patch_spec({"engine": {"image": "lmsysorg/sglang:v2"}})
+    cluster.patch_spec({"engine": {"image": "ghcr.io/pd-operator/vllm-pd-transfer:0.32.1"}})
 
     def truthful_mid_rollout() -> str | None:
         status = cluster.status()

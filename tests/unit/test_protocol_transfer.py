@@ -325,6 +325,25 @@ def test_a_dead_decode_peer_fails_prefill_requests_with_peer_unreachable() -> No
     assert cluster.senders[0].peers == {}
 
 
+def test_an_abort_whose_notice_finds_the_peer_dead_fails_the_request_once() -> None:
+    """The Abort sent to decode meets a dead peer: pruning it fails the request first
+    (PeerUnreachable); the abort itself then has nothing left to do and must not raise."""
+    cluster = Cluster(mode="staged")
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request, send=False)
+    cluster.run(lambda: cluster.senders[0].poll(request.room).state  # type: ignore[union-attr]
+                is State.TRANSFERRING)
+    cluster.fabric.kill(cluster.receivers[0].transport.agent_name)
+    cluster.receivers.clear()
+    aborted = cluster.senders[0].abort(request.room, "the engine ended the request")
+    cluster.run(lambda: aborted.done())
+    assert aborted.exception() is None
+    status = cluster.senders[0].poll(request.room)
+    assert status is not None and status.state is State.FAILED
+    assert status.reason is FailureReason.PEER_UNREACHABLE
+    assert cluster.senders[0].peers == {}
+
+
 # Hostile peers ------------------------------------------------------------------------------
 
 

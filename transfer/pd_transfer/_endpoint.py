@@ -457,6 +457,8 @@ class Endpoint(abc.ABC, Generic[TransferT]):
                 if peer != skip_peer and peer in self.peers:
                     self.send(peer, Abort(room=transfer.room, reason=reason.value,
                                           detail=detail[:1024]))
+            if transfer.lifecycle.finished:
+                return  # a send found its peer gone, and pruning the peer failed it first
         self._apply(transfer, Event.FAIL, reason, detail)
 
     def _apply(self, transfer: TransferT, event: Event, reason: FailureReason | None = None,

@@ -44,7 +44,7 @@ import torch
 from pd_contract.config import LayerPipelineConfig
 from pd_transfer.pipeline import compute_layer_groups
 from pd_transfer.pod_peers import PodConnections
-from pd_transfer.protocol.lifecycle import RequestStatus, State
+from pd_transfer.protocol.lifecycle import FailureReason, RequestStatus, State
 from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.sender import PrefillSender
 from pd_transfer.vllm.steps import DecodeLoad, PrefillChunk, StepPlan
@@ -84,6 +84,7 @@ class _Tracked:
     pages: tuple[int, ...] = ()
     aborted: bool = False
     failure: str | None = None  # failed before the endpoint knew it (peer unreachable)
+    failure_reason: FailureReason | None = None  # why, as the endpoint would have said
 
 
 class RankSide:
@@ -204,7 +205,7 @@ class RankSide:
             tracked = self._track(load.req_id, load.room)
             tracked.pages = load.page_ids
             if load.error is not None:
-                tracked.failure = load.error
+                tracked.failure, tracked.failure_reason = load.error, FailureReason.INTERNAL_ERROR
                 continue
             if self.timeline is not None:
                 self.timeline.record("load_start", load.room, t=self.clock(),
@@ -251,11 +252,13 @@ class RankSide:
                     log.warning("room %s: KV load failed: %s", tracked.room,
                                 tracked.failure or _describe(status))
             if self.timeline is not None:
+                # The rank's own cause first: the endpoint only saw the abort it led to.
+                reason = tracked.failure_reason or (
+                    status.reason if status is not None and status.finished else None)
                 self.timeline.record(
                     "end", tracked.room, t=self.clock(),
                     state="Failed" if failed or status is None else status.state.value,
-                    reason=(status.reason.value if status is not None
-                            and status.reason is not None else None),
+                    reason=None if reason is None else reason.value,
                     bytes=status.bytes_transferred if status is not None else 0,
                     duration_s=status.duration_s if status is not None else 0.0)
             self._forget(req_id, tracked)
@@ -289,12 +292,13 @@ class RankSide:
         self._finished.discard(req_id)
         self.endpoint.forget(tracked.room)
 
-    def _fail(self, room: str, detail: str) -> None:
+    def _fail(self, room: str, detail: str, reason: FailureReason) -> None:
         """A request failed before (or outside) its transfer: abort it on the endpoint and
         remember why, so ``results`` reports it even if the endpoint never knew it."""
         req_id = self._by_room.get(room)
         if req_id is not None:
-            self._tracked[req_id].failure = detail
+            tracked = self._tracked[req_id]
+            tracked.failure, tracked.failure_reason = detail, reason
         self._abort(room, detail)
 
     def _abort(self, room: str, detail: str) -> None:
@@ -311,10 +315,12 @@ class RankSide:
         def run() -> None:
             try:
                 docs = self.connections.connect(address, role)
-                if then is not None:
-                    then(docs[0].instance)
             except Exception as exc:  # whatever it was, this request fails alone
-                self._fail(room, f"{role} pod {address}: {exc}")
+                self._fail(room, f"{role} pod {address}: {exc}",
+                           FailureReason.PEER_UNREACHABLE)
+                return
+            if then is not None:
+                self._contained(room, partial(then, docs[0].instance))
 
         self._connect_pool.submit(run)
 
@@ -323,7 +329,7 @@ class RankSide:
             action()
         except Exception as exc:  # one request's error must not kill the engine
             log.exception("room %s: %s", room, exc)
-            self._fail(room, f"{type(exc).__name__}: {exc}")
+            self._fail(room, f"{type(exc).__name__}: {exc}", FailureReason.INTERNAL_ERROR)
 
     @staticmethod
     def _watch(future: Future[None], room: str) -> None:

@@ -35,7 +35,7 @@ import torch
 from pd_contract.transferagent import AgentEndpoints, AgentStaging, PeerTransport
 from pd_transfer._bench_peers import DecodeProcess, DecodeSpec, PrefillPeer
 from pd_transfer.agent.identity import read_identity
-from pd_transfer.agent.report import ReportFacts
+from pd_transfer.agent.report import Connections, ReportFacts, connections_of
 from pd_transfer.agent.reporter import Reporter, ReporterTuning
 from pd_transfer.metrics import TransferSnapshot
 from pd_transfer.reference_model import ModelConfig, ReferenceModel
@@ -80,6 +80,11 @@ class SenderSource:
 
     def transports(self) -> list[PeerTransport]:
         return [PeerTransport(peer=p, transport="cma") for p in list(self.peer.sender.peers)]
+
+    def connections(self) -> Connections:
+        sender = self.peer.sender
+        held = [(name, doc.instance) for name, doc in dict(sender.peers).items()]
+        return connections_of([(sender.transport.agent_name, held)])
 
     def reported(self) -> None:
         return None

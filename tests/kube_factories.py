@@ -95,13 +95,16 @@ def make_agent(
     recent_failures: Sequence[Mapping[str, Any]] = (),
     live_requests: int = 0,
     last_error: str = "",
+    agents: Sequence[str] = (),
+    peers: Mapping[str, Sequence[str]] | None = None,
 ) -> Obj:
     """A TransferAgent body as the API server returns it, written by `pod`'s agent.
 
     `window` is (transfers, failures) in the last 60 s; `totals` is (bytes, transfers,
     failures) since start; `staging_mib` is (decodePoolMiB, prefillBufferMiB) in force;
     `ring` holds RingWatermark fields in wire (camelCase) form; `transports` is
-    [(peer, transport)]. The status goes through the model, so a factory typo fails here.
+    [(peer, transport)]; `agents` the pod's own NIXL agent names and `peers` {peer pod:
+    [peer agent names held]}. The status goes through the model, so a factory typo fails here.
     """
     uid = pod_uid or f"uid-{pod}"
     status: Obj = {
@@ -120,6 +123,9 @@ def make_agent(
         "recentFailures": [dict(f) for f in recent_failures],
         "transports": [{"peer": p, "transport": t} for p, t in transports],
         "lastError": last_error,
+        "agents": list(agents),
+        "peers": [{"pod": pod_name, "agents": list(names)}
+                  for pod_name, names in (peers or {}).items()],
     }
     if healthy is not None:
         status["healthy"] = healthy

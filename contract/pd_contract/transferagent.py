@@ -12,6 +12,7 @@ from pd_contract.api import APIModel
 __all__ = [
     "AgentEndpoints",
     "AgentStaging",
+    "PeerAgents",
     "PeerTransport",
     "QueueDepth",
     "RingWatermark",
@@ -119,6 +120,17 @@ class PeerTransport(APIModel):
     transport: str = Field(description="Transport seen, e.g. rc, tcp, cuda_ipc, shm.")
 
 
+class PeerAgents(APIModel):
+    """The transfer state one pod holds for one peer pod."""
+
+    pod: str = Field(description="Peer pod name.")
+    agents: list[str] = Field(
+        default_factory=list,
+        description="NIXL agent names of the peer this pod is connected to (its documents "
+        "and connections): those of the peer's incarnation when it connected.",
+    )
+
+
 class QueueDepth(APIModel):
     """Requests waiting in one of the engine's own transfer queues (engine-native backends)."""
 
@@ -169,6 +181,17 @@ class TransferAgentStatus(APIModel):
     )
     transports: list[PeerTransport] = Field(
         default_factory=list, description="Transport in use per peer."
+    )
+    agents: list[str] = Field(
+        default_factory=list,
+        description="NIXL agent names of this pod's ranks (this incarnation): what a peer "
+        "holding state for this pod should list under its peers.",
+    )
+    peers: list[PeerAgents] = Field(
+        default_factory=list,
+        description="Peer pods this pod holds transfer state for, with the agents that "
+        "state belongs to. A peer listed here whose own report names other agents restarted "
+        "since: this pod still holds state for its earlier incarnation.",
     )
     healthy: bool | None = Field(
         default=None, description="The pod's own judgement of its transfer health."

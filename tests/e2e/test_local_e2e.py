@@ -158,9 +158,19 @@ def test_steady_load_fills_transfer_status_for_every_pod(deployment: Deployment)
         assert status["podUID"] == agent["metadata"]["ownerReferences"][0]["uid"]
         assert status["endpoints"]["bootstrap"].startswith(deployment.kubelet.ip_prefix)
         assert status["transports"], f"{agent['metadata']['name']}: no transport seen"
+    # Each pod names its ranks' agents (one per rank: TP 1 prefills, TP 2 decodes) and holds
+    # state for peers of the other role only, each at the agents that peer reports now.
+    own = {a["metadata"]["name"]: a["status"]["agents"] for a in agents}
+    for agent in agents:
+        name, status = agent["metadata"]["name"], agent["status"]
+        assert len(status["agents"]) == (1 if agent["spec"]["role"] == "prefill" else 2), name
+        other = "decode" if agent["spec"]["role"] == "prefill" else "prefill"
+        assert status["peers"] and all(f"-{other}-" in p["pod"] for p in status["peers"]), name
+        assert all(set(p["agents"]) <= set(own[p["pod"]]) for p in status["peers"]), name
     transfer = wait_for("status.transfer with a watermark per pod and TransferHealthy=True",
                         lambda: _healthy_transfer(deployment), 60)
     assert transfer["totals"]["bytes"] > 0
+    assert transfer.get("stalePeers", []) == []
     decode_pools = [w for w in transfer["watermarks"] if w["role"] == "decode"]
     assert decode_pools and all(w["poolMiB"] > 0 for w in decode_pools)
     assert deployment.load_report.succeeded > 0 or deployment.load_report.requests == 0

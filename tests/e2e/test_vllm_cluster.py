@@ -319,9 +319,15 @@ def test_killed_decode_leaves_the_router_goes_stale_and_comes_back(cluster: Clus
     # takes it back and sends it requests. The load pauses meanwhile: on 2 cores a vLLM
     # starting beside two loaded engines took 5 minutes.
     cluster.paused.set()
+    stale_seen: set[tuple[str, str]] = set()
+
+    def back_in_the_router() -> bool:
+        transfer = (cluster.pdd().get("status") or {}).get("transfer") or {}
+        stale_seen.update((e["pod"], e["peer"]) for e in transfer.get("stalePeers", []))
+        return cluster.router_metric("pd_router_endpoints", role="decode") == 2.0
+
     try:
-        wait_for("the router back to two decode engines", lambda: cluster.router_metric(
-            "pd_router_endpoints", role="decode") == 2.0, 300)
+        wait_for("the router back to two decode engines", back_in_the_router, 300)
     finally:
         cluster.paused.clear()
     back = time.monotonic()
@@ -334,6 +340,21 @@ def test_killed_decode_leaves_the_router_goes_stale_and_comes_back(cluster: Clus
           f"(restartCount {restarted}); completions since: "
           f"{dict(cluster.window(back, time.monotonic()))}")
     assert restarted == 1
+    # The prefill dropped the victim's earlier incarnation by itself (PDTransfer keys peers
+    # by NIXL agent and re-checks a pod's documents when it reaches it again): it holds the
+    # restarted engine's agents only, and the status names no stale peer state.
+    def prefill_holds_the_new_victim_only() -> Obj | None:
+        reports = {a["metadata"]["name"]: a.get("status") or {} for a in cluster.agents()}
+        current = set(reports.get(victim, {}).get("agents", []))
+        held = [set(p["agents"]) for name, r in reports.items() if "-prefill-" in name
+                for p in r.get("peers", []) if p["pod"] == victim]
+        transfer = (cluster.pdd().get("status") or {}).get("transfer") or {}
+        return transfer if (current and held and all(h <= current for h in held)
+                            and not transfer.get("stalePeers")) else None
+
+    wait_for("the prefill to hold the restarted decode's agents only, no stale peers",
+             prefill_holds_the_new_victim_only, 60)
+    print(f"stale peer state seen while {victim} restarted: {sorted(stale_seen)}")
     assert survivor != victim
     assert json.dumps(cluster.window(back, time.monotonic())) and set(
         cluster.window(back, time.monotonic())) <= {"identical"}

@@ -15,14 +15,16 @@ from typing import Any
 
 import pytest
 
-from pd_contract.transferagent import AgentEndpoints, AgentStaging, PeerTransport
+from pd_contract.transferagent import AgentEndpoints, AgentStaging, PeerAgents, PeerTransport
 from pd_transfer.agent.errors import IdentityError, PermanentAPIError, RetryableAPIError
 from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.report import (
+    Connections,
     ReportFacts,
     WindowSample,
     build_status,
     compute_window,
+    connections_of,
     trim_samples,
 )
 from pd_transfer.agent.reporter import Reporter, ReporterTuning, build_transfer_agent
@@ -127,6 +129,26 @@ def test_build_status_sums_ranks_and_judges_health() -> None:
     assert "" not in wire.values()  # the v1.20 server refuses "" in custom resources
 
 
+def test_connections_group_peer_agents_by_pod_once_each() -> None:
+    """Two ranks holding the same two prefill ranks (reference-engine instances carry the
+    incarnation after "@", vLLM's are the pod name): one entry per pod, agents once, sorted."""
+    ranks = [("d-r0", [("p0-r1", "prefill-0@uid-a-1"), ("p0-r0", "prefill-0@uid-a-1"),
+                       ("q-r0", "prefill-1")]),
+             ("d-r1", [("p0-r0", "prefill-0@uid-a-1"), ("p0-r1", "prefill-0@uid-a-1")])]
+    held = connections_of(ranks)
+    assert held == Connections(
+        agents=("d-r0", "d-r1"),
+        peers=(PeerAgents(pod="prefill-0", agents=["p0-r0", "p0-r1"]),
+               PeerAgents(pod="prefill-1", agents=["q-r0"])))
+    window = compute_window([WindowSample(0.0, 0, 0)], 1.0, 10.0)
+    wire = build_status(make_facts(ratio=0.1), [], [], window, NOW,
+                        connections=held).to_wire()
+    assert wire["agents"] == ["d-r0", "d-r1"]
+    assert wire["peers"] == [{"pod": "prefill-0", "agents": ["p0-r0", "p0-r1"]},
+                             {"pod": "prefill-1", "agents": ["q-r0"]}]
+    assert connections_of([]) == Connections()
+
+
 def test_unhealthy_above_the_ratio_and_healthy_without_traffic() -> None:
     facts = make_facts(ratio=0.05)
     bad = compute_window([WindowSample(0.0, 10, 1)], 1.0, 10.0)  # 10% > 5%
@@ -206,6 +228,9 @@ class Source:
 
     def transports(self) -> list[PeerTransport]:
         return []
+
+    def connections(self) -> Connections:
+        return Connections()
 
     def reported(self) -> None:
         self.reported_calls += 1

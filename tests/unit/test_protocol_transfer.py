@@ -336,7 +336,7 @@ def test_an_abort_whose_notice_finds_the_peer_dead_fails_the_request_once() -> N
     cluster.fabric.kill(cluster.receivers[0].transport.agent_name)
     cluster.receivers.clear()
     aborted = cluster.senders[0].abort(request.room, "the engine ended the request")
-    cluster.run(lambda: aborted.done())
+    cluster.run(aborted.done)
     assert aborted.exception() is None
     status = cluster.senders[0].poll(request.room)
     assert status is not None and status.state is State.FAILED

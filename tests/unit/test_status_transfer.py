@@ -13,6 +13,7 @@ from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import (
     ObservedTransport,
     StagingWatermark,
+    StalePeer,
     TransferStatus,
     TransferTotals,
 )
@@ -222,6 +223,40 @@ def test_malformed_agent_is_reported_not_crashed_on() -> None:
     healthy = cond(conditions, "TransferHealthy")
     assert (healthy.status, healthy.reason) == (ConditionStatus.UNKNOWN, "ReportInvalid")
     assert "status.window.transfers" in healthy.message
+
+
+def test_state_held_for_an_earlier_incarnation_of_a_peer_is_named() -> None:
+    """docs/failure-modes.md #10: llama-prefill-0 restarted (its agents are now p-new-*);
+    decode-0 still holds the old ones, decode-1 already dropped them, and prefill-0 holds a
+    pod scaled away. A peer that has not reported its agents yet is not judged."""
+    pods = [*fleet(), make_pod("llama-prefill-1", role="prefill", ready=True)]
+    agents = [
+        make_agent("llama-prefill-0", role="prefill", report_time=FRESH,
+                   agents=["p-new-r0", "p-new-r1"],
+                   peers={"llama-decode-1": ["d1-r0"], "llama-decode-7": ["d7-r0"]}),
+        make_agent("llama-prefill-1", role="prefill", report_time=FRESH),  # no agents yet
+        make_agent("llama-decode-0", report_time=FRESH, agents=["d0-r0"],
+                   peers={"llama-prefill-0": ["p-old-r0", "p-old-r1"],
+                          "llama-prefill-1": ["q-r0"]}),
+        make_agent("llama-decode-1", report_time=FRESH, agents=["d1-r0"],
+                   peers={"llama-prefill-0": ["p-new-r0", "p-new-r1"]}),
+    ]
+    got, _ = transfer_status(spec(), pods, agents, NOW)
+    assert got.stale_peers == [
+        StalePeer(pod="llama-decode-0", peer="llama-prefill-0",
+                  held_agents=["p-old-r0", "p-old-r1"],
+                  message="llama-decode-0 holds transfer state for an earlier incarnation of "
+                          "llama-prefill-0 (agents p-old-r0, p-old-r1); llama-prefill-0 now "
+                          "runs p-new-r0, p-new-r1."),
+        StalePeer(pod="llama-prefill-0", peer="llama-decode-7", held_agents=["d7-r0"],
+                  message="llama-prefill-0 holds transfer state for llama-decode-7, which is "
+                          "no longer a pod of this deployment."),
+    ]
+    # Only fresh reports speak for the pod now: a stale one is history.
+    old = [make_agent("llama-decode-0", report_time=NOW - timedelta(seconds=600),
+                      agents=["d0-r0"], peers={"llama-prefill-0": ["p-old-r0"]}),
+           *agents[:2]]
+    assert transfer_status(spec(), pods, old, NOW)[0].stale_peers == [got.stale_peers[1]]
 
 
 def test_tcp_with_rdma_required_is_a_silent_fallback_naming_the_pod() -> None:

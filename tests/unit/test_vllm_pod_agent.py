@@ -388,6 +388,10 @@ def test_the_agent_reports_a_transfer_and_applies_a_spec_resize_to_every_rank() 
             first = api.status_writes[0]
             assert (first["bytesTotal"], first["transfersTotal"]) == (moved, 2 * 2)
             assert first["healthy"] is True
+            # The harness's prefill ranks are instance "p0": every decode rank holds both.
+            assert first["agents"] == sorted(r.transport.agent_name for r in cluster.receivers)
+            assert first["peers"] == [{"pod": "p0", "agents": sorted(
+                s.transport.agent_name for s in cluster.senders)}]
             assert first["endpoints"] == {"bootstrap": f"10.0.0.7:{base}",
                                           "engine": "10.0.0.7:8000", "metrics": "10.0.0.7:0"}
             created["spec"]["staging"] = {"decodePoolMiB": 1, "prefillBufferMiB": 8}

@@ -80,6 +80,17 @@ class ObservedTransport(APIModel):
     transport: str = Field(description="Transport seen, e.g. rc, tcp, cuda_ipc.")
 
 
+class StalePeer(APIModel):
+    """Transfer state a pod still holds for an earlier incarnation of a peer pod."""
+
+    pod: str = Field(description="The pod holding the state.")
+    peer: str = Field(description="The peer pod it belongs to.")
+    held_agents: list[str] = Field(
+        default_factory=list, description="The peer agents the state belongs to."
+    )
+    message: str = Field(default="", description="What is stale, in words.")
+
+
 class TransferStatus(APIModel):
     """KV-transfer health aggregated from the pods' TransferAgent reports."""
 
@@ -104,6 +115,13 @@ class TransferStatus(APIModel):
     )
     observed_transports: list[ObservedTransport] = Field(
         default_factory=list, description="Transport in use per pod."
+    )
+    stale_peers: list[StalePeer] = Field(
+        default_factory=list,
+        description="Pods whose transfer module still holds state (peer documents, NIXL "
+        "connections) for an earlier incarnation of a peer pod, or for a pod that no longer "
+        "exists, from their own reports. PDTransfer drops such state by itself the next "
+        "time it reaches that peer.",
     )
     recommended_decode_pool_mib: int | None = Field(
         default=None,

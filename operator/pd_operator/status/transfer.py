@@ -26,6 +26,7 @@ from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import (
     ObservedTransport,
     StagingWatermark,
+    StalePeer,
     TransferStatus,
     TransferTotals,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "classify_transport",
     "compute_transfer_status",
     "recommend_decode_pool_mib",
+    "stale_peers",
     "summarize_reports",
 ]
 
@@ -304,6 +306,32 @@ def _staging_pool_ready(
                  f"{staging.prefill_buffer_mib} MiB per rank).", at)
 
 
+def stale_peers(reports: Sequence[PodReport]) -> list[StalePeer]:
+    """State each freshly reporting pod holds for a peer that has since restarted (the
+    peer's own report names none of the agents held) or no longer exists. A peer whose
+    current incarnation has not reported its agents yet cannot be judged and is left out."""
+    by_pod = {r.pod: r for r in reports}
+    stale = []
+    for r in reports:
+        if r.report is None or not r.fresh:
+            continue
+        for held in r.report.peers:
+            peer = by_pod.get(held.pod)
+            if peer is None:
+                message = (f"{r.pod} holds transfer state for {held.pod}, which is no "
+                           "longer a pod of this deployment.")
+            elif (peer.report is not None and peer.report.agents
+                  and not set(held.agents) & set(peer.report.agents)):
+                message = (f"{r.pod} holds transfer state for an earlier incarnation of "
+                           f"{held.pod} (agents {', '.join(held.agents)}); {held.pod} now "
+                           f"runs {', '.join(peer.report.agents)}.")
+            else:
+                continue
+            stale.append(StalePeer(pod=r.pod, peer=held.pod, held_agents=list(held.agents),
+                                   message=message))
+    return stale
+
+
 def _summary(healthy: Condition, ratio: float) -> str:
     if healthy.status is F:
         return f"Failing {ratio:.0%}"
@@ -365,6 +393,7 @@ def summarize_reports(
         recent_failures=recent,
         watermarks=watermarks,
         observed_transports=[ObservedTransport(pod=p, transport=t) for p, t in transports],
+        stale_peers=stale_peers(reports),
         recommended_decode_pool_mib=recommended.mib if recommended is not None else None,
         recommendation_basis=recommended.basis if recommended is not None else "",
         summary=_summary(healthy, window.ratio),

@@ -14,7 +14,11 @@ peer and the window counts into one ``TransferAgentStatus``:
   caused by a peer going away (``pd_contract.health``): with no traffic nothing failed, so
   the pod is healthy. The operator decides from these counts, not from memory
   of earlier reports, so it survives its own restarts;
-- ``recent_failures`` keeps the ``RECENT_FAILURES`` newest failures of all ranks.
+- ``recent_failures`` keeps the ``RECENT_FAILURES`` newest failures of all ranks;
+- ``agents`` and ``peers`` (``connections_of``): the ranks' own NIXL agent names, and per
+  peer pod the agent names whose documents and connections the ranks hold. The operator
+  compares a peer's listed agents with that peer's own report to see state left over from
+  an earlier incarnation (docs/failure-modes.md #10).
 
 Why samples, not a sliding list of events: the data plane only bumps counters; the agent
 reads a snapshot once per tick and keeps one small cumulative sample per tick, so the
@@ -32,6 +36,7 @@ from pd_contract.health import within_failure_ratio
 from pd_contract.transferagent import (
     AgentEndpoints,
     AgentStaging,
+    PeerAgents,
     PeerTransport,
     RingWatermark,
     TransferAgentStatus,
@@ -43,10 +48,12 @@ from pd_transfer.metrics import TransferSnapshot
 
 __all__ = [
     "RECENT_FAILURES",
+    "Connections",
     "ReportFacts",
     "WindowSample",
     "build_status",
     "compute_window",
+    "connections_of",
     "sample_of",
     "trim_samples",
 ]
@@ -149,6 +156,34 @@ def _recent(pod: str, snapshots: Sequence[TransferSnapshot]) -> list[TransferFai
     ]
 
 
+@dataclass(frozen=True)
+class Connections:
+    """This pod's NIXL agents and, per peer pod, the peer agents it holds state for."""
+
+    agents: tuple[str, ...] = ()
+    peers: tuple[PeerAgents, ...] = ()
+
+
+def peer_pod(instance: str) -> str:
+    """The pod name in a rank document's ``instance`` (``name`` or ``name@incarnation``)."""
+    return instance.split("@", 1)[0]
+
+
+def connections_of(ranks: Iterable[tuple[str, Iterable[tuple[str, str]]]]) -> Connections:
+    """``Connections`` of a pod from each rank's (own agent name, [(peer agent name, peer
+    document's instance)]), sorted, each agent once."""
+    agents: set[str] = set()
+    by_pod: dict[str, set[str]] = {}
+    for own, peers in ranks:
+        agents.add(own)
+        for agent, instance in peers:
+            by_pod.setdefault(peer_pod(instance), set()).add(agent)
+    return Connections(
+        agents=tuple(sorted(agents)),
+        peers=tuple(PeerAgents(pod=pod, agents=sorted(names))
+                    for pod, names in sorted(by_pod.items())))
+
+
 def build_status(
     facts: ReportFacts,
     snapshots: Sequence[TransferSnapshot],
@@ -156,6 +191,7 @@ def build_status(
     window: WindowCounts,
     now: datetime,
     *,
+    connections: Connections | None = None,
     observed_generation: int = 0,
 ) -> TransferAgentStatus:
     """The status to write at ``now`` (see the module docstring for each field)."""
@@ -180,6 +216,8 @@ def build_status(
         window=window,
         recent_failures=recent,
         transports=sorted(transports, key=lambda t: (t.peer, t.transport)),
+        agents=list(connections.agents) if connections else [],
+        peers=list(connections.peers) if connections else [],
         healthy=healthy,
         last_error=recent[0].message if recent else "",
         report_time=now,

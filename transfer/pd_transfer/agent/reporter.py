@@ -64,6 +64,7 @@ from pd_contract.transferagent import (
 from pd_transfer.agent.errors import AgentAPIError, PermanentAPIError
 from pd_transfer.agent.kube import AgentClient
 from pd_transfer.agent.report import (
+    Connections,
     ReportFacts,
     WindowSample,
     build_status,
@@ -91,6 +92,10 @@ class ReportSource(Protocol):
     def snapshots(self) -> Sequence[TransferSnapshot]: ...
 
     def transports(self) -> Sequence[PeerTransport]: ...
+
+    def connections(self) -> Connections:
+        """This pod's agents and the peer agents it holds state for (``connections_of``)."""
+        ...
 
     def reported(self) -> None:
         """Called after each successful write (e.g. to restart ring high-water marks)."""
@@ -271,7 +276,8 @@ class Reporter:
         self._samples = trim_samples(self._samples, now_s, window_s)
         window = compute_window(self._samples, now_s, window_s)
         status = build_status(self.facts, snapshots, list(self.source.transports()), window,
-                              self.wall(), observed_generation=self._observed_generation)
+                              self.wall(), connections=self.source.connections(),
+                              observed_generation=self._observed_generation)
         status = status.model_copy(update={
             "resizing": self._resize is not None, "staging_since": self._staging_since,
             "last_error": self._resize_error or status.last_error})

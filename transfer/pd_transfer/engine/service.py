@@ -41,6 +41,7 @@ import torch
 from pd_contract.config import TransferConfig
 from pd_contract.transferagent import AgentStaging, PeerTransport
 from pd_transfer._endpoint import RankIdentity, ResizeResult, Timeouts
+from pd_transfer.agent.report import Connections, connections_of
 from pd_transfer.agent.reporter import join_resizes
 from pd_transfer.agent.transport_probe import ProtoInfoParser
 from pd_transfer.auth import PeerAuth
@@ -276,6 +277,13 @@ class EngineService:
                                                    list(r.endpoint.peers)):
                 found[(entry.peer, entry.transport)] = entry  # ranks share peers: once each
         return list(found.values())
+
+    def connections(self) -> Connections:
+        # `peers` belongs to each worker thread; copying a dict is atomic in CPython.
+        return connections_of(
+            (r.transport.agent_name,
+             [(name, doc.instance) for name, doc in dict(r.endpoint.peers).items()])
+            for r in self.ranks)
 
     def resize_staging(self, staging: AgentStaging) -> Future[int]:
         """Resize every rank's staging (decode ring / prefill buffer) to ``staging``; the

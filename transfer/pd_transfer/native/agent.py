@@ -42,7 +42,7 @@ from pd_contract.transferagent import (
 )
 from pd_transfer.agent.identity import PodIdentity
 from pd_transfer.agent.kube import AgentClient
-from pd_transfer.agent.report import ReportFacts
+from pd_transfer.agent.report import Connections, ReportFacts
 from pd_transfer.agent.reporter import Reporter, ReporterTuning
 from pd_transfer.agent.spec_watch import SpecStream, SpecWatch
 from pd_transfer.metrics import TransferSnapshot
@@ -166,6 +166,9 @@ class NativeAgent:
 
     def transports(self) -> Sequence[PeerTransport]:
         return []  # neither engine exports which transport its connector uses
+
+    def connections(self) -> Connections:
+        return Connections()  # nor its peers' agents: status.unknown lists both
 
     def reported(self) -> None:
         with self._lock:

@@ -134,11 +134,12 @@ class EngineMapping:
         return tuple(spec for spec in self.metrics if role in spec.roles)
 
     def unknown_fields(self, role: RoleName) -> list[str]:
-        """Status fields (wire paths) no metric of ``role`` measures; the staging ring and
-        per-peer transports are never exported by an engine's own connector."""
+        """Status fields (wire paths) no metric of ``role`` measures; the staging ring,
+        per-peer transports and the agents of the peers it is connected to are never
+        exported by an engine's own connector."""
         meanings = {spec.meaning for spec in self.for_role(role)}
         live = any(spec.in_flight for spec in self.for_role(role))
-        unknown = ["ring", "transports"]
+        unknown = ["agents", "peers", "ring", "transports"]
         if Meaning.SUCCEEDED not in meanings:
             unknown += ["transfersTotal", "window.transfers"]
         if Meaning.FAILED not in meanings:

@@ -52,7 +52,7 @@ from pd_transfer.agent.errors import AgentError
 from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.kube import AgentClient, KubeAgentClient
 from pd_transfer.agent.metrics_http import RankCollector
-from pd_transfer.agent.report import ReportFacts
+from pd_transfer.agent.report import Connections, ReportFacts, connections_of
 from pd_transfer.agent.reporter import Reporter, ReporterTuning, join_resizes
 from pd_transfer.agent.spec_watch import SpecWatch
 from pd_transfer.auth import PeerAuth
@@ -346,6 +346,10 @@ class PodAgent:
             for entry in report.transports:
                 found[(entry.peer, entry.transport)] = entry  # ranks share peers: once each
         return list(found.values())
+
+    def connections(self) -> Connections:
+        return connections_of((report.agent, [(p.agent, p.instance) for p in report.peers])
+                              for report in self.rank_reports().values() if report.agent)
 
     def reported(self) -> None:
         if self.options.role != "decode":

@@ -133,6 +133,13 @@ class SnapshotDoc(_Doc):
                "ring": None if self.ring is None else RingWatermark(**self.ring.model_dump())})
 
 
+class PeerDoc(_Doc):
+    """A peer rank whose document and connection this rank holds."""
+
+    agent: str = Field(min_length=1, max_length=253)
+    instance: str = Field(min_length=1, max_length=253)
+
+
 class RankReport(_Doc):
     """One rank's state, as ``GET /v1/rank/report`` answers it."""
 
@@ -140,6 +147,8 @@ class RankReport(_Doc):
     tp_rank: int = Field(ge=0)
     snapshot: SnapshotDoc
     transports: tuple[PeerTransport, ...] = Field(max_length=4096)
+    agent: str = Field(default="", max_length=253, description="This rank's NIXL agent name.")
+    peers: tuple[PeerDoc, ...] = Field(default=(), max_length=4096)
     live_requests: int = Field(ge=0, description="RankSide.live_requests()")
     metrics_text: str = Field(max_length=MAX_REPLY_BYTES // 2,
                               description="The rank's Prometheus registry, exposition text.")
@@ -232,9 +241,13 @@ class RankControl:
         if self.probe is not None:
             transports = self.probe.transports_for(endpoint.transport.agent_name,
                                                    list(endpoint.peers))
+        # `peers` belongs to the worker thread; copying a dict is atomic in CPython.
+        peers = tuple(PeerDoc(agent=name, instance=doc.instance)
+                      for name, doc in sorted(dict(endpoint.peers).items()))
         return RankReport(
             tp_rank=self.tp_rank, snapshot=SnapshotDoc.of(endpoint.metrics.snapshot()),
-            transports=tuple(transports), live_requests=self.live_requests(),
+            transports=tuple(transports), agent=endpoint.transport.agent_name, peers=peers,
+            live_requests=self.live_requests(),
             metrics_text=generate_latest(endpoint.metrics.registry).decode())
 
     def serve_report(self, _body: bytes) -> tuple[int, bytes]:

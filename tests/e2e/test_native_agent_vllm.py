@@ -227,7 +227,7 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
             "the decode's TransferAgent to report the restarted engine's failures",
             lambda: (s := status_of(objects, namespace, "decode")) is not None
             and s.incarnation != healthy.incarnation and s.healthy is False
-            and s.failures_total > 0 and s, timeout_s=30)
+            and s.failures_total > 0 and s, timeout_s=WINDOW_S)
         reported_after_s = time.monotonic() - failed_at
         print(f"failures reported {reported_after_s:.1f} s after the last failed request")
         # A reading every report interval, a reporter tick a second later, then the write:

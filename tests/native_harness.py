@@ -24,7 +24,7 @@ from pd_transfer.agent.errors import RetryableAPIError
 from pd_transfer.agent.identity import read_identity
 from pd_transfer.agent.reporter import Reporter, ReporterTuning
 from pd_transfer.native.agent import NativeAgent, NativeOptions
-from pd_transfer.native.errors import ScrapeError
+from pd_transfer.native.errors import ScrapeError, ScrapeTimeout
 from pd_transfer.native.mapping import EngineMapping
 
 __all__ = ["AGENT_START_UNIX_S", "DATA", "NOW", "FakeAgentAPI", "Run", "capture", "config",
@@ -155,6 +155,13 @@ class Run:
     def unreachable(self, at_s: float) -> Run:
         self.now_s = at_s
         self.texts.append(ScrapeError(f"GET {URL} failed: ConnectionRefusedError"))
+        self.agent.read_once()
+        return self
+
+    def busy(self, at_s: float) -> Run:
+        """A reading the engine took but did not answer within the timeout."""
+        self.now_s = at_s
+        self.texts.append(ScrapeTimeout(f"GET {URL} failed: TimeoutError: timed out"))
         self.agent.read_once()
         return self
 

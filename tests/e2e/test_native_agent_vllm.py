@@ -59,7 +59,7 @@ GROUP, VERSION = "pd.serving.dev", "v1alpha1"
 MODEL = ModelSpec(layers=2, kv_heads=2, hidden=256, heads=4)
 MISMATCHED = ModelSpec(layers=2, kv_heads=1, hidden=256, heads=4)
 REPORT_INTERVAL_S = 2.0
-WINDOW_S = 120.0  # longer than phase 1 takes on a loaded 2-core machine
+WINDOW_S = 300.0  # longer than phase 1 takes on a loaded 2-core machine (once over 120 s)
 # vLLM's KV lease on the prefill (`kv_lease_duration`): long enough that a slow first
 # handshake on a loaded machine does not expire the warm-up request's blocks.
 LEASE = {"kv_lease_duration": 90}

@@ -386,6 +386,7 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
 
     target = wait_for("the EngineNative router Ready", lambda: _router_of(cluster, NATIVE), 300)
     for prompt in PROMPTS[:2]:  # NixlConnector on CPU: tens of seconds per request
+        _wait_serving(cluster, NATIVE)
         started = time.monotonic()
         got = complete(target, prompt, MAX_TOKENS, timeout_s=240).token_ids
         print(f"EngineNative, {len(prompt)} tokens through the router: "
@@ -413,6 +414,7 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
         GROUP, VERSION, cluster.namespace, "pddeployments", NATIVE).get("status") or {})
     assert after.get("stagingRollout") == before.get("stagingRollout")
     # Nothing was touched: the router still serves.
+    _wait_serving(cluster, NATIVE)
     assert complete(target, PROMPTS[0], MAX_TOKENS, timeout_s=240).token_ids == (
         cluster.expected[len(PROMPTS[0])])
     # Both pods report through their sidecars.
@@ -497,6 +499,17 @@ def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_rou
     assert any(e.type == "Warning" and decode in (e.message or "") for e in events)
     wait_for("the router without a decode engine", lambda: cluster.router_metric_of(
         MISMATCHED, "pd_router_endpoints", role="decode") == 0.0, 30)
+
+
+def _wait_serving(cluster: Cluster, name: str) -> None:
+    """Until `name`'s router has a prefill and a decode in rotation. With vLLM's
+    NixlConnector on 2 cores a decode waiting for its KV spins and starves the prefill engine
+    (docs/failure-modes.md #33): the prefill's /metrics then goes unanswered past its
+    sidecar's busy grace, its pod is taken out of rotation until a reading succeeds again,
+    and a request sent meanwhile is answered 503 (a client retries; this test waits)."""
+    wait_for(f"{name}'s router serving (a prefill and a decode in rotation)", lambda: all(
+        cluster.router_metric_of(name, "pd_router_endpoints", role=role) == 1.0
+        for role in ("prefill", "decode")), 300)
 
 
 def _router_of(cluster: Cluster, name: str) -> HttpTarget | None:

@@ -19,7 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pd_transfer.agent.identity import read_identity
 from pd_transfer.native.agent import NativeAgent, NativeOptions
+from pd_transfer.native.errors import ScrapeError, ScrapeTimeout
 from pd_transfer.native.exposition import Histogram
+from pd_transfer.native.scrape import fetch_metrics
 from pd_transfer.native.vllm_nixl import VLLM_0_32_0
 from tests.native_harness import (
     AGENT_START_UNIX_S,
@@ -200,3 +202,20 @@ def test_an_unmapped_engine_version_is_refused_at_start() -> None:
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
     assert proc.returncode == 2
     assert "no metric mapping for vllm 0.99.0; mapped versions: 0.32.0" in proc.stderr
+
+
+def test_a_silent_engine_is_a_timeout_a_closed_port_is_not() -> None:
+    """The two failures the agent tells apart, over real sockets: a listener that takes the
+    connection and never answers (a busy engine) and a port nobody listens on."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/metrics"
+        with pytest.raises(ScrapeTimeout, match=f"GET {url} failed: .*timed out"):
+            fetch_metrics(url, 0.2)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/metrics"
+    with pytest.raises(ScrapeError, match="Connection refused") as refused:
+        fetch_metrics(url, 0.2)
+    assert not isinstance(refused.value, ScrapeTimeout)

@@ -217,6 +217,23 @@ def test_one_missed_reading_is_tolerated_two_in_a_row_are_not() -> None:
     assert (failing.transfers_total, failing.bytes_total) == (5, 458752)  # the last numbers
 
 
+def test_a_busy_engine_is_given_the_grace_an_unreadable_one_is_not() -> None:
+    """Guards a P/D engine on a loaded host (vLLM's NixlConnector decode spinning beside its
+    prefill: /metrics missed several 10 s timeouts in a row) from being taken out of the
+    router by its own sidecar: timeouts count only after 60 s without a reading."""
+    run = Run(VLLM_0_32_0, "decode")
+    run.read(P + "decode_healthy.prom", 0).report(0)
+    for at_s in (5, 20, 35, 50, 60):
+        busy = run.busy(at_s).report(at_s)
+        assert busy is None or (busy.healthy, busy.last_error) == (True, ""), at_s
+    late = run.busy(61).report(70)
+    assert late is not None and (late.healthy, late.last_error) == (False, (
+        "agent error: the engine's metrics have not been read for 61 s: GET "
+        "http://127.0.0.1:8000/metrics failed: TimeoutError: timed out"))
+    back = run.read(P + "decode_healthy.prom", 75).report(80)
+    assert back is not None and (back.healthy, back.last_error) == (True, "")
+
+
 def test_other_engines_text_is_not_read_as_vllm() -> None:
     status = Run(VLLM_0_32_0, "decode").read("sglang_0.5.23_decode_healthy.prom", 0).report(0)
     assert status is not None and status.healthy is False

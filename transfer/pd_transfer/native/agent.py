@@ -46,7 +46,7 @@ from pd_transfer.agent.report import Connections, ReportFacts
 from pd_transfer.agent.reporter import Reporter, ReporterTuning
 from pd_transfer.agent.spec_watch import SpecStream, SpecWatch
 from pd_transfer.metrics import TransferSnapshot
-from pd_transfer.native.errors import ScrapeError
+from pd_transfer.native.errors import ScrapeError, ScrapeTimeout
 from pd_transfer.native.mapping import EngineMapping, Meaning
 from pd_transfer.native.scrape import fetch_metrics
 from pd_transfer.native.tracker import NativeTracker
@@ -68,6 +68,7 @@ class NativeOptions:
     metrics_port: int
     metrics_host: str = "0.0.0.0"
     fetch_timeout_s: float = 10.0
+    busy_grace_s: float = 60.0  # how long an engine too busy to answer is given (tracker)
     engine_port: int | None = None  # the engine's HTTP port, for endpoints.engine
     bootstrap_port: int | None = None  # the engine's own KV side channel, if any
 
@@ -107,7 +108,8 @@ class NativeAgent:
         self.wall = wall
         self.tracker = NativeTracker(options.mapping, identity.role, pod=identity.name,
                                      window_s=config.reporting.window_seconds,
-                                     agent_start_unix_s=identity.started_unix_s)
+                                     agent_start_unix_s=identity.started_unix_s,
+                                     busy_grace_s=options.busy_grace_s)
         self.reporter: Reporter | None = None
         self.watch: SpecWatch | None = None
         self.registry = CollectorRegistry(auto_describe=False)
@@ -144,7 +146,8 @@ class NativeAgent:
         except ScrapeError as exc:
             with self._lock:
                 first = not self.tracker.error
-                self.tracker.unreachable(str(exc))
+                self.tracker.unreachable(str(exc), self.clock(),
+                                         busy=isinstance(exc, ScrapeTimeout))
             if first:
                 _log.warning("%s", exc)
             return

@@ -63,7 +63,11 @@ def add_agent_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     add("--scrape-seconds", type=float, default=None,
         help="seconds between readings of the engine (default: the config's report interval)")
     add("--scrape-timeout-seconds", type=float, default=10.0,
-        help="how long one reading may take (default 10; one missed reading is tolerated)")
+        help="how long one reading may take (default 10; one failed reading is tolerated)")
+    add("--busy-grace-seconds", type=float, default=60.0,
+        help="how long an engine that takes the connection but answers no reading in time "
+             "is tolerated before the pod reports unhealthy (default 60: its readiness probe "
+             "judges a hung engine)")
     parser.set_defaults(handler=run_agent)
 
 
@@ -91,7 +95,8 @@ def run_agent(args: argparse.Namespace) -> int:
         mapping=mapping, metrics_url=args.engine_metrics_url, scrape_s=scrape_s,
         metrics_port=args.metrics_port or identity.metrics_port,
         metrics_host=args.metrics_host, fetch_timeout_s=args.scrape_timeout_seconds,
-        engine_port=url.port, bootstrap_port=args.engine_bootstrap_port)
+        busy_grace_s=args.busy_grace_seconds, engine_port=url.port,
+        bootstrap_port=args.engine_bootstrap_port)
     agent = NativeAgent(options, identity, config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

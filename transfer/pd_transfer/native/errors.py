@@ -22,7 +22,7 @@ from typing import ClassVar
 
 from pd_transfer.agent.errors import AgentError
 
-__all__ = ["MappingError", "NativeError", "ScrapeError", "UnsupportedEngine"]
+__all__ = ["MappingError", "NativeError", "ScrapeError", "ScrapeTimeout", "UnsupportedEngine"]
 
 
 class NativeError(AgentError):
@@ -35,6 +35,11 @@ class ScrapeError(NativeError):
     """The engine's metrics endpoint could not be read."""
 
     code: ClassVar[str] = "native_scrape"
+
+
+class ScrapeTimeout(ScrapeError):
+    """The engine accepted the connection but did not answer in time: busy, or hung (its
+    own readiness probe tells which; the agent tolerates it for ``busy_grace_s``)."""
 
 
 class MappingError(NativeError):

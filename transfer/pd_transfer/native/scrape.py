@@ -3,7 +3,7 @@
 The engine runs in the same pod, so the URL is a loopback one
 (``http://127.0.0.1:8000/metrics``). A reading has a short timeout and a size bound; any
 failure (refused, timed out, not 200, too large, not UTF-8) is one ``ScrapeError`` whose
-message names the URL and what happened.
+message names the URL and what happened; a timeout is a ``ScrapeTimeout`` (a busy engine).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from typing import Final
 
-from pd_transfer.native.errors import ScrapeError
+from pd_transfer.native.errors import ScrapeError, ScrapeTimeout
 
 __all__ = ["MAX_BYTES", "fetch_metrics"]
 
@@ -30,7 +30,8 @@ def fetch_metrics(url: str, timeout_s: float) -> str:
         raise ScrapeError(f"GET {url} answered HTTP {exc.code} {exc.reason}") from exc
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise ScrapeError(f"GET {url} failed: {type(exc).__name__}: {reason}") from exc
+        error = ScrapeTimeout if isinstance(reason, TimeoutError) else ScrapeError
+        raise error(f"GET {url} failed: {type(exc).__name__}: {reason}") from exc
     if len(body) > MAX_BYTES:
         raise ScrapeError(f"GET {url} returned more than {MAX_BYTES >> 20} MiB")
     try:

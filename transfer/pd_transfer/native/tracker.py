@@ -6,8 +6,9 @@ single-threaded (the agent holds a lock around it). One ``NativeTracker`` per ag
 - ``observe(text, at_s, wall)`` parses one scrape through the engine version's table
   (``mapping.read_metrics``) and derives its ``Totals`` (transfers, failures by reason,
   failures a peer owns, bytes: cumulative since the engine started). A reading that does not
-  fit the table, or an unreadable engine (``unreachable``), sets ``error``: the last numbers
-  stay, and every status says ``healthy: false`` with the error until a reading fits again.
+  fit the table, or an unreadable engine (``unreachable``: a busy one only past
+  ``busy_grace_s``), sets ``error``: the last numbers stay, and every status says
+  ``healthy: false`` with the error until a reading fits again.
 - Engine incarnations: a new one starts when the engine's start time changes (vLLM exports
   it), a cumulative value goes down, every counting family seen before is gone (SGLang's
   multiprocess metrics start empty again), or a family is gone after the engine was
@@ -137,9 +138,12 @@ class NativeTracker:
     whether the counts of the first reading are a baseline or news (``_all_news``)."""
 
     def __init__(self, mapping: EngineMapping, role: RoleName, *, pod: str, window_s: float,
-                 agent_start_unix_s: float, tolerated_failed_readings: int = 1) -> None:
+                 agent_start_unix_s: float, tolerated_failed_readings: int = 1,
+                 busy_grace_s: float = 60.0) -> None:
         self.mapping = mapping
         self.tolerated_failed_readings = tolerated_failed_readings
+        self.busy_grace_s = busy_grace_s
+        self._read_at_s: float | None = None  # when the last reading that fit was taken
         self.role = role
         self.pod = pod
         self.window_s = window_s
@@ -191,6 +195,7 @@ class NativeTracker:
         self._seen |= reading.present
         self._gap = False
         self._failed_in_a_row = 0
+        self._read_at_s = at_s
         self.error = ""
         self.readings += 1
         cumulative = self._window_totals().transfer_time
@@ -202,14 +207,23 @@ class NativeTracker:
         for name, depth in self._queues.items():
             self._high[name] = max(self._high.get(name, 0.0), depth)
 
-    def unreachable(self, error: str) -> None:
-        """The engine's metrics could not be read (the last numbers stay). One failed reading
-        after a good one is tolerated (a busy engine can miss a scrape's timeout); the next
-        one in a row, or any before the first good reading, is an error."""
+    def unreachable(self, error: str, at_s: float, *, busy: bool = False) -> None:
+        """The engine's metrics could not be read at ``at_s`` (the last numbers stay). Any
+        failure before the first good reading is an error. After one: an engine too busy to
+        answer in time (``busy``: it took the connection) is tolerated for ``busy_grace_s``
+        since that reading (a P/D engine on a loaded host misses timeouts; whether it is
+        hung is its readiness probe's call, not this agent's); any other failure once
+        (``tolerated_failed_readings``), and the next in a row is an error."""
         self.errors += 1
         self._failed_in_a_row += 1
         self._gap = True
-        if self._last is None or self._failed_in_a_row > self.tolerated_failed_readings:
+        if self._last is None or self._read_at_s is None:
+            self.error = f"cannot read the engine's metrics: {error}"
+        elif busy:
+            if at_s - self._read_at_s > self.busy_grace_s:
+                self.error = (f"the engine's metrics have not been read for "
+                              f"{at_s - self._read_at_s:.0f} s: {error}")
+        elif self._failed_in_a_row > self.tolerated_failed_readings:
             self.error = f"cannot read the engine's metrics: {error}"
 
     def reported(self) -> None:

@@ -236,7 +236,12 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
         assert reported_after_s <= WINDOW_S, reported_after_s
         assert set(failing.failures_by_reason) == {"TransferFailed"}
         assert failing.window.failures_by_reason["TransferFailed"] >= failing.failures_total
-        assert failing.last_error.startswith("vllm:nixl_num_failed_transfers_total +")
+        # Unhealthy by its failures alone; the last error names them, unless a later reading
+        # of the (busy) engine timed out past the sidecar's grace, which it then names.
+        assert failing.window.failures > 0.05 * failing.window.transfers
+        assert failing.last_error.startswith((
+            "vllm:nixl_num_failed_transfers_total +",
+            "agent error: the engine's metrics have not been read for ")), failing.last_error
         assert failing.incarnation.startswith(uids["decode"] + "-")
         assert complete(mismatched, [3], 1).token_ids  # the engine itself still serves
         after: Any = scrape(f"127.0.0.1:{decode_metrics}",

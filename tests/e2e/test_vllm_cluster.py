@@ -422,11 +422,17 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
         c if (c := _condition(cluster, NATIVE, "TransferHealthy")).get("status") == "True"
         else None), 60)
     print(f"EngineNative transfer health: {healthy['message']}")
-    agents = {a["metadata"]["name"]: a.get("status") or {} for a in cluster.agents()
-              if a["spec"]["pdDeployment"] == NATIVE}
+
+    def reports() -> dict[str, Obj]:
+        return {a["metadata"]["name"]: a.get("status") or {} for a in cluster.agents()
+                if a["spec"]["pdDeployment"] == NATIVE}
+
+    # A sidecar reads its engine once per report interval (a busy engine answers late).
+    agents = wait_for("the decode's sidecar to report the 3 transfers", lambda: (
+        r if (r := reports()).get(f"{NATIVE}-decode-0", {}).get("transfersTotal", 0) >= 3
+        else None), 120)
     assert sorted(agents) == [f"{NATIVE}-decode-0", f"{NATIVE}-prefill-0"]
     assert all(s.get("healthy") is True for s in agents.values()), agents
-    assert agents[f"{NATIVE}-decode-0"]["transfersTotal"] >= 3, agents
 
 
 def _condition(cluster: Cluster, name: str, type_: str) -> Obj:

@@ -4,15 +4,20 @@ address (pure; no process is started)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client as k8s_client
 
 from pd_contract.transferagent import Role
 from pd_operator.build.pod import build_pod_template
+from pd_operator.devcluster.kubelet import FakeKubelet
 from pd_operator.devcluster.pod_runner import (
+    VLLM_SERVER_MODULE,
+    LaunchPlan,
     NotRunnable,
     Probe,
     package_roots,
@@ -131,3 +136,24 @@ def test_transfer_agent_sidecar_reaches_its_engine_on_the_pod_address() -> None:
         sys.executable, "-m", "pd_transfer.cli", "agent", "--engine", "vllm",
         "--engine-metrics-url", f"http://{IP}:8000/metrics", "--engine-bootstrap-port",
         "5600", "--metrics-host", IP]
+
+
+class _Handle:
+    """What FakeKubelet's constructor reads of a control plane: a client it never calls."""
+
+    def api_client(self) -> k8s_client.ApiClient:
+        return k8s_client.ApiClient()
+
+
+def test_vllm_engines_get_a_cpu_per_rank_round_robin_and_a_pod_choice_wins(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {4, 7})
+    kubelet = FakeKubelet(_Handle(), tmp_path)  # type: ignore[arg-type]
+    engine = LaunchPlan(["/venv/bin/python", "-m", VLLM_SERVER_MODULE, "--port", "8000"])
+    tp2 = LaunchPlan([*engine.argv, "--tensor-parallel-size", "2"])
+    agent = LaunchPlan([sys.executable, "-m", "pd_transfer.cli", "agent"])
+    assert kubelet._cpus_for(engine, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "4"}
+    assert kubelet._cpus_for(agent, {}) == {}  # not an engine: no binding
+    assert kubelet._cpus_for(tp2, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "7|4"}
+    assert kubelet._cpus_for(engine, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "7"}
+    assert kubelet._cpus_for(engine, {"VLLM_CPU_OMP_THREADS_BIND": "all"}) == {}

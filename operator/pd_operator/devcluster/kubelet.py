@@ -61,7 +61,13 @@ from kubernetes.client.exceptions import ApiException
 
 from pd_operator.devcluster.cluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.devcluster.errors import DevClusterError
-from pd_operator.devcluster.pod_runner import LaunchPlan, NotRunnable, Probe, plan_launch
+from pd_operator.devcluster.pod_runner import (
+    VLLM_SERVER_MODULE,
+    LaunchPlan,
+    NotRunnable,
+    Probe,
+    plan_launch,
+)
 from pd_operator.devcluster.processes import (
     ProcessRecord,
     is_running,
@@ -81,6 +87,7 @@ MANAGED_SELECTOR: Final = "app.kubernetes.io/managed-by=pd-operator"
 NODE_NAME: Final = "dev-kubelet"
 STATE_FILE: Final = "kubelet.json"
 MAX_BACKOFF_S: Final = 300.0
+VLLM_CPU_BIND_ENV: Final = "VLLM_CPU_OMP_THREADS_BIND"
 _log = logging.getLogger("pd_operator.devcluster.kubelet")
 
 Obj = dict[str, Any]
@@ -213,6 +220,7 @@ class FakeKubelet:
         self._core = k8s.CoreV1Api(self._api)
         self._pods: dict[str, _PodProcess] = {}
         self._used_ips: set[str] = set()
+        self._next_cpu = 0
         self._lock = threading.Lock()
         self.work_dir.mkdir(parents=True, exist_ok=True)
 
@@ -360,8 +368,8 @@ class FakeKubelet:
             plans = [self._plan(pod, container, ip, volume_dirs, config_maps)
                      for container in spec["containers"]]
             for container, (plan, env) in zip(spec["containers"], plans, strict=True):
-                process_env = base_env | self.extra_env | env | plan.env | {
-                    "KUBECONFIG": str(kubeconfig), "TMPDIR": str(tmp)}
+                process_env = base_env | self.extra_env | self._cpus_for(plan, env) | env \
+                    | plan.env | {"KUBECONFIG": str(kubeconfig), "TMPDIR": str(tmp)}
                 log_path = pod_dir / f"{container['name']}.log"
                 record = spawn_daemon(f"{container['name']} {namespace}/{name}", plan.argv,
                                       log_path, env=process_env)
@@ -382,6 +390,24 @@ class FakeKubelet:
             _log.info("started %s of pod %s/%s at %s (pid %d, log %s)", running.name,
                       namespace, name, ip, running.record.pid, running.log_path)
         return process
+
+    def _cpus_for(self, plan: LaunchPlan, env: dict[str, str]) -> dict[str, str]:
+        """CPUs of a vLLM engine: one per TP rank, dealt round robin over this host's CPUs
+        (`VLLM_CPU_OMP_THREADS_BIND`, one OpenMP thread per rank), as a node's CPU manager
+        would give each engine pod its own cpuset; here they are shared once there are more
+        ranks than CPUs. vLLM's own default gives every engine a thread on every CPU, and
+        engines spin-waiting on the same cores delayed P/D requests by up to a second. A
+        pod that sets the variable itself keeps its value."""
+        if VLLM_SERVER_MODULE not in plan.argv or VLLM_CPU_BIND_ENV in env:
+            return {}
+        argv = list(plan.argv)
+        flag = "--tensor-parallel-size"
+        ranks = int(argv[argv.index(flag) + 1]) if flag in argv[:-1] else 1
+        cpus = sorted(os.sched_getaffinity(0))
+        with self._lock:
+            first, self._next_cpu = self._next_cpu, self._next_cpu + ranks
+        return {VLLM_CPU_BIND_ENV: "|".join(str(cpus[(first + rank) % len(cpus)])
+                                            for rank in range(ranks))}
 
     @staticmethod
     def _plan(pod: Obj, container: Obj, ip: str, volume_dirs: dict[str, str],

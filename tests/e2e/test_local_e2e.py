@@ -105,8 +105,11 @@ def deployment(control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient,
         with kopf_runner(["run", "--standalone", "-m", "pd_operator.handlers",
                           "--namespace", namespace], timeout=60) as runner:
             prefix = f"127.{random.randint(100, 250)}.{random.randint(1, 250)}."
+            # The node has an RDMA device plugin (rdma/ib, the spec's default resource):
+            # the TCP-fallback test runs pods that request it.
             kubelet = FakeKubelet(control_plane, tmp_path_factory.mktemp("kubelet"),
-                                  namespace=namespace, ip_prefix=prefix)
+                                  namespace=namespace, ip_prefix=prefix,
+                                  extended_resources=("rdma/ib",))
             kubelet_stop = threading.Event()
             kubelet_thread = threading.Thread(target=kubelet.run, args=(kubelet_stop, 0.5),
                                               daemon=True)

@@ -20,6 +20,7 @@ from pd_operator.devcluster.pod_runner import (
     LaunchPlan,
     NotRunnable,
     Probe,
+    missing_resources,
     package_roots,
     plan_launch,
 )
@@ -157,3 +158,20 @@ def test_vllm_engines_get_a_cpu_per_rank_round_robin_and_a_pod_choice_wins(
     assert kubelet._cpus_for(tp2, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "7|4"}
     assert kubelet._cpus_for(engine, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "7"}
     assert kubelet._cpus_for(engine, {"VLLM_CPU_OMP_THREADS_BIND": "all"}) == {}
+
+
+def test_pods_asking_for_gpus_or_rdma_stay_pending_cpu_and_memory_do_not() -> None:
+    """The demo's GPU examples must not be started (and crash-loop) on a CPU host."""
+    def pod(*resources: dict[str, Any]) -> dict[str, Any]:
+        return {"spec": {"containers": [{"name": f"c{i}", "resources": r}
+                                        for i, r in enumerate(resources)]}}
+
+    cpu_only = pod({"requests": {"cpu": "500m", "memory": "2Gi"}}, {})
+    assert missing_resources(cpu_only) == []
+    assert missing_resources(pod({"limits": {"hugepages-2Mi": "1Gi",
+                                             "ephemeral-storage": "1Gi"}})) == []
+    gpu = pod({"requests": {"cpu": "16"}, "limits": {"nvidia.com/gpu": "4"}},
+              {"requests": {"rdma/ib": "1"}, "limits": {"rdma/ib": "1"}})
+    assert missing_resources(gpu) == ["nvidia.com/gpu", "rdma/ib"]
+    assert missing_resources(pod({"limits": {"nvidia.com/gpu": "0"}})) == []
+    assert missing_resources(gpu, offered=("rdma/ib",)) == ["nvidia.com/gpu"]

@@ -236,8 +236,9 @@ def serve_completion(api: k8s.ApiClient, namespace: str, timeout_s: float) -> st
         _say(f"the {VLLM_EXAMPLE} router is not Ready after {timeout_s:.0f} s; see the engine "
              "logs under the state dir's kubelet/ folder")
         return None
+    # The engines run without a tokenizer: token ids in, token ids out.
     body = json.dumps({"model": "tiny-llama", "prompt": DEMO_PROMPT, "max_tokens": 8,
-                       "temperature": 0}).encode()
+                       "temperature": 0, "return_token_ids": True}).encode()
     request = urllib.request.Request(f"http://{address}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     started = time.monotonic()
@@ -247,7 +248,10 @@ def serve_completion(api: k8s.ApiClient, namespace: str, timeout_s: float) -> st
     except (urllib.error.URLError, OSError, ValueError) as exc:
         _say(f"the completion through the router at {address} failed: {exc}")
         return None
-    tokens = answer["choices"][0].get("token_ids") or answer["choices"][0].get("text")
+    tokens = answer["choices"][0].get("token_ids")
+    if not tokens:
+        _say(f"the completion through the router at {address} returned no tokens: {answer}")
+        return None
     line = (f"POST http://{address}/v1/completions prompt={DEMO_PROMPT} max_tokens=8 -> "
             f"{tokens} ({time.monotonic() - started:.2f} s, prefill and decode pods through "
             f"the router, KV moved by pd_transfer)")

@@ -4,7 +4,9 @@ The local control plane has no scheduler and no kubelet, so pods stay Pending. F
 end-to-end demo and tests this plays the kubelet's part for the pods labelled
 ``app.kubernetes.io/managed-by=pd-operator`` whose container it knows how to run
 (``pod_runner``: ``pd-transfer ...`` commands, and vLLM's OpenAI server from the cached vLLM
-virtualenv). Every other pod stays Pending.
+virtualenv). Every other pod stays Pending, and so does one that asks for an extended
+resource this node does not offer (GPUs, RDMA devices: ``missing_resources``), as a
+scheduler would leave it; vLLM engines get one CPU per TP rank (``_cpus_for``).
 
 For each such pod, once (``sync_once``, polled):
 - a distinct loopback IP ``<ip_prefix>N`` (all of 127.0.0.0/8 is local on Linux), so every
@@ -51,6 +53,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -66,6 +69,7 @@ from pd_operator.devcluster.pod_runner import (
     LaunchPlan,
     NotRunnable,
     Probe,
+    missing_resources,
     plan_launch,
 )
 from pd_operator.devcluster.processes import (
@@ -208,8 +212,12 @@ class FakeKubelet:
     def __init__(self, handle: ControlPlaneHandle, work_dir: Path, *,
                  namespace: str | None = None, ip_prefix: str = "127.0.1.",
                  extra_env: dict[str, str] | None = None,
-                 restart_backoff_s: float | None = None) -> None:
+                 restart_backoff_s: float | None = None,
+                 extended_resources: Collection[str] = ()) -> None:
         self.handle = handle
+        # Extended resources this node pretends to offer (e.g. an RDMA device plugin's
+        # rdma/ib); a pod asking for any other stays Pending (``missing_resources``).
+        self.extended_resources = frozenset(extended_resources)
         self.work_dir = work_dir
         self.namespace = namespace
         self.ip_prefix = ip_prefix
@@ -328,6 +336,11 @@ class FakeKubelet:
     def _start(self, pod: Obj) -> _PodProcess:
         meta, spec = pod["metadata"], pod["spec"]
         namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+        lacking = missing_resources(pod, self.extended_resources)
+        if lacking:
+            raise NotRunnable(f"it asks for {', '.join(lacking)}, which this node does not "
+                              "have (a scheduler would leave it Pending: Insufficient "
+                              f"{lacking[0]})")
         pod_dir = self.work_dir / namespace / f"{name}-{uid[:8]}"
         pod_dir.mkdir(parents=True, exist_ok=True)
         config_maps: dict[str, Obj] = {}

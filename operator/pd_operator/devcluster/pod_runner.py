@@ -25,7 +25,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -36,6 +36,7 @@ __all__ = [
     "LaunchPlan",
     "NotRunnable",
     "Probe",
+    "missing_resources",
     "package_roots",
     "plan_launch",
 ]
@@ -132,6 +133,25 @@ def _narrow_connector(args: list[str], ip: str) -> list[str]:
             config["kv_connector_extra_config"] = extra
             out[index + 1] = json.dumps(config, separators=(",", ":"))
     return out
+
+
+# What this node offers; anything else (nvidia.com/gpu, rdma/ib, ...) it does not have.
+_NODE_RESOURCES: Final = ("cpu", "memory", "ephemeral-storage")
+
+
+def missing_resources(pod: dict[str, Any], offered: Collection[str] = ()) -> list[str]:
+    """Extended resources `pod` requests or limits that this node does not offer (GPUs,
+    RDMA devices; `offered`: those it pretends to have): a scheduler leaves such a pod
+    Pending, and so does the fake kubelet."""
+    names: set[str] = set()
+    spec = pod.get("spec") or {}
+    for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        resources = container.get("resources") or {}
+        for section in ("requests", "limits"):
+            names.update(name for name, value in (resources.get(section) or {}).items()
+                         if name not in _NODE_RESOURCES and name not in offered
+                         and not name.startswith("hugepages-") and str(value) not in ("0", ""))
+    return sorted(names)
 
 
 def plan_launch(command: Sequence[str], container: dict[str, Any], ip: str, *,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -207,14 +208,39 @@ def prompt_ids(length: int, *, seed: int = 0, vocab: int = 1024) -> list[int]:
 # Ports, env, PYTHONPATH
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(count: int) -> list[int]:
-    """`count` distinct free TCP ports on 127.0.0.1 (all sockets held until all are chosen)."""
+    """`count` distinct free TCP ports on 127.0.0.1, chosen below the kernel's ephemeral
+    range (all sockets held until all are chosen). A server binds its port a minute later,
+    after vLLM started; an ephemeral port freed meanwhile can be handed to any process's
+    outgoing connection or `bind(0)` (vLLM's own ZMQ and gloo sockets are many), and once
+    was: "Address already in use". The kernel hands out none below the range."""
+    low = 10000
+    high = max(low + count, _ephemeral_range()[0] - 1)
+    rng = random.Random()
     with ExitStack() as stack:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        while len(ports) < count:
+            port = rng.randint(low, high)
+            if port in ports or port in _HANDED_OUT:  # not yet bound by whoever got it
+                continue
             sock = stack.enter_context(socket.socket())
-            sock.bind(("127.0.0.1", 0))
-            ports.append(int(sock.getsockname()[1]))
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
+        _HANDED_OUT.update(ports)
         return ports
 
 

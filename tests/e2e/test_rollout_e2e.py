@@ -52,6 +52,10 @@ def test_grow_then_shrink_under_load_without_failures_or_restarts(fleet: LiveFle
     fleet.wait_phase("Idle", to=START[0], timeout_s=30)
     pids = fleet.pids()
     assert sorted(pids) == PODS
+    # The spec watcher (a 0.2 s poll) must have seen every pod's starting size before the
+    # first resize: once, the first batch's write came before its first poll.
+    wait_for("the spec watcher to see every pod's starting size", lambda: all(
+        fleet.specs_seen.get(pod) == [START] for pod in PODS), 30)
     for size in (GROWN, SHRUNK):
         started = time.monotonic()
         fleet.resize(size)

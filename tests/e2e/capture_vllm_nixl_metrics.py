@@ -24,7 +24,6 @@ comment lines saying how it was made (the Prometheus text parser skips comments)
 
 from __future__ import annotations
 
-import http.client
 import re
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from tests.e2e.vllm_harness import (
     ModelSpec,
     VllmServer,
     complete,
+    metrics_text,
     nixl_pd_complete,
     nixl_server_pair,
     prompt_ids,
@@ -59,15 +59,6 @@ LEASE_S = 90
 # Families (by name, without the `_total`/`_bucket` sample suffixes) kept in the captures.
 KEEP = ("vllm:nixl_", "vllm:num_requests_running", "vllm:num_requests_waiting",
         "vllm:num_requests_kv_fetch_by_stage", "process_start_time_seconds")
-
-
-def metrics_text(server: VllmServer) -> str:
-    connection = http.client.HTTPConnection(server.host, server.port, timeout=10)
-    try:
-        connection.request("GET", "/metrics")
-        return connection.getresponse().read().decode()
-    finally:
-        connection.close()
 
 
 def trim(text: str) -> str:
@@ -97,7 +88,8 @@ def write_capture(out: Path, name: str, server: VllmServer, what: str) -> None:
         *textwrap.wrap(args, 88, initial_indent="#   ", subsequent_indent="#   ",
                        break_on_hyphens=False),
     ]
-    (out / name).write_text("\n".join(header) + "\n" + trim(metrics_text(server)))
+    text = metrics_text(f"{server.host}:{server.port}", timeout_s=10)
+    (out / name).write_text("\n".join(header) + "\n" + trim(text))
     print(f"wrote {out / name}")
 
 

@@ -109,9 +109,31 @@ def agent_process(role: str, env: dict[str, str], engine: VllmServer, metrics_po
         try:
             code = process.wait(timeout=30)
         except subprocess.TimeoutExpired:
+            state = process_state(process.pid)
             process.kill()
-            code = process.wait(timeout=10)
+            process.wait(timeout=120)  # reaped here, not by a later test's garbage collector
+            pytest.fail(f"pd-transfer agent ({role}) still ran 30 s after SIGTERM ({state}); "
+                        f"its log: {log.read_text()[-3000:]}")
         assert code == 0, f"pd-transfer agent ({role}) exited {code}: {log.read_text()[-3000:]}"
+
+
+def process_state(pid: int) -> str:
+    """Each thread's scheduler state and kernel wait channel, from /proc (why a process
+    does not exit)."""
+    threads = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            stat = (task / "stat").read_text()
+            wchan = (task / "wchan").read_text()
+        except OSError:
+            continue
+        threads.append(f"{task.name}:{stat.rsplit(')', 1)[1].split()[0]}/{wchan or '-'}")
+    return "threads " + " ".join(threads) if threads else "no threads readable"
+
+
+def stop_all(engines: list[VllmServer]) -> None:
+    for engine in engines:
+        engine.stop()
 
 
 def status_of(objects: k8s.CustomObjectsApi, namespace: str,
@@ -175,6 +197,9 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
                                    ("decode", decode, decode_metrics)):
             stack.enter_context(agent_process(role, {**base_env, "POD_UID": uids[role]},
                                               engine, port, tmp_path / f"agent-{role}.log"))
+        # The engines stop before their sidecars, as the sidecars must exit on SIGTERM, not
+        # be starved of CPU by an engine's spinning NIXL threads while they do.
+        stack.callback(stop_all, [prefill, decode, mismatched])
 
         # Phase 1: healthy traffic, once both sidecars have reported (as in a pod, where
         # the engine takes far longer to start than its sidecar).

@@ -191,6 +191,19 @@ def _manifests(namespace: str) -> tuple[Obj, Obj]:
     return config_map, pdd
 
 
+def _engine_native(pdd: Obj, name: str) -> Obj:
+    """`pdd` made the EngineNative deployment `name` (one decode; vLLM's NixlConnector moves
+    the KV over UCX's TCP, so no staging sizes); returns its spec."""
+    pdd["metadata"]["name"] = name
+    spec: Obj = pdd["spec"]
+    spec["decode"]["replicas"] = 1
+    spec["transfer"]["backend"] = "EngineNative"
+    del spec["transfer"]["staging"]["prefillBufferMiB"], spec["transfer"]["staging"][
+        "decodePoolMiB"]
+    spec["transfer"]["transport"] = {"ucxTransports": ["tcp", "self", "sm"]}
+    return spec
+
+
 @pytest.fixture(scope="module")
 def cluster(control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
@@ -374,13 +387,7 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
     wait_for("the PDTransfer pods gone", lambda: not cluster.core.list_namespaced_pod(
         cluster.namespace, label_selector=f"pd.serving.dev/deployment={NAME}").items, 120)
     _, pdd = _manifests(cluster.namespace)
-    pdd["metadata"]["name"] = NATIVE
-    spec = pdd["spec"]
-    spec["decode"]["replicas"] = 1
-    spec["transfer"]["backend"] = "EngineNative"
-    del spec["transfer"]["staging"]["prefillBufferMiB"], spec["transfer"]["staging"][
-        "decodePoolMiB"]
-    spec["transfer"]["transport"] = {"ucxTransports": ["tcp", "self", "sm"]}
+    _engine_native(pdd, NATIVE)
     cluster.objects.create_namespaced_custom_object(GROUP, VERSION, cluster.namespace,
                                                     "pddeployments", pdd)
 
@@ -459,13 +466,7 @@ def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_rou
              "metadata": {"name": "tiny-llama-4kv", "namespace": cluster.namespace},
              "data": {"config.json": json.dumps(config)}}
     cluster.core.create_namespaced_config_map(cluster.namespace, other)
-    pdd["metadata"]["name"] = MISMATCHED
-    spec = pdd["spec"]
-    spec["decode"]["replicas"] = 1
-    spec["transfer"]["backend"] = "EngineNative"
-    del spec["transfer"]["staging"]["prefillBufferMiB"], spec["transfer"]["staging"][
-        "decodePoolMiB"]
-    spec["transfer"]["transport"] = {"ucxTransports": ["tcp", "self", "sm"]}
+    spec = _engine_native(pdd, MISMATCHED)
     spec["decode"]["pod"] = {
         "volumes": [{"name": "model", "configMap": {"name": "tiny-llama-4kv"}}],
         "volumeMounts": [{"name": "model", "mountPath": "/models/tiny-llama",

@@ -188,13 +188,21 @@ def test_prefill_killed_mid_transfer_decode_fails_or_recomputes_per_policy(
     failing, recomputing = "fail-" + uuid.uuid4().hex, "recompute-" + uuid.uuid4().hex
     victim = fleet.prefill_victim
     with ThreadPoolExecutor(max_workers=2) as pool:
+        # Mid-transfer: prefill has posted the first of the prompt's 6 chunks. This model's
+        # chunks take milliseconds (and prefill's token budget runs one prompt at a time),
+        # so prefill is frozen at once (SIGSTOP: it holds its connections and answers
+        # nothing) and killed once the recompute decode has asked it for its KV too.
         to_fail = pool.submit(fleet.pd, victim, fleet.decode_fail, prompt, failing,
                               prefill_must_answer=False)
+        wait_for("prefill posted the failing room's first chunk",
+                 lambda: events(victim, failing, "post"), timeout_s=60, interval_s=0.002)
+        victim.server.freeze()
+        assert not events(victim, failing, "end"), "the transfer ended before prefill froze"
         to_recompute = pool.submit(fleet.pd, victim, fleet.decode_recompute, prompt,
                                    recomputing, prefill_must_answer=False)
-        wait_for("prefill posted for both rooms",
-                 lambda: events(victim, failing, "post") and events(victim, recomputing,
-                                                                    "post"), timeout_s=60)
+        wait_for("the recompute decode started its load",
+                 lambda: events(fleet.decode_recompute, recomputing, "load_start"),
+                 timeout_s=60, interval_s=0.01)
         victim.server.kill()
         failed = _exception(to_fail)
         recomputed = _exception(to_recompute)

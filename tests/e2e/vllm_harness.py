@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_operator.devcluster.kubelet import ENGINE_NICENESS
 from pd_operator.devcluster.vllm_env import VllmEnv, find_vllm_env, vllm_env_dir
 
 __all__ = [
@@ -386,6 +387,10 @@ class VllmServer:
             self.process = subprocess.Popen(self.argv(), env=self.full_env(), stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True)
+        # Behind the control plane and the test's own processes, as the dev kubelet runs
+        # engines; set before the server starts its engine processes, which inherit it.
+        with suppress(ProcessLookupError):  # exited at once: wait_ready reports it
+            os.setpriority(os.PRIO_PROCESS, self.process.pid, ENGINE_NICENESS)
         self.started_s = time.monotonic()
 
     def wait_ready(self, timeout_s: float | None = None) -> float:
@@ -834,30 +839,28 @@ class PdTransferServer:
         return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def scrape_sum(address: str, name: str) -> float:
-    """The sum of every `name` sample at `http://address/metrics`, whatever its labels."""
+def metrics_text(address: str, timeout_s: float = 5.0) -> str:
+    """`GET http://address/metrics`: the exposition text."""
     host, port = address.rsplit(":", 1)
-    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
         connection.request("GET", "/metrics")
-        text = connection.getresponse().read().decode()
+        return connection.getresponse().read().decode()
     finally:
         connection.close()
-    return sum(float(sample.value) for family in text_string_to_metric_families(text)
+
+
+def scrape_sum(address: str, name: str) -> float:
+    """The sum of every `name` sample at `http://address/metrics`, whatever its labels."""
+    return sum(float(sample.value)
+               for family in text_string_to_metric_families(metrics_text(address))
                for sample in family.samples if sample.name == name)
 
 
 def scrape(address: str, name: str, **labels: str) -> float | None:
     """The value of the sample `name{labels}` at `http://address/metrics` (labels must match
     exactly), None when there is no such sample."""
-    host, port = address.rsplit(":", 1)
-    connection = http.client.HTTPConnection(host, int(port), timeout=5)
-    try:
-        connection.request("GET", "/metrics")
-        text = connection.getresponse().read().decode()
-    finally:
-        connection.close()
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(metrics_text(address)):
         for sample in family.samples:
             if sample.name == name and sample.labels == labels:
                 return float(sample.value)

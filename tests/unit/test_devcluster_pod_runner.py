@@ -14,7 +14,7 @@ from kubernetes import client as k8s_client
 
 from pd_contract.transferagent import Role
 from pd_operator.build.pod import build_pod_template
-from pd_operator.devcluster.kubelet import FakeKubelet
+from pd_operator.devcluster.kubelet import FakeKubelet, _niceness
 from pd_operator.devcluster.pod_runner import (
     VLLM_SERVER_MODULE,
     LaunchPlan,
@@ -158,6 +158,13 @@ def test_vllm_engines_get_a_cpu_per_rank_round_robin_and_a_pod_choice_wins(
     assert kubelet._cpus_for(tp2, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "7|4"}
     assert kubelet._cpus_for(engine, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "7"}
     assert kubelet._cpus_for(engine, {"VLLM_CPU_OMP_THREADS_BIND": "all"}) == {}
+
+
+def test_only_vllm_engines_run_behind_the_control_plane() -> None:
+    engine = LaunchPlan(["/venv/bin/python", "-m", VLLM_SERVER_MODULE, "--port", "8000"])
+    agent = LaunchPlan([sys.executable, "-m", "pd_transfer.cli", "agent"])
+    router = LaunchPlan([sys.executable, "-m", "pd_transfer.cli", "router"])
+    assert [_niceness(plan) for plan in (engine, agent, router)] == [10, 0, 0]
 
 
 def test_pods_asking_for_gpus_or_rdma_stay_pending_cpu_and_memory_do_not() -> None:

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +27,27 @@ def test_spawned_daemon_runs_in_its_own_session_and_stops(tmp_path: Path) -> Non
         outcome = stop_process(record, grace_s=5)
     assert outcome == f"stopped sleeper (pid {record.pid})"
     assert not is_running(record)
+
+
+def test_a_daemon_spawned_nicer_runs_and_starts_children_at_that_niceness(
+        tmp_path: Path) -> None:
+    """Guards the dev kubelet's engines running behind the control plane: the niceness
+    is the daemon's from its start, and the processes it starts later inherit it."""
+    child = tmp_path / "child"
+    code = (f"import pathlib, subprocess, time; time.sleep(0.3); "
+            f"p = subprocess.Popen([{SLEEP!r}, '60']); "
+            f"pathlib.Path({str(child)!r}).write_text(str(p.pid)); p.wait()")
+    record = spawn_daemon("parent", [sys.executable, "-c", code], tmp_path / "parent.log",
+                          niceness=7)
+    try:
+        deadline = time.monotonic() + 10
+        while not child.exists() or not child.read_text().strip():
+            assert time.monotonic() < deadline, "the daemon started no child"
+            time.sleep(0.05)
+        for pid in (record.pid, int(child.read_text())):
+            assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
+    finally:
+        stop_process(record, grace_s=5)
 
 
 def test_stop_leaves_a_recycled_pid_alone(tmp_path: Path) -> None:

@@ -40,6 +40,19 @@ def status(**fields: object) -> TransferAgentStatus:
     return base.model_copy(update=fields)
 
 
+def failures(pod: str, *, transfer: int, bootstrap: int) -> tuple[TransferFailure, ...]:
+    """The failures one reading reports when both of SGLang's failure counters grew by
+    `transfer` and `bootstrap`: transfer failures first."""
+    return (
+        TransferFailure(pod=pod, reason="TransferFailed", time=NOW,
+                        message=f"sglang:num_transfer_failed_reqs_total +{transfer} since the "
+                                "previous reading: requests failed in their KV transfer"),
+        TransferFailure(pod=pod, reason="BootstrapFailed", time=NOW,
+                        message=f"sglang:num_bootstrap_failed_reqs_total +{bootstrap} since "
+                                "the previous reading: requests failed to bootstrap with "
+                                "their peer"))
+
+
 PREFILL_QUEUES = [QueueDepth(name="prefillBootstrap", depth=2, high_water=2),
                   QueueDepth(name="prefillInflight", depth=1, high_water=1)]
 # Latencies 8, 12, 30, 45, 120 ms → cumulative buckets (ms) ≤10: 1, ≤25: 2, ≤50: 4,
@@ -66,14 +79,7 @@ def test_healthy_prefill_reports_what_it_sent() -> None:
 def test_failing_prefill_counts_failures_by_reason_and_is_unhealthy() -> None:
     run = Run(SGLANG_0_5_23, "prefill")
     result = run.read(P + "prefill_idle.prom", 0).read(P + "prefill_failing.prom", 5).report(5)
-    transfer = TransferFailure(
-        pod="demo-prefill-0", reason="TransferFailed", time=NOW,
-        message="sglang:num_transfer_failed_reqs_total +3 since the previous reading: "
-                "requests failed in their KV transfer")
-    bootstrap = TransferFailure(
-        pod="demo-prefill-0", reason="BootstrapFailed", time=NOW,
-        message="sglang:num_bootstrap_failed_reqs_total +1 since the previous reading: "
-                "requests failed to bootstrap with their peer")
+    transfer, bootstrap = failures("demo-prefill-0", transfer=3, bootstrap=1)
     # 5 sent + 3 + 1 failed = 9 transfers, 4 failures: 4 > 0.05 × 9.
     reasons = {"BootstrapFailed": 1, "TransferFailed": 3}
     assert result == status(
@@ -96,14 +102,7 @@ def test_decode_counts_arrivals_and_lists_bytes_and_times_unknown() -> None:
     (stage="decode_transferred") but neither sizes nor times transfers."""
     run = Run(SGLANG_0_5_23, "decode")
     result = run.read(P + "decode_idle.prom", 0).read(P + "decode_failing.prom", 5).report(5)
-    transfer = TransferFailure(
-        pod="demo-decode-0", reason="TransferFailed", time=NOW,
-        message="sglang:num_transfer_failed_reqs_total +2 since the previous reading: "
-                "requests failed in their KV transfer")
-    bootstrap = TransferFailure(
-        pod="demo-decode-0", reason="BootstrapFailed", time=NOW,
-        message="sglang:num_bootstrap_failed_reqs_total +4 since the previous reading: "
-                "requests failed to bootstrap with their peer")
+    transfer, bootstrap = failures("demo-decode-0", transfer=2, bootstrap=4)
     reasons = {"BootstrapFailed": 4, "TransferFailed": 2}
     # 4 arrived + 6 failed = 10; the transfer queue (2) is in flight.
     assert result == status(

@@ -85,8 +85,9 @@ def is_running(record: ProcessRecord) -> bool:
 
 
 def spawn_daemon(name: str, argv: list[str], log_path: Path,
-                 env: dict[str, str] | None = None) -> ProcessRecord:
-    """Start `argv` in a new session, stdout+stderr appended to `log_path`, stdin /dev/null."""
+                 env: dict[str, str] | None = None, niceness: int = 0) -> ProcessRecord:
+    """Start `argv` in a new session, stdout+stderr appended to `log_path`, stdin /dev/null,
+    at `niceness` (inherited by the processes it starts later)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     file_actions = [
         (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
@@ -98,6 +99,9 @@ def spawn_daemon(name: str, argv: list[str], log_path: Path,
                              file_actions=file_actions, setsid=True)
     except OSError as exc:
         raise DevClusterError(f"could not start {name} ({argv[0]}): {exc}") from exc
+    if niceness:
+        with contextlib.suppress(ProcessLookupError):  # it exited at once: reported below
+            os.setpriority(os.PRIO_PROCESS, pid, niceness)
     # Right after exec, /proc/<pid>/cmdline briefly reads empty: wait until it shows `argv`,
     # or the record would look like a recycled PID and the daemon could never be stopped.
     deadline = time.monotonic() + _EXEC_SETTLE_S

@@ -318,18 +318,16 @@ class _AgentCollector(Collector):
             transfers.add_sample("pd_transfer_native_transfers_total", labels,
                                  window.succeeded + window.failed)
             yield transfers
-        failures = metric("pd_transfer_native_transfer_failures", "Failed transfers by "
-                          "reason while this agent read the engine", "counter")
-        for reason, count in window.failures.items():
-            failures.add_sample("pd_transfer_native_transfer_failures_total",
-                                {**labels, "reason": reason}, count)
-        yield failures
-        peers = metric("pd_transfer_native_peer_failures", "Failures this pod saw that its "
-                       "peers' transfers own, by reason", "counter")
-        for reason, count in window.peer_failures.items():
-            peers.add_sample("pd_transfer_native_peer_failures_total",
-                             {**labels, "reason": reason}, count)
-        yield peers
+        for family, help_text, counts in (
+                ("pd_transfer_native_transfer_failures",
+                 "Failed transfers by reason while this agent read the engine", window.failures),
+                ("pd_transfer_native_peer_failures",
+                 "Failures this pod saw that its peers' transfers own, by reason",
+                 window.peer_failures)):
+            by_reason = metric(family, help_text, "counter")
+            for reason, count in counts.items():
+                by_reason.add_sample(f"{family}_total", {**labels, "reason": reason}, count)
+            yield by_reason
         if Meaning.BYTES in meanings:
             moved = metric("pd_transfer_native_bytes", "KV bytes the engine moved while "
                            "this agent read it", "counter")

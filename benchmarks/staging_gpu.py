@@ -170,7 +170,7 @@ class Case:
 
         def step(i: int) -> None:
             _staging_kernel.launch(
-                pool.tensors(), self.layout, layers, self.page_ids[i % self.rot].device,
+                pool, layers, self.page_ids[i % self.rot].device,
                 head_start=SCATTER_HEAD if scatter_ else GATHER_HEAD, num_heads=SLICE,
                 staged=self.region(i), scatter=scatter_, tile_bytes=tile, num_warps=warps)
         return step

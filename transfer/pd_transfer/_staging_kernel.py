@@ -28,15 +28,15 @@ The page count, layer count and pool page count vary per request and are not spe
 """
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import triton  # type: ignore[import-not-found,unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
-from torch.utils.weak import WeakTensorKeyDictionary
 
-from pd_transfer.layout import KVLayout
+from pd_transfer.layout import KVPool
 
 __all__ = ["launch"]
 
@@ -48,9 +48,6 @@ TILE_BYTES = 16384
 MAX_BLOCK_C = 1024
 NUM_WARPS = 4
 _COMPILED: dict[tuple[Any, ...], Any] = {}  # specialisation key -> Triton CompiledKernel
-# A pool's K tensor -> its K and V as words (dropped with the tensor; torch's weak dict
-# compares tensors by identity, where weakref.WeakKeyDictionary would compare elements).
-_POOL_WORDS = WeakTensorKeyDictionary()
 
 
 # Triton is untyped, and its kernels must stay unannotated (see the module docstring).
@@ -115,23 +112,62 @@ def _staging_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
                 tl.store(staged_ptr + staged_offsets, values, mask=mask)
 
 
-def _word(head_bytes: int, tensors: Sequence[torch.Tensor]) -> tuple[torch.dtype, int]:
+def _word(head_bytes: int, addresses: Sequence[int]) -> tuple[torch.dtype, int]:
     """Widest integer word dividing a head's bytes and every base address."""
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if head_bytes % size == 0 and all(
-            t.data_ptr() % size == 0 for t in tensors
-        ):
+    for dtype, size in _WORDS:
+        if head_bytes % size == 0 and all(address % size == 0 for address in addresses):
             return dtype, size
     return torch.uint8, 1
+
+
+_WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
 
 
 def _next_power_of_2(value: int) -> int:
     return 1 << max(0, (value - 1).bit_length())
 
 
+def _int_spec(value: int) -> tuple[bool, bool, bool]:
+    """What Triton specialises an integer argument on: 1, divisible by 16, 32-bit."""
+    return value == 1, value % 16 == 0, -(1 << 31) <= value < (1 << 31)
+
+
+class _PoolWords:
+    """A stacked pool's K and V viewed as integer words, per word type, made once per pool
+    (views are cheap, but a launch is counted in microseconds), with the pool's constants."""
+
+    def __init__(self, pool: KVPool) -> None:
+        parts = pool.tensors()
+        layout = pool.layout
+        self.k, self.v = parts[0], parts[-1]  # MLA: K twice (V is never read)
+        self.addresses = (self.k.data_ptr(), self.v.data_ptr())
+        self.head_bytes = layout.head_dim * layout.dtype.itemsize
+        self.num_parts = len(parts)
+        self.device = self.k.device.index
+        self._views: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def views(self, word: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        views = self._views.get(word)
+        if views is None:
+            views = (self.k.view(torch.uint8).view(word), self.v.view(torch.uint8).view(word))
+            self._views[word] = views
+        return views
+
+
+# A pool -> its words (dropped with the pool; the views keep only its tensors alive).
+_POOL_WORDS: weakref.WeakKeyDictionary[KVPool, _PoolWords] = weakref.WeakKeyDictionary()
+
+
+def _words_of(pool: KVPool) -> _PoolWords:
+    words = _POOL_WORDS.get(pool)
+    if words is None:
+        words = _PoolWords(pool)
+        _POOL_WORDS[pool] = words
+    return words
+
+
 def launch(
-    parts: Sequence[torch.Tensor],
-    layout: KVLayout,
+    pool: KVPool,
     layers: torch.Tensor,
     pages: torch.Tensor,
     *,
@@ -147,32 +183,36 @@ def launch(
     validated by staging.
 
     ``layers`` and ``pages`` are int64 tensors on the staging buffer's device holding the
-    chunk's layer ids and page ids. ``tile_bytes`` and ``num_warps`` exist for the
+    chunk's layer ids and page ids; the chunk is written from (scatter: read from) the start
+    of ``staged``, which may be longer. ``tile_bytes`` and ``num_warps`` exist for the
     benchmark's tuning sweep.
     """
-    head_bytes = layout.head_dim * layout.dtype.itemsize  # the property allocates a tensor
-    word_dtype, word_bytes = _word(head_bytes, (*parts, staged))
-    pool_k, pool_v = _pool_words(parts, word_dtype)
-    head_words = head_bytes // word_bytes
+    layout = pool.layout
+    words = _words_of(pool)
+    staged_address = staged.data_ptr()
+    word_dtype, word_bytes = _word(words.head_bytes, (*words.addresses, staged_address))
+    pool_k, pool_v = words.views(word_dtype)
+    head_words = words.head_bytes // word_bytes
     row_words = num_heads * head_words
     block_c = min(_next_power_of_2(row_words), MAX_BLOCK_C)
     block_r = _next_power_of_2(max(1, tile_bytes // (block_c * word_bytes)))
     num_pages, num_layers = pages.numel(), layers.numel()
     chunk_tokens = num_pages * layout.page_size
     block_r = min(block_r, _next_power_of_2(chunk_tokens))
-    grid = (triton.cdiv(chunk_tokens, block_r), num_layers, len(parts))
+    grid = (triton.cdiv(chunk_tokens, block_r), num_layers, words.num_parts)
     tensors = (pool_k, pool_v, staged.view(word_dtype), layers, pages)
     ints = (layout.num_pages, num_pages, num_layers, layout.kv_heads * head_words,
             head_start * head_words)
     constexprs = (layout.page_size, row_words, block_r, block_c, chunk_tokens % block_r == 0,
                   scatter)
-    key = (staged.device.index, word_dtype, num_warps, constexprs,
-           tuple(t.data_ptr() % 16 == 0 for t in tensors),
-           tuple((v == 1, v % 16 == 0, -(1 << 31) <= v < (1 << 31)) for v in ints))
+    key = (words.device, word_dtype, num_warps, constexprs,
+           words.addresses[0] % 16 == 0, words.addresses[1] % 16 == 0,
+           staged_address % 16 == 0, layers.data_ptr() % 16 == 0, pages.data_ptr() % 16 == 0,
+           *map(_int_spec, ints))
     kernel = _COMPILED.get(key) if _DIRECT_LAUNCH and not _launch_hooks() else None
     # Either launcher checks the pointers in the current device's context: a pool on cuda:1
     # needs cuda:1 current (the endpoints' worker makes it so once: StagingStream.order).
-    device = staged.device.index
+    device = words.device
     with (contextlib.nullcontext() if torch.cuda.current_device() == device
           else torch.cuda.device(device)):
         if kernel is None:  # Triton's own launch: binds, compiles if new, launches
@@ -187,18 +227,6 @@ def launch(
         handle = (stream or torch.cuda.current_stream(staged.device)).cuda_stream
         kernel.run(grid[0], grid[1], grid[2], handle, kernel.function, kernel.packed_metadata,
                    None, None, None, *tensors, *ints, *constexprs)
-
-
-def _pool_words(parts: Sequence[torch.Tensor], word: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pool's K and V (K again for MLA: never read) viewed as ``word``, made once per
-    pool tensor and word type (views are cheap, but a launch is counted in microseconds)."""
-    views: tuple[torch.Tensor, torch.Tensor] | None = _POOL_WORDS.get(  # type: ignore[no-untyped-call]
-        parts[0])
-    if views is None or views[0].dtype != word or views[1].data_ptr() != parts[-1].data_ptr():
-        views = (parts[0].view(torch.uint8).view(word), parts[-1].view(torch.uint8).view(word))
-        _POOL_WORDS[parts[0]] = views
-    return views
 
 
 #: The direct launch relies on Triton's CompiledKernel.run signature, checked on 3.6.

@@ -70,7 +70,9 @@ try:  # Triton is optional: CPU builds and images without it take the torch path
 except ImportError:  # pragma: no cover - depends on the installation
     TRITON_AVAILABLE = False
 
-_LAYER_IDS: dict[tuple[torch.device, int], torch.Tensor] = {}  # arange(n) per device
+# (device, pool layers, start, stop) -> layer ids [start, stop) (views of arange(n)); at
+# most n(n+1)/2 + 1 small views per device and layer count.
+_LAYER_IDS: dict[tuple[torch.device, int, int, int], torch.Tensor] = {}
 
 
 @dataclass(frozen=True, eq=False)
@@ -209,19 +211,17 @@ def _move(  # noqa: PLR0917 - private; gather/scatter name every argument
     layout = pool.layout
     pages = page_ids if isinstance(page_ids, PageIds) else prepare_pages(pool, page_ids)
     layer_ids = _layer_ids(pool, layers, scatter)
-    _validate(layout, len(layers), pages, head_start, num_heads, staged, pool, scatter)
-    nbytes = staged_chunk_bytes(layout, len(layers), len(pages), num_heads)
+    nbytes = _validate(layout, len(layers), pages, head_start, num_heads, staged, pool, scatter)
     if nbytes == 0:
         return 0
     if pool.is_stacked and not force_torch and TRITON_AVAILABLE and staged.is_cuda:
         _staging_kernel.launch(
-            pool.tensors(),
-            layout,
+            pool,
             layer_ids,
             pages.device,
             head_start=head_start,
             num_heads=num_heads,
-            staged=staged[:nbytes],
+            staged=staged,
             scatter=scatter,
             stream=stream,
         )
@@ -243,12 +243,16 @@ def _layer_ids(pool: KVPool, layers: Sequence[int], scatter: bool) -> torch.Tens
         if layers and not (layers.start >= 0 and layers.stop <= num_layers):
             bad = layers.start if layers.start < 0 else layers.stop - 1
             raise IndexError(f"layer {bad} outside the pool's [0, {num_layers})")
-        key = (pool.device, num_layers)
-        table = _LAYER_IDS.get(key)
-        if table is None:
-            table = torch.arange(num_layers, dtype=torch.int64, device=pool.device)
-            _LAYER_IDS[key] = table
-        return table[layers.start : max(layers.start, layers.stop)]
+        key = (pool.device, num_layers, layers.start, layers.stop)
+        view = _LAYER_IDS.get(key)
+        if view is None:
+            table = _LAYER_IDS.get((pool.device, num_layers, 0, num_layers))
+            if table is None:
+                table = torch.arange(num_layers, dtype=torch.int64, device=pool.device)
+                _LAYER_IDS[pool.device, num_layers, 0, num_layers] = table
+            view = table[layers.start : max(layers.start, layers.stop)]
+            _LAYER_IDS[key] = view
+        return view
     ids = array.array("q", layers)
     if ids and not (min(ids) >= 0 and max(ids) < num_layers):
         bad = next(x for x in ids if not 0 <= x < num_layers)
@@ -283,7 +287,8 @@ def _validate(  # noqa: PLR0917 - private, called once with _move's arguments
     staged: torch.Tensor,
     pool: KVPool,
     scatter: bool,
-) -> None:
+) -> int:
+    """Raises ValueError naming what is wrong; returns the chunk's bytes."""
     if staged.dtype != torch.uint8 or staged.dim() != 1 or not staged.is_contiguous():
         raise ValueError(
             f"staging buffer must be a contiguous 1-D uint8 tensor, got dtype {staged.dtype}, "
@@ -309,6 +314,7 @@ def _validate(  # noqa: PLR0917 - private, called once with _move's arguments
             f"staging buffer holds {staged.numel()} bytes, the chunk needs {needed} "
             f"({num_layers} layers x {len(pages)} pages x {num_heads} heads)"
         )
+    return needed
 
 
 def _pool_rows(

@@ -11,12 +11,13 @@ from a published runtime context) and exposed the way SGLang's HTTP server does
 SGLang's disaggregation code calls them (`disaggregation/prefill.py`, `decode.py`,
 `observability/req_time_stats.py`); their values are this script's (`SCENARIOS`).
 
-How to run it (SGLang's package imports torch and transformers; the cached vLLM virtualenv,
-built by `python -m pd_operator.devcluster.vllm_env`, has both in CPU builds):
+How to run it, from the repository's root (SGLang's package imports torch and transformers; the
+cached vLLM virtualenv, built by `python -m pd_operator.devcluster.vllm_env`, has both in CPU
+builds):
 
     pip download sglang==0.5.23 --no-deps -d SGL && unzip -q SGL/sglang-0.5.23-*.whl -d SGL/pkg
     pip install --no-deps --target SGL/extra orjson ipython traitlets gguf
-    PYTHONPATH=SGL/pkg:SGL/extra <vLLM venv>/bin/python tests/e2e/capture_sglang_metrics.py \\
+    PYTHONPATH=SGL/pkg:SGL/extra:. <vLLM venv>/bin/python -m tests.e2e.capture_sglang_metrics \\
         tests/unit/data
 
 (`SGL/extra` holds SGLang's own imports the vLLM env lacks.) `torchvision` is replaced by an
@@ -40,6 +41,8 @@ import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from tests.e2e.exposition_text import trim
 
 SGLANG_VERSION = "0.5.23"
 # Families kept in the captures (the mapping's, and what they are logged with).
@@ -184,20 +187,6 @@ SCENARIOS: tuple[Scenario, ...] = (
 )
 
 
-def _trim(text: str) -> str:
-    kept = []
-    for line in text.splitlines():
-        if line.startswith(("# HELP ", "# TYPE ")):
-            name = line.split()[2]
-        elif line.startswith("#") or not line.strip():
-            continue
-        else:
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.startswith(KEEP):
-            kept.append(line)
-    return "\n".join(kept) + "\n"
-
-
 def run_scenario(name: str, out: Path) -> None:
     """In this (fresh) process: one scenario's exposition text into `out`."""
     sys.meta_path.insert(0, _EmptyModule())
@@ -228,7 +217,7 @@ def run_scenario(name: str, out: Path) -> None:
         "# docstring: SGLang cannot run on these CPU-only machines). Trimmed to KEEP.",
     ]
     (out / f"sglang_{SGLANG_VERSION}_{name}.prom").write_text("\n".join(header) + "\n"
-                                                             + _trim(text))
+                                                             + trim(text, KEEP))
 
 
 def main(argv: Sequence[str]) -> int:
@@ -239,8 +228,8 @@ def main(argv: Sequence[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name, *_ in SCENARIOS:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="sgl-prom-")}
-        subprocess.run([sys.executable, __file__, "--scenario", name, str(out)], env=env,
-                       check=True, timeout=600)
+        subprocess.run([sys.executable, "-m", __spec__.name, "--scenario", name, str(out)],
+                       env=env, check=True, timeout=600)
         print(f"wrote {out}/sglang_{SGLANG_VERSION}_{name}.prom")
     return 0
 

@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tests.e2e.exposition_text import trim
 from tests.e2e.vllm_harness import (
     ModelSpec,
     VllmServer,
@@ -61,21 +62,6 @@ KEEP = ("vllm:nixl_", "vllm:num_requests_running", "vllm:num_requests_waiting",
         "vllm:num_requests_kv_fetch_by_stage", "process_start_time_seconds")
 
 
-def trim(text: str) -> str:
-    """Keep the `# HELP`/`# TYPE` lines and samples of the families in `KEEP`."""
-    kept: list[str] = []
-    for line in text.splitlines():
-        if line.startswith("# HELP ") or line.startswith("# TYPE "):
-            name = line.split()[2]
-        elif line.startswith("#") or not line.strip():
-            continue
-        else:
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.startswith(KEEP):
-            kept.append(line)
-    return "\n".join(kept) + "\n"
-
-
 def write_capture(out: Path, name: str, server: VllmServer, what: str) -> None:
     args = " ".join(server.argv()[3:]).replace(str(server.model_dir), "<model dir>")
     header = [
@@ -89,7 +75,7 @@ def write_capture(out: Path, name: str, server: VllmServer, what: str) -> None:
                        break_on_hyphens=False),
     ]
     text = metrics_text(f"{server.host}:{server.port}", timeout_s=10)
-    (out / name).write_text("\n".join(header) + "\n" + trim(text))
+    (out / name).write_text("\n".join(header) + "\n" + trim(text, KEEP))
     print(f"wrote {out / name}")
 
 

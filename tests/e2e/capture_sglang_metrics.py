@@ -156,6 +156,22 @@ def _fail(collector: Any, transfer: int, bootstrap: int) -> None:
         collector.increment_bootstrap_failed_reqs()
 
 
+def _prefill_busy(collector: Any, *, transfer: int, bootstrap: int) -> None:
+    """An idle stats log, the sent requests, the failures, then a log of busy queues."""
+    _log_queues(collector)
+    _prefill_sent(collector)
+    _fail(collector, transfer, bootstrap)
+    _log_queues(collector, num_prefill_bootstrap_queue_reqs=2, num_prefill_inflight_queue_reqs=1)
+
+
+def _decode_busy(collector: Any, *, transfer: int, bootstrap: int) -> None:
+    """An idle stats log, the arrivals, the failures, then a log of busy queues."""
+    _log_queues(collector)
+    _decode_arrived(collector)
+    _fail(collector, transfer, bootstrap)
+    _log_queues(collector, num_decode_prealloc_queue_reqs=3, num_decode_transfer_queue_reqs=2)
+
+
 Scenario = tuple[str, str, str, Callable[[Any], None]]
 SCENARIOS: tuple[Scenario, ...] = (
     ("prefill_idle", "prefill", "after its first (idle) stats log, no request yet",
@@ -163,27 +179,19 @@ SCENARIOS: tuple[Scenario, ...] = (
     ("prefill_healthy", "prefill",
      f"{len(PREFILL_TRANSFERS)} requests' KV sent (latency ms, MiB: {PREFILL_TRANSFERS}); "
      "queues: 2 waiting for bootstrap, 1 sending",
-     lambda c: (_log_queues(c), _prefill_sent(c),
-                _log_queues(c, num_prefill_bootstrap_queue_reqs=2,
-                            num_prefill_inflight_queue_reqs=1))),
+     lambda c: _prefill_busy(c, transfer=0, bootstrap=0)),
     ("prefill_failing", "prefill",
      "the healthy scenario's events, then 3 requests failed in transfer and 1 in bootstrap",
-     lambda c: (_log_queues(c), _prefill_sent(c), _fail(c, transfer=3, bootstrap=1),
-                _log_queues(c, num_prefill_bootstrap_queue_reqs=2,
-                            num_prefill_inflight_queue_reqs=1))),
+     lambda c: _prefill_busy(c, transfer=3, bootstrap=1)),
     ("decode_idle", "decode", "after its first (idle) stats log, no request yet",
      _log_queues),
     ("decode_healthy", "decode",
      f"{len(DECODE_ARRIVALS)} requests' KV arrived (seconds in the transfer queue: "
      f"{DECODE_ARRIVALS}); queues: 3 waiting for KV memory, 2 receiving",
-     lambda c: (_log_queues(c), _decode_arrived(c),
-                _log_queues(c, num_decode_prealloc_queue_reqs=3,
-                            num_decode_transfer_queue_reqs=2))),
+     lambda c: _decode_busy(c, transfer=0, bootstrap=0)),
     ("decode_failing", "decode",
      "the healthy scenario's events, then 2 requests failed in transfer and 4 in bootstrap",
-     lambda c: (_log_queues(c), _decode_arrived(c), _fail(c, transfer=2, bootstrap=4),
-                _log_queues(c, num_decode_prealloc_queue_reqs=3,
-                            num_decode_transfer_queue_reqs=2))),
+     lambda c: _decode_busy(c, transfer=2, bootstrap=4)),
 )
 
 

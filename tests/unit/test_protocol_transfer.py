@@ -21,7 +21,7 @@ from pd_transfer.protocol.messages import (
     StagedPart,
 )
 from pd_transfer.transport import Envelope, FaultAction, FaultRule
-from tests.transfer_harness import Cluster, message_type, of_type, seal_as
+from tests.transfer_harness import Cluster, Request, message_type, of_type, seal_as
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -309,8 +309,8 @@ def test_prefill_kv_hold_has_a_lease() -> None:
     assert rounds * cluster.tick_s == pytest.approx(cluster.timeouts.kv_lease_s, abs=0.05)
 
 
-def test_a_dead_decode_peer_fails_prefill_requests_with_peer_unreachable() -> None:
-    """docs/failure-modes.md #10, #19: the peer is pruned; its requests fail fast, no hang."""
+def transferring_with_decode_dead() -> tuple[Cluster, Request]:
+    """A staged request that reached TRANSFERRING, then its decode peer's process died."""
     cluster = Cluster(mode="staged")
     request = cluster.new_request(num_tokens=8)
     cluster.start(request, send=False)
@@ -318,6 +318,12 @@ def test_a_dead_decode_peer_fails_prefill_requests_with_peer_unreachable() -> No
                 is State.TRANSFERRING)
     cluster.fabric.kill(cluster.receivers[0].transport.agent_name)
     cluster.receivers.clear()  # its process is gone: nothing steps it any more
+    return cluster, request
+
+
+def test_a_dead_decode_peer_fails_prefill_requests_with_peer_unreachable() -> None:
+    """docs/failure-modes.md #10, #19: the peer is pruned; its requests fail fast, no hang."""
+    cluster, request = transferring_with_decode_dead()
     cluster.senders[0].send_part(request.room, last=True)
     rounds = cluster.run(lambda: cluster.senders[0].poll(request.room).finished)  # type: ignore[union-attr]
     assert cluster.senders[0].poll(request.room).reason is FailureReason.PEER_UNREACHABLE  # type: ignore[union-attr]
@@ -328,13 +334,7 @@ def test_a_dead_decode_peer_fails_prefill_requests_with_peer_unreachable() -> No
 def test_an_abort_whose_notice_finds_the_peer_dead_fails_the_request_once() -> None:
     """The Abort sent to decode meets a dead peer: pruning it fails the request first
     (PeerUnreachable); the abort itself then has nothing left to do and must not raise."""
-    cluster = Cluster(mode="staged")
-    request = cluster.new_request(num_tokens=8)
-    cluster.start(request, send=False)
-    cluster.run(lambda: cluster.senders[0].poll(request.room).state  # type: ignore[union-attr]
-                is State.TRANSFERRING)
-    cluster.fabric.kill(cluster.receivers[0].transport.agent_name)
-    cluster.receivers.clear()
+    cluster, request = transferring_with_decode_dead()
     aborted = cluster.senders[0].abort(request.room, "the engine ended the request")
     cluster.run(aborted.done)
     assert aborted.exception() is None

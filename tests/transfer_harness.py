@@ -23,7 +23,7 @@ from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.protocol.lifecycle import FailureReason, RequestStatus, State
 from pd_transfer.protocol.messages import PROTOCOL_VERSION, Message, decode_message, encode_message
-from pd_transfer.receiver import DecodeReceiver
+from pd_transfer.receiver import PREGRANT_SHARE, DecodeReceiver
 from pd_transfer.sender import PrefillSender
 from pd_transfer.transport import Envelope, LoopbackFabric, ManualClock
 
@@ -81,6 +81,7 @@ class Cluster:
     page_format: PageFormatName = "nhd"
     packing: PackingName = "separate"
     per_layer: bool = False  # vLLM-shaped per-layer tensors (always unless nhd/separate)
+    pregrant_share: float = PREGRANT_SHARE  # 0: every staged part asks (no pre-grants)
     clock: ManualClock = field(default_factory=ManualClock)
     senders: list[PrefillSender] = field(default_factory=list)
     receivers: list[DecodeReceiver] = field(default_factory=list)
@@ -108,7 +109,7 @@ class Cluster:
             self.receivers.append(DecodeReceiver(
                 transport, pool, RankIdentity("d0", coord, self.decode_par, self.geometry),
                 auth=TEST_AUTH, ring_bytes=self.ring_bytes, mode=self.mode, timeouts=self.timeouts,
-                clock=self.clock))
+                clock=self.clock, pregrant_share=self.pregrant_share))
         for sender in self.senders:
             for receiver in self.receivers:
                 sender.add_peer_document(receiver.document())

@@ -22,12 +22,22 @@ PREFILL_ORDER = [Stamp.GIVEN, Stamp.PICKED, Stamp.READY, Stamp.ALLOC_SENT, Stamp
                  Stamp.WRITTEN]
 DECODE_ORDER = [Stamp.ALLOC_RECEIVED, Stamp.GRANT_SENT, Stamp.NOTIFIED, Stamp.SCATTER_QUEUED,
                 Stamp.SCATTERED]
+# Part 0 written into its RequestKV's pre-grant: taking it is the grant.
+PREFILL_PREGRANTED_ORDER = [Stamp.GIVEN, Stamp.PICKED, Stamp.READY, Stamp.PREGRANT_TAKEN,
+                            Stamp.GATHER_QUEUED, Stamp.GATHER_ENQUEUED, Stamp.GATHERED,
+                            Stamp.POSTED, Stamp.WRITTEN]
+DECODE_PREGRANTED_ORDER = [Stamp.PREGRANTED, Stamp.NOTIFIED, Stamp.SCATTER_QUEUED,
+                           Stamp.SCATTERED]
 
 
-def test_every_staged_part_is_stamped_in_order_on_both_sides() -> None:
+@pytest.mark.parametrize("pregrant", [False, True], ids=["asked", "pre-granted"])
+def test_every_staged_part_is_stamped_in_order_on_both_sides(pregrant: bool) -> None:
     """The bench splits latency from these stamps: a missing or out-of-order one would
     misattribute time (2 -> 4 with 4 heads: 4 pairs, one part each)."""
-    cluster = Cluster(prefill_tp=2, decode_tp=4, kv_heads=4, mode="staged")
+    cluster = Cluster(prefill_tp=2, decode_tp=4, kv_heads=4, mode="staged",
+                      pregrant_share=0.5 if pregrant else 0.0)
+    prefill_order = PREFILL_PREGRANTED_ORDER if pregrant else PREFILL_ORDER
+    decode_order = DECODE_PREGRANTED_ORDER if pregrant else DECODE_ORDER
     logs = {e.transport.agent_name: PhaseLog() for e in cluster.endpoints}
     for endpoint in cluster.endpoints:
         endpoint.phases = logs[endpoint.transport.agent_name]
@@ -44,7 +54,8 @@ def test_every_staged_part_is_stamped_in_order_on_both_sides() -> None:
     for times in decode:
         assert times is not None and len(times.parts) == 1
         part = times.parts[0]
-        stamps = [part.stamps[s] for s in DECODE_ORDER]
+        assert (Stamp.ALLOC_RECEIVED in part.stamps) is not pregrant
+        stamps = [part.stamps[s] for s in decode_order]
         assert stamps == sorted(stamps) and stamps[-1] <= times.finished
         # 2 layers x 3 pages (10 tokens, page 4) x 1 head of 4 x (4 x 2 bytes), K and V
         assert part.size_bytes == staged_chunk_bytes(layout, 2, 3, 1) == 2 * 2 * 3 * 4 * 8
@@ -52,7 +63,10 @@ def test_every_staged_part_is_stamped_in_order_on_both_sides() -> None:
     for times in prefill:
         assert times is not None
         for part in times.parts:
-            stamps = [part.stamps[s] for s in PREFILL_ORDER]
+            assert (Stamp.ALLOC_SENT in part.stamps) is not pregrant
+            if pregrant:
+                assert part.stamps[Stamp.GRANTED] == part.stamps[Stamp.PREGRANT_TAKEN]
+            stamps = [part.stamps[s] for s in prefill_order]
             assert stamps == sorted(stamps), part.stamps
     assert all(len(log) == 0 for log in logs.values())  # taken: nothing left behind
 
@@ -109,3 +123,26 @@ def test_staged_phases_follow_the_critical_path_and_add_up_to_the_latency() -> N
     assert phases["critical"] == {"decode_rank": 0, "prefill_rank": 0, "part": 0,
                                   "size_bytes": 1024}
     assert phases["overlapped_s"]["grant round trip"] == pytest.approx(1.7 * ms)
+
+
+def test_a_pre_granted_part_has_no_grant_wait_and_no_round_trip() -> None:
+    """Worked example (ms after start 10.000): the pre-grant is taken at 0.3, so 'prepare'
+    ends with the gather's enqueue at 0.4 and the gather's tail (0.4 → 0.9) follows at once."""
+    agents = {("prefill", 0): "P", ("decode", 0): "D"}
+    ms = 1e-3
+    pre = {Stamp.GIVEN: 10.0, Stamp.PICKED: 10 + 0.1 * ms, Stamp.READY: 10 + 0.1 * ms,
+           Stamp.PREGRANT_TAKEN: 10 + 0.3 * ms, Stamp.GRANTED: 10 + 0.3 * ms,
+           Stamp.GATHER_QUEUED: 10 + 0.3 * ms, Stamp.GATHER_ENQUEUED: 10 + 0.4 * ms,
+           Stamp.GATHERED: 10 + 0.9 * ms, Stamp.POSTED: 10 + 1.0 * ms,
+           Stamp.WRITTEN: 10 + 1.4 * ms}
+    dec = {Stamp.PREGRANTED: 9.0, Stamp.NOTIFIED: 10 + 1.5 * ms,
+           Stamp.SCATTER_QUEUED: 10 + 1.6 * ms, Stamp.SCATTERED: 10 + 2.0 * ms}
+    phases = compute_phases(10.0, {0: _times("D", pre, 10 + 3 * ms)},
+                            {0: _times("P", dec, 10 + 2.2 * ms)}, agents)
+    split = {k: round(v / ms, 6) for k, v in phases["split_s"].items()}
+    assert split == {"pickup": 0.1, "prepare": 0.3, "grant wait": 0.0, "gather": 0.5,
+                     "post": 0.1, "post → notification": 0.5, "scatter": 0.5,
+                     "completion": 0.2}
+    assert sum(phases["split_s"].values()) == pytest.approx(2.2 * ms)
+    assert "grant round trip" not in phases["overlapped_s"]
+    assert phases["overlapped_s"]["gather enqueue"] == pytest.approx(0.1 * ms)

@@ -26,6 +26,8 @@ from pd_transfer.protocol.messages import (
     RingUpdate,
     StagedPart,
     Watermark,
+    Withdraw,
+    Withdrawn,
     compute_runs,
     decode_message,
     encode_message,
@@ -37,6 +39,9 @@ pytestmark = pytest.mark.timeout(10)
 EVERY_TYPE: list[Message] = [
     RequestKV(room="r", decode_pp_rank=0, decode_tp_rank=3, dst_page_runs=((4, 2), (9, 1)),
               num_tokens=37, path="staged", ring_version=1),
+    RequestKV(room="r", decode_pp_rank=0, decode_tp_rank=3, dst_page_runs=((4, 2), (9, 1)),
+              num_tokens=37, path="staged", ring_version=2, pregrant_offset=512,
+              pregrant_bytes=8192),
     AllocRequest(room="r", part=0, sender_id=1, size_bytes=4096),
     Grant(room="r", part=0, sender_id=1, ring_offset=256, size_bytes=4096, ring_version=1),
     GrantRefused(room="r", part=0, sender_id=1, needed_bytes=1 << 30, capacity_bytes=1 << 20),
@@ -50,14 +55,17 @@ EVERY_TYPE: list[Message] = [
     Watermark(used_bytes=1, capacity_bytes=2, largest_free_bytes=1, pending_allocations=0),
     RingUpdate(ring_version=2, name="d/ring-v2", base_address=4096, size_bytes=1 << 20,
                kind="VRAM", device_id=0, transport_metadata_b64="bWV0YQ=="),
+    Withdraw(room="r", sender_id=1),
+    Withdrawn(room="r", sender_id=1),
 ]
 
 
-@pytest.mark.parametrize("message", EVERY_TYPE, ids=lambda m: m.type)
+@pytest.mark.parametrize("message", EVERY_TYPE, ids=lambda m: m.type + (
+    ", pre-granted" if getattr(m, "pregrant_bytes", None) else ""))
 def test_every_message_round_trips_as_compact_versioned_json(message: Message) -> None:
     wire = encode_message(message)
     envelope = json.loads(wire)
-    assert envelope["v"] == PROTOCOL_VERSION == 4 and envelope["type"] == message.type
+    assert envelope["v"] == PROTOCOL_VERSION == 5 and envelope["type"] == message.type
     assert b" " not in wire.replace(b'"engine"', b"")  # compact
     assert decode_message(wire) == message
 
@@ -98,6 +106,20 @@ REJECTED: list[tuple[str, bytes, str]] = [
     ("unknown path", _raw(type="request_kv", room="r", decode_pp_rank=0, decode_tp_rank=0,
                           dst_page_runs=[[0, 1]], num_tokens=1, path="carrier-pigeon",
                           ring_version=1), "invalid_body"),
+    ("pre-grant offset without its size", _raw(
+        type="request_kv", room="r", decode_pp_rank=0, decode_tp_rank=0, dst_page_runs=[[0, 1]],
+        num_tokens=1, path="staged", ring_version=1, pregrant_offset=0), "invalid_body"),
+    ("pre-grant on the contiguous path", _raw(
+        type="request_kv", room="r", decode_pp_rank=0, decode_tp_rank=0, dst_page_runs=[[0, 1]],
+        num_tokens=1, path="contiguous", ring_version=1, pregrant_offset=0, pregrant_bytes=64),
+     "invalid_body"),
+    ("pre-grant of zero bytes", _raw(
+        type="request_kv", room="r", decode_pp_rank=0, decode_tp_rank=0, dst_page_runs=[[0, 1]],
+        num_tokens=1, path="staged", ring_version=1, pregrant_offset=0, pregrant_bytes=0),
+     "invalid_body"),
+    ("older version (4: before pre-grants)", json.dumps({"v": 4, "type": "release",
+                                                          "room": "r"}).encode(),
+     "unsupported_version"),
     ("final_parts zero", _raw(type="part_done", room="r", part=0, sender_id=0, layer_start=0,
                               layer_stop=1, page_start=0, page_count=1, final_parts=0),
      "invalid_body"),

@@ -41,6 +41,7 @@ EXPECTED = {
     ("Queued", "grant"): "Granted",
     ("Queued", "refuse"): "Refused",
     ("Granted", "land"): "Scattering",
+    ("Granted", "withdraw"): "Unseen",
     ("Scattering", "scattered"): "Arrived",
 }
 

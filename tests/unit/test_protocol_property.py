@@ -169,14 +169,16 @@ def test_hostile_interleavings_end_in_time_restore_baseline_and_never_corrupt(
     baseline = cluster.counts()
     receiver.ring_buffer.fill_(GUARD)
     pool_guard = [t.view(torch.uint8).fill_(GUARD).clone() for t in receiver.pool.tensors()]
-    granted: list[Region] = []
-    give = receiver._give
+    granted: list[Region] = []  # every region the ring handed out (grants and pre-grants)
+    allocate = receiver.ring.allocate
 
-    def recording_give(transfer, writer, part, region):  # type: ignore[no-untyped-def]
-        granted.append(region)
-        give(transfer, writer, part, region)
+    def recording_allocate(owner: str, size_bytes: int) -> Region | None:
+        region = allocate(owner, size_bytes)
+        if region is not None:
+            granted.append(region)
+        return region
 
-    receiver._give = recording_give  # type: ignore[method-assign]
+    receiver.ring.allocate = recording_allocate  # type: ignore[method-assign]
     captured: list[bytes] = []
     rng = random.Random(scenario.seed)
 

@@ -19,7 +19,10 @@ from pd_transfer.protocol.messages import (
     Release,
     RequestKV,
     StagedPart,
+    compute_runs,
 )
+from pd_transfer.protocol.parts import PartState
+from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.transport import Envelope, FaultAction, FaultRule
 from tests.transfer_harness import Cluster, Request, message_type, of_type, seal_as
 
@@ -53,7 +56,8 @@ def test_decode_pages_equal_the_prefill_source_bit_exactly(
 
 def test_staging_sends_one_alloc_request_per_part_and_writer() -> None:
     """docs/failure-modes.md #1: a flag read the wrong way once skipped every staging request.
-    2 → 4 with 4 heads: 4 (prefill rank, decode rank) pairs; 3 parts each → 12."""
+    2 → 4 with 4 heads: 4 (prefill rank, decode rank) pairs; 3 parts each → 12, of which each
+    pair's part 0 writes into the pre-grant its RequestKV carried (4) and the others ask (8)."""
     cluster = Cluster(prefill_tp=2, decode_tp=4, kv_heads=4, mode="staged")
     request = cluster.new_request(num_tokens=24)  # 6 pages
     cluster.start(request, send=False)
@@ -63,7 +67,8 @@ def test_staging_sends_one_alloc_request_per_part_and_writer() -> None:
         sender.send_part(request.room, pages=range(4, 6), last=True)
     cluster.run(lambda: cluster.finished(request.room))
     assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
-    assert sum(s.alloc_requests_sent for s in cluster.senders) == 3 * 4
+    assert sum(s.pregrants_taken for s in cluster.senders) == 4
+    assert sum(s.alloc_requests_sent for s in cluster.senders) == 3 * 4 - 4
     assert sum(s.metrics.writes_posted.labels("staged")._value.get()
                for s in cluster.senders) == 3 * 4
 
@@ -102,24 +107,38 @@ DROP_OUTCOMES: dict[str, tuple[set[State], set[FailureReason | None]]] = {
     "grant": (SUCCEEDED, {None}),
     "staged_part": ({State.FAILED}, {FailureReason.STALLED_WRITER,
                                      FailureReason.ABORTED_BY_PEER}),
+    # A pre-granted region has no stall watchdog (its writer may still be computing the KV):
+    # its lost notification ends at the transfer deadline, as a direct path's does.
+    "staged_part, pre-granted": ({State.FAILED}, {FailureReason.TRANSFER_TIMEOUT,
+                                                  FailureReason.ABORTED_BY_PEER}),
     "part_done": ({State.FAILED}, {FailureReason.TRANSFER_TIMEOUT,
                                    FailureReason.ABORTED_BY_PEER}),
     "release": ({State.SUCCEEDED, State.FAILED}, {None, FailureReason.TRANSFER_TIMEOUT}),
 }
+# Every message of each flow, with pre-grants (a one-part request then sends no
+# AllocRequest / Grant) and without them (part 0 asks, as every later part does).
+FLOWS = [(m, False) for m in [*STAGED_FLOW, "part_done"]] + [
+    (m, True) for m in ("request_kv", "staged_part", "release")]
 
 
-@pytest.mark.parametrize("message", [*STAGED_FLOW, "part_done"])
+def _cluster(message: str, pregrant: bool) -> Cluster:
+    return Cluster(mode=_flow(message), pregrant_share=0.5 if pregrant else 0.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("message", "pregrant"), FLOWS)
 def test_a_dropped_message_recovers_or_fails_with_its_reason_within_the_deadline(
-    message: str,
+    message: str, pregrant: bool,
 ) -> None:
     """docs/failure-modes.md #3: a lost message never leaves a worker waiting forever."""
-    cluster = Cluster(mode=_flow(message))  # type: ignore[arg-type]
+    cluster = _cluster(message, pregrant)
     rule = cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type(message)))
     request = cluster.new_request(num_tokens=10)
     cluster.start(request)
     rounds = cluster.run(lambda: cluster.finished(request.room))
     assert rule.applied == 1
-    states, reasons = DROP_OUTCOMES[message]
+    states, reasons = DROP_OUTCOMES[message + (", pre-granted" if pregrant and message
+                                               == "staged_part" else "")]
+    assert cluster.senders[0].pregrants_taken == (pregrant and _flow(message) == "staged")
     assert cluster.states(request.room) == states
     assert cluster.reasons(request.room) == reasons
     assert rounds * cluster.tick_s <= cluster.timeouts.transfer_s + 1
@@ -130,10 +149,10 @@ def test_a_dropped_message_recovers_or_fails_with_its_reason_within_the_deadline
     assert cluster.states(after.room) == SUCCEEDED and cluster.verified(after)
 
 
-@pytest.mark.parametrize("message", [*STAGED_FLOW, "part_done"])
-def test_a_duplicated_message_is_harmless(message: str) -> None:
+@pytest.mark.parametrize(("message", "pregrant"), FLOWS)
+def test_a_duplicated_message_is_harmless(message: str, pregrant: bool) -> None:
     """Requests are idempotent: each message type delivered twice still succeeds."""
-    cluster = Cluster(mode=_flow(message))  # type: ignore[arg-type]
+    cluster = _cluster(message, pregrant)
     seen: list[Envelope] = []
 
     def capture(envelope: Envelope) -> bool:
@@ -151,9 +170,10 @@ def test_a_duplicated_message_is_harmless(message: str) -> None:
     assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
 
 
-@pytest.mark.parametrize("message", [*STAGED_FLOW, "part_done"])
-def test_a_delayed_message_overtaken_by_later_ones_still_succeeds(message: str) -> None:
-    cluster = Cluster(mode=_flow(message))  # type: ignore[arg-type]
+@pytest.mark.parametrize(("message", "pregrant"), FLOWS)
+def test_a_delayed_message_overtaken_by_later_ones_still_succeeds(message: str,
+                                                                  pregrant: bool) -> None:
+    cluster = _cluster(message, pregrant)
     rule = cluster.fabric.inject(FaultRule(FaultAction.DELAY, of_type(message), delay_s=0.15))
     request = cluster.new_request(num_tokens=10)
     cluster.start(request)
@@ -177,7 +197,7 @@ def test_dropped_watermark_and_queued_grant_still_complete() -> None:
 
 
 def test_grant_timeout_when_decode_never_answers() -> None:
-    cluster = Cluster(mode="staged")
+    cluster = Cluster(mode="staged", pregrant_share=0.0)
     cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type("alloc_request"), remaining=None))
     request = cluster.new_request(num_tokens=8)
     cluster.start(request)
@@ -245,7 +265,7 @@ def test_abort_mid_transfer_then_100_requests_through_the_same_ring() -> None:
 
 def test_a_stalled_writer_is_failed_by_the_watchdog_and_the_ring_is_not_pinned() -> None:
     """docs/failure-modes.md #16: a writer granted a region that never writes it."""
-    cluster = Cluster(mode="staged", ring_bytes=4096)
+    cluster = Cluster(mode="staged", ring_bytes=4096, pregrant_share=0.0)
     cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type("grant", "alloc_request"),
                                     remaining=0))
     stuck = cluster.new_request(num_tokens=8)
@@ -395,7 +415,7 @@ def test_hostile_messages_are_rejected_counted_and_change_nothing() -> None:
 def test_a_grant_outside_the_ring_is_refused_before_anything_is_posted() -> None:
     """A peer can never make us write outside the region it registered (docs/failure-modes.md
     #15)."""
-    cluster = Cluster(mode="staged", ring_bytes=4096)
+    cluster = Cluster(mode="staged", ring_bytes=4096, pregrant_share=0.0)
     sender, receiver = cluster.senders[0], cluster.receivers[0]
     cluster.fabric.inject(FaultRule(FaultAction.DROP, of_type("grant")))
     request = cluster.new_request(num_tokens=8)
@@ -465,3 +485,82 @@ def test_10k_requests_with_failures_and_aborts_leave_every_map_at_baseline() -> 
     assert cluster.receivers[0].ring.used_bytes == 0
     assert outcomes["ok"] > 10000 and outcomes["Aborted"] >= 2000
     assert sum(outcomes.values()) == 2 * 10000
+
+
+# Pre-grants (protocol v5: receiver.py's module docstring) ---------------------------------
+
+
+def _pregranted_rooms(receiver: DecodeReceiver) -> list[str]:
+    return [t.room for t in receiver._transfers.values() for w in t.writers.values()
+            for p in w.parts.values() if p.pregranted and p.state is PartState.GRANTED]
+
+
+def test_pre_grants_hold_at_most_their_share_of_the_ring_and_the_rest_ask() -> None:
+    """1 → 1, 8 tokens: a writer's share is 2 layers × 2 pages × 4 tokens × 2 heads × 4 dims ×
+    2 bytes × (K, V) = 512 bytes. Half of a 4096-byte ring holds 4 of them; the 5th and 6th
+    request ask with an AllocRequest. Every request lands bit-exact."""
+    cluster = Cluster(mode="staged", ring_bytes=4096)
+    sender, receiver = cluster.senders[0], cluster.receivers[0]
+    requests = [cluster.new_request(num_tokens=8) for _ in range(6)]
+    for request in requests:
+        cluster.start(request, send=False)
+    cluster.run(lambda: all(receiver.poll(r.room).state is State.TRANSFERRING  # type: ignore[union-attr]
+                            for r in requests))
+    assert _pregranted_rooms(receiver) == [r.room for r in requests[:4]]
+    assert receiver.ring.used_bytes == 4 * 512
+    for request in requests:
+        sender.send_part(request.room, last=True)
+    cluster.run(lambda: all(cluster.finished(r.room) for r in requests))
+    for request in requests:
+        assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+    assert (sender.pregrants_taken, sender.alloc_requests_sent) == (4, 2)
+    assert [int(receiver.metrics.pregrants.labels(o)._value.get())
+            for o in ("granted", "used", "returned")] == [4, 4, 0]
+
+
+def test_a_pre_granted_request_aborted_before_its_part_frees_the_ring_without_the_grace() -> None:
+    """Decode's engine aborts a request whose writer still computes: decode quarantines the
+    pre-granted region (the writer lives and might write), the writer fails on the Abort
+    and answers Withdrawn, and the region is free at once, long before quarantine_grace_s."""
+    cluster = Cluster(mode="staged", ring_bytes=4096)
+    receiver = cluster.receivers[0]
+    victim = cluster.new_request(num_tokens=8)
+    cluster.start(victim, send=False)
+    cluster.run(lambda: _pregranted_rooms(receiver) == [victim.room])
+    receiver.abort(victim.room)
+    rounds = cluster.run(lambda: cluster.finished(victim.room)
+                         and receiver.debug_counts()["quarantined"] == 0)
+    assert rounds * cluster.tick_s < 1.0 < cluster.timeouts.quarantine_grace_s
+    assert cluster.reasons(victim.room) == {FailureReason.ABORTED,
+                                            FailureReason.ABORTED_BY_PEER}
+    assert receiver.ring.used_bytes == 0
+    cluster.retire(victim)
+    after = cluster.new_request(num_tokens=8)
+    cluster.start(after)
+    cluster.run(lambda: cluster.finished(after.room))
+    assert cluster.states(after.room) == SUCCEEDED and cluster.verified(after)
+
+
+@pytest.mark.parametrize(("offset", "size", "problem"), [
+    (0, 1024, "share"),  # the share is 512 bytes
+    (4096 - 256, 512, "outside"),  # ends past the 4096-byte ring
+], ids=["not the writer's share", "outside the ring"])
+def test_a_hostile_pre_grant_fails_its_request_before_anything_is_posted(
+    offset: int, size: int, problem: str,
+) -> None:
+    cluster = Cluster(mode="staged", ring_bytes=4096)
+    sender, receiver = cluster.senders[0], cluster.receivers[0]
+    request = cluster.new_request(num_tokens=8)
+    sender.register_request(request.room, request.src_pages, request.num_tokens)
+    sender.send_part(request.room, last=True)
+    forged = RequestKV(room=request.room, decode_pp_rank=0, decode_tp_rank=0,
+                       dst_page_runs=compute_runs(request.dst_pages), num_tokens=8,
+                       path="staged", ring_version=1, pregrant_offset=offset,
+                       pregrant_bytes=size)
+    receiver.transport.send_message(sender.transport.agent_name, seal_as(
+        receiver.transport.agent_name, sender.transport.agent_name, forged))
+    cluster.run(lambda: sender.poll(request.room).finished)  # type: ignore[union-attr]
+    status = sender.poll(request.room)
+    assert status is not None and status.reason is FailureReason.PROTOCOL_VIOLATION
+    assert problem in status.detail
+    assert sender.transport.stats.transfers_posted == 0 and sender.pregrants_taken == 0

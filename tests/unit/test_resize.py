@@ -16,6 +16,8 @@ from pd_transfer._endpoint import ResizeResult
 from pd_transfer.errors import ResizeError
 from pd_transfer.protocol.lifecycle import FailureReason, State
 from pd_transfer.protocol.messages import StagedPart
+from pd_transfer.protocol.parts import PartState
+from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.transport import FaultAction, FaultRule
 from tests.transfer_harness import Cluster, Request, message_type, seal_as
 
@@ -45,6 +47,12 @@ def _succeeded_and_exact(cluster: Cluster, requests: list[Request]) -> None:
         assert cluster.states(request.room) == SUCCEEDED, cluster.statuses(request.room)
         assert cluster.verified(request)
         cluster.retire(request)
+
+
+def _posted(cluster: Cluster) -> int:
+    """Staged WRITEs the prefill ranks posted so far."""
+    return sum(int(s.metrics.writes_posted.labels("staged")._value.get())
+               for s in cluster.senders)
 
 
 def _clean(cluster: Cluster) -> None:
@@ -112,7 +120,7 @@ def test_a_writer_silent_past_the_deadline_fails_only_its_request() -> None:
         FaultAction.DELAY, lambda e: message_type(e) == "staged_part"
         and silent.room.encode() in e.payload, delay_s=0.5))
     cluster.start(silent)
-    cluster.run(lambda: cluster.receivers[0].ring.live_regions == 1)
+    cluster.run(lambda: _posted(cluster) == 1)  # its WRITE is on its way: the region is held
     receiver = cluster.receivers[0]
     future = receiver.resize_ring(16384, deadline_s=0.2)
     others = [cluster.new_request(num_tokens=8) for _ in range(3)]
@@ -184,7 +192,7 @@ def test_a_second_resize_while_one_runs_is_refused_and_bad_sizes_too() -> None:
     cluster.fabric.inject(FaultRule(FaultAction.DELAY, lambda e: message_type(e)
                                     == "staged_part", delay_s=0.3))
     cluster.start(hold)
-    cluster.run(lambda: receiver.ring.live_regions == 1)
+    cluster.run(lambda: _posted(cluster) == 1)
     first = receiver.resize_ring(16384, deadline_s=5.0)
     second = receiver.resize_ring(32768, deadline_s=5.0)
     bad = receiver.resize_ring(1000, deadline_s=5.0)  # not a multiple of the alignment
@@ -256,3 +264,60 @@ def test_a_resize_to_the_size_in_force_changes_nothing() -> None:
     cluster.start(request)
     cluster.run(lambda: cluster.finished(request.room))
     _succeeded_and_exact(cluster, [request])
+
+
+def test_a_resize_takes_back_a_pre_grant_whose_writer_has_not_written() -> None:
+    """A writer still computing its KV holds a pre-grant (protocol v5): the resize asks for
+    it back (Withdraw), the writer gives it (Withdrawn) and the resize ends at once, not at
+    its deadline; part 0 then asks in the new ring and the request succeeds bit-exact."""
+    cluster = Cluster(mode="staged", ring_bytes=8192)
+    receiver, sender = cluster.receivers[0], cluster.senders[0]
+    computing = cluster.new_request(num_tokens=8)
+    cluster.start(computing, send=False)  # registered, asked, no part given yet
+    cluster.run(lambda: computing.room in {r for r, _ in _pregrants(cluster)})
+    assert receiver.ring.live_regions == 1 and sender.pregrants_taken == 0
+    future = receiver.resize_ring(16384, deadline_s=30.0)
+    rounds = cluster.run(future.done)
+    assert rounds * cluster.tick_s < 1.0  # not the 30 s deadline
+    assert future.result().failed_requests == 0 and receiver.ring_version == 2
+    assert _pregrants(cluster) == []
+    sender.send_part(computing.room, last=True)
+    cluster.run(lambda: cluster.finished(computing.room))
+    _succeeded_and_exact(cluster, [computing])
+    assert sender.pregrants_taken == 0 and sender.alloc_requests_sent == 1
+    assert {k: v for k, v in _pregrant_counts(receiver).items() if v} == {
+        "granted": 1, "returned": 1}
+    _clean(cluster)
+
+
+def test_a_lost_withdraw_is_sent_again() -> None:
+    cluster = Cluster(mode="staged", ring_bytes=8192)
+    receiver = cluster.receivers[0]
+    lost = cluster.fabric.inject(FaultRule(FaultAction.DROP, lambda e: message_type(e)
+                                           == "withdraw"))
+    computing = cluster.new_request(num_tokens=8)
+    cluster.start(computing, send=False)
+    cluster.run(lambda: receiver.ring.live_regions == 1)
+    future = receiver.resize_ring(16384, deadline_s=30.0)
+    rounds = cluster.run(future.done)
+    assert lost.applied == 1
+    assert cluster.timeouts.grant_s <= rounds * cluster.tick_s < cluster.timeouts.grant_s + 1
+    assert future.result().failed_requests == 0
+    for sender in cluster.senders:
+        sender.send_part(computing.room, last=True)
+    cluster.run(lambda: cluster.finished(computing.room))
+    _succeeded_and_exact(cluster, [computing])
+    _clean(cluster)
+
+
+def _pregrants(cluster: Cluster) -> list[tuple[str, int]]:
+    """(room, bytes) of every pre-grant decode holds unwritten."""
+    return [(t.room, p.region.size_bytes) for r in cluster.receivers
+            for t in r._transfers.values() for w in t.writers.values()
+            for p in w.parts.values()
+            if p.pregranted and p.region is not None and p.state is PartState.GRANTED]
+
+
+def _pregrant_counts(receiver: DecodeReceiver) -> dict[str, int]:
+    return {outcome: int(receiver.metrics.pregrants.labels(outcome)._value.get())
+            for outcome in ("granted", "used", "returned")}

@@ -231,3 +231,21 @@ def test_random_operations_keep_every_invariant(seed: int) -> None:
     assert ring.used_bytes == 0 and ring.live_regions == 0
     assert ring.allocate("last", capacity) is not None  # empty again: whole ring fits
 
+
+
+def test_shrink_keeps_the_start_frees_the_tail_and_voids_the_old_region() -> None:
+    """A pre-granted region whose part filled only its start (receiver.py)."""
+    ring = StagingRing(4096, alignment_bytes=256)
+    region = ring.allocate("room", 2048)
+    assert region is not None
+    kept = ring.shrink(region, 300)  # rounds up to 512 reserved
+    assert kept is not None
+    assert (kept.region_id, kept.offset_bytes, kept.size_bytes, kept.reserved_bytes) == (
+        region.region_id, 0, 300, 512)
+    assert ring.used_bytes == 512 and ring.largest_free_extent_bytes == 4096 - 512
+    nxt = ring.allocate("other", 256)
+    assert nxt is not None and nxt.offset_bytes == 512  # the cursor followed the new end
+    assert ring.free(region) is False and ring.shrink(region, 100) is None  # stale
+    with pytest.raises(ValueError, match="size_bytes"):
+        ring.shrink(kept, 301)
+    assert ring.free(kept) and ring.free(nxt) and ring.used_bytes == 0

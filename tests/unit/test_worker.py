@@ -43,12 +43,14 @@ def test_submit_sets_the_wakeup_event() -> None:
     assert sender.wakeup.is_set()
 
 
-def test_poll_interval_follows_what_the_requests_are_doing() -> None:
+@pytest.mark.parametrize("pregrant", [False, True], ids=["asked", "pre-granted"])
+def test_poll_interval_follows_what_the_requests_are_doing(pregrant: bool) -> None:
     """No request: no cap (the idle back-off). A request waiting for its peer: waiting_s. A
-    part in flight on this side: moving_s. Done: no cap again. A CPU pool has no caps by
-    default, a CUDA pool CUDA_POLL."""
+    part in flight on this side: moving_s (decode: from the pre-grant on, if it gave one,
+    since the part's WRITE may land at any moment). Done: no cap again. A CPU pool has no
+    caps by default, a CUDA pool CUDA_POLL."""
     intervals = PollIntervals(moving_s=1e-5, waiting_s=1e-4)
-    cluster = Cluster(mode="staged")
+    cluster = Cluster(mode="staged", pregrant_share=0.5 if pregrant else 0.0)
     assert all(e.poll_intervals is None for e in cluster.endpoints)  # CPU default
     assert CUDA_POLL.moving_s < CUDA_POLL.waiting_s <= 1e-3
     sender, receiver = cluster.senders[0], cluster.receivers[0]
@@ -61,11 +63,12 @@ def test_poll_interval_follows_what_the_requests_are_doing() -> None:
     cluster.step()
     assert receiver.poll(request.room).state is State.TRANSFERRING  # type: ignore[union-attr]
     assert sender.poll_interval_s() == intervals.waiting_s  # no part given yet
-    assert receiver.poll_interval_s() == intervals.waiting_s  # nothing named by prefill yet
+    assert receiver.poll_interval_s() == (intervals.moving_s if pregrant  # a WRITE may land
+                                          else intervals.waiting_s)  # nothing named yet
     sender.send_part(request.room, last=True)
     sender.step()  # part made, AllocRequest sent, gather done
     assert sender.poll_interval_s() == intervals.moving_s
-    receiver.step()  # AllocRequest handled, region granted: the WRITE is due
+    receiver.step()  # asked: AllocRequest handled, region granted: the WRITE is due
     assert receiver.poll_interval_s() == intervals.moving_s
     cluster.run(lambda: cluster.finished(request.room))
     assert sender.poll_interval_s() is None and receiver.poll_interval_s() is None

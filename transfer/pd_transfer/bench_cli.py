@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 __all__ = ["add_bench_parser", "main"]
@@ -105,6 +106,9 @@ def _add_transfer_parser(kinds: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--poll-us", default=None,
                    help="MOVING,WAITING: the rank workers' sleep caps in µs while a part is in "
                         "flight / a request waits for its peer (default: the endpoints')")
+    p.add_argument("--pregrant-share", type=float, default=None,
+                   help="the share of each decode ring pre-grants may hold (0: every part "
+                        "asks with an AllocRequest; default: the receiver's)")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--chart", type=Path, default=None, help="write the PNG of phases here")
     p.set_defaults(handler=_run_transfer)
@@ -136,6 +140,8 @@ def _run_transfer(args: argparse.Namespace) -> int:
         poll_us=None if args.poll_us is None else (
             float(args.poll_us.split(",")[0]), float(args.poll_us.split(",")[1])),
     )
+    if args.pregrant_share is not None:
+        settings = replace(settings, pregrant_share=args.pregrant_share)
     unknown = set(settings.paths) - {"raw", "staged", "contiguous"}
     if unknown:
         print(f"unknown paths {sorted(unknown)}", file=sys.stderr)
@@ -144,7 +150,8 @@ def _run_transfer(args: argparse.Namespace) -> int:
           f"head dim {settings.head_dim} {settings.dtype}, page {settings.page_size}, "
           f"lengths {settings.lengths}, {settings.repeats} requests at 1 in flight, "
           f"{settings.waves} waves of {settings.concurrency}, worker poll caps (µs) "
-          f"{settings.poll_us or 'endpoint default'}, UCX_TLS "
+          f"{settings.poll_us or 'endpoint default'}, pre-grant share "
+          f"{settings.pregrant_share}, UCX_TLS "
           f"{os.environ.get('UCX_TLS', '(UCX default)')}")
     json_path = args.json
     report = run_transfer_bench(settings, checkpoint=None if json_path is None

@@ -8,8 +8,10 @@ consecutive, so they add up to the latency (start → decode Succeeded):
 staged::
 
     pickup          start → the writer's worker made the part (command queue, worker wake)
-    prepare         → AllocRequest sent and gather enqueued (host work, either order)
-    grant wait      → the Grant handled (decode's turn-around and two messages)
+    prepare         → AllocRequest sent (or the RequestKV's pre-grant taken) and gather
+                      enqueued (host work, either order)
+    grant wait      → the Grant handled (decode's turn-around and two messages; 0 for a
+                      pre-granted part)
     gather          → the gather seen complete, where it outlasted the grant wait
     post            → the WRITE posted
     post → notification  → decode handled the StagedPart (the WRITE and its notification)
@@ -60,12 +62,14 @@ def compute_phases(start: float, prefill: Mapping[int, Times], decode: Mapping[i
     pre, dec = ours["stamps"], last["stamps"]
     if last["path"] == "staged":
         ready_to_post = max(pre[Stamp.GRANTED], pre[Stamp.GATHERED])
-        prepared = max(pre[Stamp.ALLOC_SENT], pre.get(Stamp.GATHER_ENQUEUED, 0.0))
+        asked = pre.get(Stamp.ALLOC_SENT, pre.get(Stamp.PREGRANT_TAKEN, 0.0))
+        prepared = max(asked, pre.get(Stamp.GATHER_ENQUEUED, 0.0))
+        granted = max(pre[Stamp.GRANTED], prepared)  # a pre-grant is taken before the gather
         split = {
             "pickup": pre[Stamp.PICKED] - start,
             "prepare": prepared - pre[Stamp.PICKED],
-            "grant wait": pre[Stamp.GRANTED] - prepared,
-            "gather": max(0.0, pre[Stamp.GATHERED] - pre[Stamp.GRANTED]),
+            "grant wait": granted - prepared,
+            "gather": max(0.0, pre[Stamp.GATHERED] - granted),
             "post": pre[Stamp.POSTED] - ready_to_post,
             "post → notification": dec[Stamp.NOTIFIED] - pre[Stamp.POSTED],
             "scatter": dec[Stamp.SCATTERED] - dec[Stamp.NOTIFIED],
@@ -73,13 +77,14 @@ def compute_phases(start: float, prefill: Mapping[int, Times], decode: Mapping[i
         }
         overlapped = {
             "gather": pre[Stamp.GATHERED] - pre[Stamp.GATHER_QUEUED],
-            "gather enqueue": pre.get(Stamp.GATHER_ENQUEUED, pre[Stamp.ALLOC_SENT])
-            - pre[Stamp.GATHER_QUEUED],
-            "grant round trip": pre[Stamp.GRANTED] - pre[Stamp.ALLOC_SENT],
-            "decode grant turn-around": dec[Stamp.GRANT_SENT] - dec[Stamp.ALLOC_RECEIVED],
+            "gather enqueue": pre.get(Stamp.GATHER_ENQUEUED, asked) - pre[Stamp.GATHER_QUEUED],
             "write (post → DONE)": pre[Stamp.WRITTEN] - pre[Stamp.POSTED],
             "scatter enqueue": dec[Stamp.SCATTER_QUEUED] - dec[Stamp.NOTIFIED],
         }
+        if Stamp.ALLOC_SENT in pre and Stamp.GRANT_SENT in dec:  # asked, not pre-granted
+            overlapped["grant round trip"] = pre[Stamp.GRANTED] - pre[Stamp.ALLOC_SENT]
+            overlapped["decode grant turn-around"] = (dec[Stamp.GRANT_SENT]
+                                                      - dec[Stamp.ALLOC_RECEIVED])
     else:
         posted = min(pre[Stamp.POSTED], dec[Stamp.NOTIFIED])
         split = {

@@ -42,6 +42,7 @@ from pd_transfer.bench_phases import compute_phases
 from pd_transfer.bootstrap import DTYPES, DtypeName
 from pd_transfer.layout import KVLayout
 from pd_transfer.plan import Parallelism, compute_local_heads, compute_transfer_topology
+from pd_transfer.receiver import PREGRANT_SHARE
 from pd_transfer.transport.nixl import NixlTransport
 
 __all__ = ["Combo", "TransferBenchSettings", "run_transfer_bench", "write_json"]
@@ -80,6 +81,7 @@ class TransferBenchSettings:
     ring_mib: int | None = None  # per decode rank; likewise
     seed: int = 0
     poll_us: tuple[float, float] | None = None  # workers' sleep caps (default: the endpoint's)
+    pregrant_share: float = PREGRANT_SHARE  # decode's ring share for pre-grants (0: none)
 
 
 def _contiguous_possible(settings: TransferBenchSettings, combo: Combo) -> bool:
@@ -121,7 +123,8 @@ def _group_spec(settings: TransferBenchSettings, combo: Combo) -> GroupSpec:
         return (mib << 20) if mib is not None else -(-needed * settings.concurrency // MIB) * MIB
 
     return replace(base, staging_bytes=room(max(per_prefill), settings.staging_mib),
-                   ring_bytes=room(max(per_decode), settings.ring_mib), poll_us=settings.poll_us)
+                   ring_bytes=room(max(per_decode), settings.ring_mib), poll_us=settings.poll_us,
+                   pregrant_share=settings.pregrant_share)
 
 
 class _Runner:

@@ -112,6 +112,11 @@ class TransferMetrics:
             "pd_transfer_refused_part_transitions", "Part events refused by the part-state "
             "table (protocol/parts.py), by state and event", ["state", "event"], registry=r,
         )
+        self.pregrants = Counter(
+            "pd_transfer_pregrants", "Decode ring regions granted with a RequestKV (granted), "
+            "written by their part 0 (used), given back unwritten (returned)", ["outcome"],
+            registry=r,
+        )
         self._ring: StagingRing | None = None
         self._ring_gauges = False
         self._staging_bytes = 0
@@ -213,6 +218,10 @@ class TransferMetrics:
         self.refused_transitions.labels(state.value, event.value).inc()
         with self._lock:
             self._refused_transitions[f"{state.value}:{event.value}"] += 1
+
+    def pregrant(self, outcome: str) -> None:
+        """A pre-grant was granted, used, or returned (receiver.py's module docstring)."""
+        self.pregrants.labels(outcome).inc()
 
     def write_posted(self, path: str, descriptors: int) -> None:
         self.writes_posted.labels(path).inc()

@@ -30,6 +30,7 @@ class Stamp(enum.StrEnum):
     PICKED = "picked"  # the worker turned it into a part for this decode rank
     READY = "ready"  # its ready_event was seen fired (or it had none)
     ALLOC_SENT = "alloc_sent"  # staging space taken, the AllocRequest sent
+    PREGRANT_TAKEN = "pregrant_taken"  # staging space taken, the RequestKV's pre-grant used
     GATHER_QUEUED = "gather_queued"  # the gather about to be enqueued
     GATHER_ENQUEUED = "gather_enqueued"  # the gather enqueued (CUDA: its event recorded)
     GRANTED = "granted"  # a usable Grant handled
@@ -39,6 +40,7 @@ class Stamp(enum.StrEnum):
     # decode
     ALLOC_RECEIVED = "alloc_received"  # its AllocRequest handled
     GRANT_SENT = "grant_sent"  # a region granted and the Grant sent
+    PREGRANTED = "pregranted"  # a region granted with the RequestKV (part 0)
     NOTIFIED = "notified"  # its StagedPart / PartDone notification handled
     SCATTER_QUEUED = "scatter_queued"  # the scatter enqueued
     SCATTERED = "scattered"  # the scatter seen complete, the region freed

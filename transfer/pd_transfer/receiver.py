@@ -22,6 +22,18 @@ fails, OversizedChunk). A region granted but unwritten for ``stall_s`` fails its
 QUARANTINED (kept occupied) until its late notification arrives, the writer is known dead,
 or ``quarantine_grace_s`` passed; everything else is freed at once.
 
+Pre-grants (protocol v5): a staged writer's RequestKV carries a region for its part 0 as large
+as the writer's whole share of the request, granted at once when no allocation is queued and
+live pre-grants stay within ``pregrant_share`` of the ring (requests whose KV is still being
+computed never pin the ring for parts already moving), so the first part skips the
+AllocRequest / Grant round trip. It is a Granted part like any other (freed when scattered,
+quarantined when its request fails while the writer lives) except that: its StagedPart may
+be smaller than the region, whose tail is freed when it lands; no stall watchdog runs on it
+(the writer may still be computing the KV: the transfer deadline bounds it); an AllocRequest
+for it means the writer could not use it (it gives it back: the region is freed and the
+request served as new); and a resize asks for it back (``Withdraw``, re-sent every
+``grant_s``) so that a writer still computing does not hold the drain to its deadline.
+
 Hot resize (``resize_ring(new_bytes, deadline_s)``): no new region is granted (new
 AllocRequests queue FIFO, answered with a Watermark, bounded by their own deadlines);
 granted regions finish (written, scattered, freed) until the deadline; a request still
@@ -30,6 +42,7 @@ buffer is deregistered (and kept allocated while a quarantined region of it may 
 written), the new one allocated and registered, ``ring_version`` bumped and announced to
 every prefill peer (``RingUpdate``); then the queue is served against the new ring. Grants
 carry the version; a StagedPart of another version is a protocol violation (its request).
+No pre-grant is given while a resize is under way.
 """
 
 from __future__ import annotations
@@ -74,9 +87,12 @@ from pd_transfer.staging import (
 )
 from pd_transfer.transport.base import RegisteredRegion, Transport
 
-__all__ = ["DecodeReceiver"]
+__all__ = ["PREGRANT_SHARE", "DecodeReceiver"]
 
 _log = logging.getLogger("pd_transfer")
+#: The share of the ring live pre-grants may hold (module docstring); the rest always serves
+#: AllocRequests.
+PREGRANT_SHARE = 0.5
 
 
 @dataclass(kw_only=True, eq=False)
@@ -87,6 +103,8 @@ class _InPart(Part):
     granted_at: float = 0.0
     ring_version: int = 0  # of the ring its region was granted in
     scattered: torch.cuda.Event | None = None  # CUDA: fires when its scatter has finished
+    pregranted: bool = False  # its region went out with the RequestKV (module docstring)
+    withdraw_sent_at: float | None = None  # a resize asked for the pre-grant back
     stamps: dict[str, float] = field(default_factory=dict)  # Stamp -> clock (phases.py)
 
 
@@ -166,9 +184,15 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                  timeouts: Timeouts | None = None,
                  metrics: TransferMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 phases: PhaseLog | None = None, poll: PollIntervals | None = None) -> None:
+                 phases: PhaseLog | None = None, poll: PollIntervals | None = None,
+                 pregrant_share: float = PREGRANT_SHARE) -> None:
+        """``pregrant_share``: the share of the ring live pre-grants may hold (0: none; every
+        part asks with an AllocRequest)."""
+        if not 0.0 <= pregrant_share <= 1.0:
+            raise ValueError(f"pregrant_share must be in [0, 1], got {pregrant_share}")
         super().__init__(transport, pool, identity, auth=auth, timeouts=timeouts,
                          metrics=metrics, clock=clock, phases=phases, poll=poll)
+        self.pregrant_share = pregrant_share
         self.mode: PathMode = mode
         self.ring_buffer = torch.zeros(ring_bytes, dtype=torch.uint8, device=pool.device)
         self.ring_region = transport.register(self.ring_buffer,
@@ -285,13 +309,61 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
 
     def _ask(self, transfer: ReceiveTransfer, writer: _Writer) -> None:
         writer.asked_at = self.clock()
+        region = self._pregrant(transfer, writer)
         self.send(writer.peer, wire.RequestKV(
             room=transfer.room, decode_pp_rank=self.identity.coord.pp_rank,
             decode_tp_rank=self.identity.coord.tp_rank,
             dst_page_runs=wire.compute_runs(transfer.dst_pages), num_tokens=transfer.num_tokens,
             path=writer.path,  # type: ignore[arg-type]
             ring_version=self.ring_version, first_page=transfer.first_page,
+            pregrant_offset=None if region is None else region.offset_bytes,
+            pregrant_bytes=None if region is None else region.size_bytes,
         ))
+
+    def _pregrant(self, transfer: ReceiveTransfer, writer: _Writer) -> Region | None:
+        """The region granted to ``writer``'s part 0 with its RequestKV (module docstring):
+        granted now if the ring allows, the same one for a re-sent RequestKV, else None."""
+        if writer.path != "staged" or self._resize is not None:
+            return None
+        part = writer.parts.get(0)
+        if part is not None:  # asked before, or part 0 was named since
+            return part.region if part.pregranted and part.state is PartState.GRANTED else None
+        size = self._writer_share(transfer, writer)
+        if self._queue or self._pregranted_bytes() + size > (
+                self.ring.capacity_bytes * self.pregrant_share):
+            return None
+        try:
+            region = self.ring.allocate(transfer.room, size)
+        except OversizedAllocation:
+            return None  # part 0 asks; the request fails then only if that part cannot fit
+        if region is None:
+            return None
+        part = writer.part(0)
+        part.size_bytes, part.pregranted = size, True
+        part.region, part.granted_at, part.ring_version = region, self.clock(), self.ring_version
+        self._move(writer, part, PartEvent.GRANT)
+        part.stamps[Stamp.PREGRANTED] = part.granted_at
+        self.metrics.pregrant("granted")
+        return region
+
+    def _pregranted_bytes(self) -> int:
+        return sum(p.region.size_bytes for t in self._transfers.values()
+                   for w in t.writers.values() for p in w.parts.values()
+                   if p.pregranted and p.region is not None)
+
+    def _writer_share(self, transfer: ReceiveTransfer, writer: _Writer) -> int:
+        """Staged bytes of ``writer``'s whole share of the request: no part is larger."""
+        return staged_chunk_bytes(self.pool.layout, writer.plan.layers.count,
+                                  len(transfer.dst_pages), writer.plan.heads.num_heads)
+
+    def _give_back(self, writer: _Writer, part: _InPart) -> None:
+        """``part``'s writer gave its pre-grant back unwritten: free the region, forget it."""
+        assert part.pregranted and part.region is not None
+        self.ring.free(part.region)
+        part.region = None
+        self.part_machine.apply(part, PartEvent.WITHDRAW)
+        del writer.parts[part.index]
+        self.metrics.pregrant("returned")
 
     def _on_peer_added(self, document: RankDocument) -> None:
         if self.ring_version > 1 and document.role == "prefill":
@@ -305,7 +377,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
 
     def _on_message(self, peer: str, message: wire.Message) -> None:
         if isinstance(message, wire.RequestKV | wire.Grant | wire.GrantRefused | wire.Release
-                      | wire.Watermark | wire.RingUpdate):
+                      | wire.Watermark | wire.RingUpdate | wire.Withdraw):
             self.reject("wrong_direction", f"{message.type} from {peer} to a decode rank")
             return
         transfer = self._transfers.get(message.room)
@@ -335,6 +407,8 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                 self._on_staged(transfer, writer, message)
             elif isinstance(message, wire.PartDone):
                 self._on_part_done(transfer, writer, message)
+            elif isinstance(message, wire.Withdrawn):
+                self._on_withdrawn(writer)
             else:
                 self._set_final(transfer, writer, message.final_parts)
             self._check_complete(transfer)
@@ -346,6 +420,11 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                                  message.ring_version):
                     self._drop_quarantined(entry)
                     break
+        if isinstance(message, wire.Withdrawn):  # a failed request's pre-grant, unwritten
+            for entry in self._quarantine:
+                if entry.pregranted and (entry.writer, entry.region.owner) == (peer, message.room):
+                    self._drop_quarantined(entry)
+                    return
         if isinstance(message, wire.AllocRequest) and peer in self.peers:
             self.send(peer, wire.Abort(room=message.room, reason="AbortedByPeer", detail="decode "
                                        "does not expect this room (finished or failed)"))
@@ -363,6 +442,10 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         if part.state is PartState.ARRIVED:
             self.reject("duplicate", f"AllocRequest for delivered part {msg.part}")
             return
+        if part.state is PartState.GRANTED and part.pregranted:
+            self._give_back(writer, part)  # the writer could not use it (module docstring)
+            part = writer.part(msg.part)
+            part.stamps[Stamp.ALLOC_RECEIVED] = self.clock()
         if part.state is PartState.GRANTED:  # a re-sent request: the same grant again
             if self.ring_version > 1:  # the writer may have missed the RingUpdate it needs
                 self.send(writer.peer, self._ring_update())
@@ -374,8 +457,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         if writer.final is not None and msg.part >= writer.final:
             self._violation(transfer, writer.peer, f"part {msg.part} beyond final {writer.final}")
             return
-        most = staged_chunk_bytes(self.pool.layout, writer.plan.layers.count,
-                                  len(transfer.dst_pages), writer.plan.heads.num_heads)
+        most = self._writer_share(transfer, writer)
         if msg.size_bytes > most:
             self._violation(transfer, writer.peer, f"AllocRequest of {msg.size_bytes} bytes; "
                             f"the whole request is at most {most}")
@@ -418,6 +500,14 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             needed_bytes=part.size_bytes, capacity_bytes=self.ring.capacity_bytes))
         self._fail(transfer, FailureReason.OVERSIZED_CHUNK, str(exc), skip_peer=writer.peer)
 
+    def _on_withdrawn(self, writer: _Writer) -> None:
+        part = writer.parts.get(0)
+        if part is None or not (part.pregranted and part.state is PartState.GRANTED):
+            # Its AllocRequest gave it back first, or it was written: nothing is held.
+            self.reject("duplicate", f"Withdrawn from {writer.peer}: no pre-grant is held")
+            return
+        self._give_back(writer, part)
+
     def _move(self, writer: _Writer, part: _InPart, event: PartEvent) -> None:
         """``event`` for ``part`` through the part-state table; the writer keeps the part."""
         self.part_machine.apply(part, event)
@@ -449,8 +539,10 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             return
         expected = staged_chunk_bytes(self.pool.layout, len(layers), len(pages),
                                       plan.heads.num_heads)
-        if (msg.ring_offset, msg.size_bytes) != (region.offset_bytes, region.size_bytes) or (
-                expected != msg.size_bytes):
+        # A pre-granted region holds the writer's whole share; any other its part's size.
+        fits = (msg.size_bytes <= region.size_bytes if part.pregranted
+                else msg.size_bytes == region.size_bytes)
+        if msg.ring_offset != region.offset_bytes or not fits or expected != msg.size_bytes:
             self.reject("region_mismatch", f"part {msg.part}: [{msg.ring_offset}, "
                         f"+{msg.size_bytes}) layers {layers} pages {pages}; granted "
                         f"[{region.offset_bytes}, +{region.size_bytes}), {expected} expected")
@@ -458,6 +550,12 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             return
         self.part_machine.apply(part, PartEvent.LAND)
         part.stamps[Stamp.NOTIFIED] = notified
+        if msg.size_bytes < region.size_bytes:  # the unwritten tail of a pre-grant: free now
+            region = part.region = self.ring.shrink(region, msg.size_bytes)
+            assert region is not None  # a Granted part's region is live
+            self._serve_queue()
+        if part.pregranted:
+            self.metrics.pregrant("used")
         view = self.ring_buffer[region.offset_bytes : region.offset_bytes + region.size_bytes]
         first = plan.dst_layer_start - plan.layers.start
         local_layers = range(layers.start + first, layers.stop + first)
@@ -559,8 +657,8 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
     # Progress, deadlines, endings ------------------------------------------------------------
 
     def _moving(self) -> bool:
-        """A writer has started sending (a part was named): more messages, WRITEs and
-        scatters are due."""
+        """A writer has started sending (a part was named) or holds a pre-grant it may WRITE
+        into at any moment: more messages, WRITEs and scatters are due."""
         return bool(self._queue) or any(any(w.parts for w in t.writers.values())
                                          for t in self._transfers.values())
 
@@ -576,9 +674,26 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                             busy = True
                 if busy:
                     self._check_complete(transfer)
+        if self._resize is not None:
+            self._withdraw_pregrants()
         if self._resize is not None and not self._step_resize():
             return busy  # still draining: nothing is granted meanwhile
         return self._serve_queue() or busy
+
+    def _withdraw_pregrants(self) -> None:
+        """A resize drains the ring: ask each writer holding an unwritten pre-grant to give
+        it back (``Withdraw``, again every ``grant_s`` until it lands or returns)."""
+        now = self.clock()
+        for transfer in list(self._transfers.values()):
+            for writer in transfer.writers.values():
+                part = writer.parts.get(0)
+                if part is None or not part.pregranted or part.state is not PartState.GRANTED:
+                    continue
+                if part.withdraw_sent_at is None or (
+                        now - part.withdraw_sent_at >= self.timeouts.grant_s):
+                    part.withdraw_sent_at = now
+                    self.send(writer.peer, wire.Withdraw(room=transfer.room,
+                                                         sender_id=writer.plan.sender_id))
 
     def _serve_queue(self) -> bool:
         """Grant queued allocations in arrival order while the ring has room (FIFO: a big
@@ -630,7 +745,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             return
         for writer in transfer.writers.values():
             stalled = [p.index for p in writer.in_state(PartState.GRANTED)
-                       if now - p.granted_at >= self.timeouts.stall_s]
+                       if not p.pregranted and now - p.granted_at >= self.timeouts.stall_s]
             if stalled:
                 self._fail(transfer, FailureReason.STALLED_WRITER,
                            f"writer {writer.peer} left parts {stalled} granted but unwritten "
@@ -675,8 +790,8 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             for part in writer.in_state(PartState.GRANTED):
                 assert part.region is not None
                 if writer.peer in self.peers and self.ring.quarantine(part.region):
-                    self._quarantine.append(
-                        Quarantined(part.region, writer.peer, expiry, part.ring_version))
+                    self._quarantine.append(Quarantined(part.region, writer.peer, expiry,
+                                                        part.ring_version, part.pregranted))
             writer.parts.clear()
         self.ring.free_owner(transfer.room)
         self._serve_queue()

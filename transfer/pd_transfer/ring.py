@@ -113,6 +113,26 @@ class StagingRing:
             self._release(region)
             return True
 
+    def shrink(self, region: Region, size_bytes: int) -> Region | None:
+        """Keep only the first ``size_bytes`` of a live region; the rest is free at once.
+        Returns the region now in force (the same id and offset: free that one, not
+        ``region``), or None (no change) if ``region`` is not live. A pre-granted region
+        holds a writer's whole share; its first part may fill only its start."""
+        if not 0 < size_bytes <= region.size_bytes:
+            raise ValueError(f"shrink: size_bytes must be in (0, {region.size_bytes}], "
+                             f"got {size_bytes}")
+        reserved = -(-size_bytes // self.alignment_bytes) * self.alignment_bytes
+        with self._lock:
+            if self._live.get(region.region_id) != region:
+                return None
+            kept = Region(region.region_id, region.owner, region.offset_bytes, size_bytes,
+                          reserved)
+            self._live[region.region_id] = kept
+            self._used_bytes -= region.reserved_bytes - reserved
+            if self._cursor == region.end_bytes:
+                self._cursor = kept.end_bytes
+            return kept
+
     def free_owner(self, owner: str) -> int:
         """Release every live region of ``owner``; returns how many. Quarantined ones stay."""
         with self._lock:

@@ -214,6 +214,7 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
                 "descriptors": stats.descriptors_posted,
                 "bytes_posted": stats.bytes_posted,
                 "alloc_requests": getattr(endpoint, "alloc_requests_sent", 0),
+                "pregrants_taken": getattr(endpoint, "pregrants_taken", 0),
                 "rejected": snapshot.rejected_by_reason,
                 "debug_counts": endpoint.debug_counts(),
             })
@@ -388,6 +389,7 @@ def run_selftest(config: SelftestConfig) -> dict[str, Any]:
         "transfer_requests_posted": writes,
         "descriptors": sum(s["descriptors"] for s in prefill_stats),
         "alloc_requests": sum(s["alloc_requests"] for s in prefill_stats),
+        "pregrants_taken": sum(s["pregrants_taken"] for s in prefill_stats),
         "failures": dict(failures),
         "rejected": sum(sum(s["rejected"].values()) for s in stats),
         "verified": ok,

@@ -16,6 +16,15 @@ RequestKV within ``kv_lease_s`` → LeaseExpired (the KV hold has a lease, docs/
 ``transfer_s`` from the first RequestKV → TransferTimeout; an AllocRequest is re-sent every
 ``grant_s`` and after ``grant_retries`` unanswered re-sends → GrantTimeout.
 
+Pre-grants (protocol v5): a staged RequestKV may carry ring bytes already granted to part 0,
+checked when the stream opens (exactly the writer's whole share, inside the peer's ring, or
+the request fails ProtocolViolation). Part 0 writes into them without an AllocRequest when
+its ring version is in force; otherwise its AllocRequest gives them back. A ``Withdraw``
+(decode resizing) is answered with ``Withdrawn`` unless the WRITE is posted (a part that took
+the pre-grant but has not posted then asks with an AllocRequest), and a request that fails
+holding an unwritten pre-grant sends ``Withdrawn`` so decode frees it without waiting out its
+quarantine.
+
 A RequestKV for a room not registered yet is buffered for ``kv_lease_s`` (docs/failure-modes.md
 #2): a router sends both halves at once, and a loaded engine may queue the prefill half for
 seconds before its first chunk registers the room; the lease is how long either side of a
@@ -119,6 +128,7 @@ class _OutPart(Part):
     final: int | None  # final part count, attached to the writer's last part
     gathered: torch.cuda.Event | None = None
     grant: wire.Grant | None = None
+    pregranted: bool = False  # ``grant`` is the RequestKV's pre-grant
     alloc_sent_at: float = 0.0
     retries: int = 0
     handle: TransferHandle | None = None
@@ -136,6 +146,7 @@ class _Stream:
     path: str
     dst_pages: list[int]
     first_page: int = 0  # decode holds the request's pages before this one
+    pregrant: wire.Grant | None = None  # from the RequestKV, for part 0 until it is taken
     next_spec: int = 0
     parts_made: int = 0
     final_sent: bool = False
@@ -200,6 +211,7 @@ class PrefillSender(Endpoint[SendTransfer]):
         # Parts whose AllocRequest this step sent, gathered at its end (_enqueue_gathers).
         self._gathers: list[tuple[SendTransfer, _Stream, _OutPart, range]] = []
         self.alloc_requests_sent = 0  # first sends only (docs/failure-modes.md #1 counts these)
+        self.pregrants_taken = 0  # parts 0 written into their RequestKV's pre-grant instead
 
     # Engine API ----------------------------------------------------------------------------
 
@@ -329,7 +341,8 @@ class PrefillSender(Endpoint[SendTransfer]):
         if isinstance(message, wire.RequestKV):
             self._on_request_kv(peer, message)
             return
-        if isinstance(message, wire.StagedPart | wire.PartDone | wire.Finish | wire.AllocRequest):
+        if isinstance(message, wire.StagedPart | wire.PartDone | wire.Finish | wire.AllocRequest
+                      | wire.Withdrawn):
             self.reject("wrong_direction", f"{message.type} from {peer} to a prefill rank")
             return
         if isinstance(message, wire.RingUpdate):
@@ -350,6 +363,11 @@ class PrefillSender(Endpoint[SendTransfer]):
                 out = stream.out.get(message.part if message.part is not None else -1)
                 if out is not None and out.state is PartState.AWAITING_GRANT:
                     out.alloc_sent_at, out.retries = self.clock(), 0  # decode queued it
+            elif isinstance(message, wire.Withdraw):
+                if message.sender_id == stream.plan.sender_id:
+                    self._on_withdraw(transfer, stream)
+                else:
+                    self.reject("sender_mismatch", f"Withdraw for sender {message.sender_id}")
             elif isinstance(message, wire.Release):
                 stream.released = True
                 self._check_complete(transfer)
@@ -423,13 +441,60 @@ class PrefillSender(Endpoint[SendTransfer]):
         if transfer.expected is None:
             plans = self._topology(document.parallelism).plans_from(self.identity.coord)
             transfer.expected = frozenset((p.decode.pp_rank, p.decode.tp_rank) for p in plans)
+        pregrant = None
+        if message.pregrant_offset is not None and message.pregrant_bytes is not None:
+            pregrant = self._check_pregrant(transfer, peer, document, plan, len(dst_pages),
+                                            message)
+            if pregrant is None:
+                return
         transfer.streams[peer] = _Stream(peer, document, layout, plan, message.path, dst_pages,
-                                         first_page=first)
+                                         first_page=first, pregrant=pregrant)
         if message.path == "staged":
             self._src_ids(transfer)  # now, not on the way of the first part
         if transfer.lifecycle.state is State.BOOTSTRAPPING:
             transfer.transfer_deadline = self.clock() + self.timeouts.transfer_s
             self._apply(transfer, Event.START)
+
+    def _check_pregrant(  # noqa: PLR0917 - private; _open_stream's checked values
+        self, transfer: SendTransfer, peer: str, document: RankDocument, plan: TransferPlan,
+        num_pages: int, message: wire.RequestKV,
+    ) -> wire.Grant | None:
+        """The RequestKV's pre-grant as part 0's Grant, if it is exactly the writer's whole
+        share inside the peer's ring of its version; a violation fails the request (None).
+        One of a ring version not in force here is no pre-grant: part 0 asks."""
+        assert message.pregrant_offset is not None and message.pregrant_bytes is not None
+        share = staged_chunk_bytes(self.pool.layout, plan.layers.count, num_pages,
+                                   plan.heads.num_heads)
+        ring = document.ring
+        span = f"[{message.pregrant_offset}, +{message.pregrant_bytes})"
+        if message.pregrant_bytes != share:
+            self._violation(transfer, peer, f"pre-grant {span} for a share of {share} bytes")
+            return None
+        if ring is not None and message.ring_version == document.ring_version and (
+                message.pregrant_offset + message.pregrant_bytes > ring.size_bytes):
+            self.reject("region_mismatch", f"pre-grant {span} in a {ring.size_bytes}-byte ring")
+            self._violation(transfer, peer, "pre-grant outside the ring")
+            return None
+        return wire.Grant(room=transfer.room, part=0, sender_id=plan.sender_id,
+                          ring_offset=message.pregrant_offset,
+                          size_bytes=message.pregrant_bytes, ring_version=message.ring_version)
+
+    def _on_withdraw(self, transfer: SendTransfer, stream: _Stream) -> None:
+        """Decode wants the pre-grant back (a resize): give it unless its WRITE is posted."""
+        out = stream.out.get(0)
+        if stream.pregrant is not None:
+            stream.pregrant = None
+        elif out is not None and out.pregranted and out.state is PartState.AWAITING_GRANT:
+            out.grant, out.pregranted = None, False
+            out.stamps.pop(Stamp.GRANTED, None)
+            out.alloc_sent_at = self.clock()
+            self.alloc_requests_sent += 1
+        else:
+            return  # posted (its StagedPart is on its way) or given back already
+        self.send(stream.peer, wire.Withdrawn(room=transfer.room,
+                                              sender_id=stream.plan.sender_id))
+        if out is not None and out.state is PartState.AWAITING_GRANT and out.grant is None:
+            self.send(stream.peer, self._alloc_request(transfer, stream, out))
 
     def _on_grant(self, transfer: SendTransfer, stream: _Stream,
                   msg: wire.Grant | wire.GrantRefused) -> None:
@@ -582,6 +647,17 @@ class PrefillSender(Endpoint[SendTransfer]):
         if region is None:
             return False  # the buffer is full: a finishing WRITE frees it
         out.region, out.size_bytes = region, size
+        if out.index == 0 and stream.pregrant is not None:
+            pregrant, stream.pregrant = stream.pregrant, None
+            if size <= pregrant.size_bytes and (
+                    pregrant.ring_version == self._peer_document(stream).ring_version):
+                out.grant = pregrant.model_copy(update={"size_bytes": size})
+                out.pregranted = True
+                self.pregrants_taken += 1
+                out.stamps[Stamp.PREGRANT_TAKEN] = out.stamps[Stamp.GRANTED] = self.clock()
+                self._gathers.append((transfer, stream, out, layers))
+                return True
+            # Not usable (its ring was re-registered since): the AllocRequest gives it back.
         # The AllocRequest goes now, the gather at the end of this step
         # (``_enqueue_gathers``): decode's turn-around overlaps the gathers' enqueue, and the
         # AllocRequests of every part made ready in this step (one per decode rank) leave
@@ -800,6 +876,12 @@ class PrefillSender(Endpoint[SendTransfer]):
         """Terminal: abort WRITEs in flight, free staging, forget the request. Runs once."""
         self._transfers.pop(transfer.room, None)
         for stream in transfer.streams.values():
+            part0 = stream.out.get(0)
+            unwritten = stream.pregrant is not None or (
+                part0 is not None and part0.pregranted and part0.state is PartState.AWAITING_GRANT)
+            if unwritten and stream.peer in self.peers:  # decode may free it before its grace
+                self.send(stream.peer, wire.Withdrawn(room=transfer.room,
+                                                      sender_id=stream.plan.sender_id))
             for out in stream.out.values():
                 if out.handle is not None:
                     try:

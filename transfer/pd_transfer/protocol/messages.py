@@ -34,7 +34,7 @@ import json
 import re
 from typing import Annotated, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from pd_transfer.errors import RemoteProtocolError
 
@@ -58,13 +58,15 @@ __all__ = [
     "RingUpdate",
     "StagedPart",
     "Watermark",
+    "Withdraw",
+    "Withdrawn",
     "compute_runs",
     "decode_message",
     "encode_message",
     "expand_runs",
 ]
 
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 # Version history of PROTOCOL_VERSION (bump on any change a peer could misread):
 #   1: first version: RequestKV, AllocRequest, Grant, GrantRefused, StagedPart, PartDone,
 #      Finish, Release, Abort, Watermark.
@@ -77,6 +79,11 @@ PROTOCOL_VERSION: Final = 4
 #      (sender, receiver, this version, the message).
 #   4: decode-side prefix hits: ``RequestKV.first_page`` (decode holds the request's pages
 #      before it); its page runs and every part's pages count from there.
+#   5: pre-grants: a staged ``RequestKV`` may carry ``pregrant_offset`` / ``pregrant_bytes``,
+#      ring bytes granted to the writer's part 0 with the request, so that part needs no
+#      AllocRequest / Grant round trip (its ``StagedPart`` names the region's start and the
+#      part's own size, at most the region's). New ``Withdraw`` (decode → prefill: give an
+#      unwritten pre-grant back) and ``Withdrawn`` (prefill → decode: it never will write it).
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_DEPTH: Final = 4  # object → page runs → run → value; anything deeper is hostile
 MAX_WIRE_INT: Final = (1 << 63) - 1  # every count, size and offset fits a signed 64-bit address
@@ -97,11 +104,17 @@ PageRuns = tuple[tuple[Count, Size], ...]
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    v: Literal[4] = PROTOCOL_VERSION
+    v: Literal[5] = PROTOCOL_VERSION
 
 
 class RequestKV(_Message):
-    """Decode asks one prefill rank for a request's KV, into these destination pages."""
+    """Decode asks one prefill rank for a request's KV, into these destination pages.
+
+    Staged path: ``pregrant_offset`` / ``pregrant_bytes`` (both or neither) are ring bytes of
+    ring ``ring_version`` granted to this writer's part 0 already, as many as the writer's
+    whole share of the request (no part is larger); part 0 writes from their start without
+    an AllocRequest. A writer that cannot use them asks for part 0 with an AllocRequest,
+    which gives them back."""
 
     type: Literal["request_kv"] = "request_kv"
     room: Room
@@ -112,6 +125,16 @@ class RequestKV(_Message):
     path: Path
     ring_version: Count
     first_page: Count = 0  # decode holds the request's pages before this one already
+    pregrant_offset: Count | None = None
+    pregrant_bytes: Size | None = None
+
+    @model_validator(mode="after")
+    def _whole_pregrant(self) -> RequestKV:
+        if (self.pregrant_offset is None) != (self.pregrant_bytes is None):
+            raise ValueError("pregrant_offset and pregrant_bytes come together or not at all")
+        if self.pregrant_offset is not None and self.path != "staged":
+            raise ValueError(f"a pre-grant on the {self.path} path (staged only)")
+        return self
 
 
 class AllocRequest(_Message):
@@ -148,7 +171,9 @@ class GrantRefused(_Message):
 
 
 class StagedPart(_Message):
-    """NOTIFICATION of the one WRITE that carried a staged part into its granted region.
+    """NOTIFICATION of the one WRITE that carried a staged part into its granted region:
+    ``size_bytes`` from ``ring_offset``, the region's start (the region's size, or at most
+    it for a pre-granted region).
 
     ``final_parts`` is set on the writer's last part to this decode rank: how many parts
     (indices ``0..final_parts-1``) the writer sent it in all.
@@ -226,6 +251,25 @@ class Watermark(_Message):
     sender_id: SenderId | None = None
 
 
+class Withdraw(_Message):
+    """Decode wants writer ``sender_id``'s pre-grant for ``room`` back (a resize drains the
+    ring). The writer answers ``Withdrawn`` if it has not written it, else its StagedPart
+    comes."""
+
+    type: Literal["withdraw"] = "withdraw"
+    room: Room
+    sender_id: SenderId
+
+
+class Withdrawn(_Message):
+    """The writer gave its pre-grant back unwritten and never writes it; its part 0 asks with
+    an AllocRequest."""
+
+    type: Literal["withdrawn"] = "withdrawn"
+    room: Room
+    sender_id: SenderId
+
+
 class RingUpdate(_Message):
     """Decode re-registered its staging ring (a resize): grants of ``ring_version`` lie in
     ``[base_address, base_address + size_bytes)``. ``transport_metadata_b64`` is decode's
@@ -244,7 +288,7 @@ class RingUpdate(_Message):
 
 Message = Annotated[
     RequestKV | AllocRequest | Grant | GrantRefused | StagedPart | PartDone | Finish
-    | Release | Abort | Watermark | RingUpdate,
+    | Release | Abort | Watermark | RingUpdate | Withdraw | Withdrawn,
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)

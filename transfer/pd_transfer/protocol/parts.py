@@ -47,13 +47,14 @@ class PartState(enum.Enum):
     # prefill
     WAITING_READY = "WaitingReady"  # the engine's ready_event has not fired
     WAITING_STAGING = "WaitingStaging"  # staged: waiting for prefill staging-buffer space
-    AWAITING_GRANT = "AwaitingGrant"  # staged: gathered, AllocRequest sent, no usable grant
+    AWAITING_GRANT = "AwaitingGrant"  # staged: gather queued, AllocRequest sent (or the
+    #                                   RequestKV's pre-grant taken), not posted yet
     WRITING = "Writing"  # the WRITE is posted
     WRITTEN = "Written"  # the WRITE is DONE, its staging space freed
     # decode
     UNSEEN = "Unseen"  # no message named it yet
     QUEUED = "Queued"  # its AllocRequest waits (FIFO) for ring space; the writer got a Watermark
-    GRANTED = "Granted"  # a ring region is granted (Grant sent), not written yet
+    GRANTED = "Granted"  # a ring region is granted (Grant sent or pre-granted), not written yet
     REFUSED = "Refused"  # it can never fit the ring (GrantRefused; the request fails)
     SCATTERING = "Scattering"  # its StagedPart matched the grant; the scatter runs
     ARRIVED = "Arrived"  # its data is in the pages (staged: scattered, region freed)
@@ -62,12 +63,13 @@ class PartState(enum.Enum):
 class PartEvent(enum.Enum):
     # prefill
     READY = "ready"  # staged path: the ready_event fired; staging space is needed next
-    GATHER = "gather"  # staging space taken, gather queued, AllocRequest sent
+    GATHER = "gather"  # staging space taken, gather queued, AllocRequest sent (or pre-granted)
     POST = "post"  # the WRITE is posted (direct: once ready; staged: once granted)
     DONE = "done"  # the WRITE ended DONE
     # decode
     QUEUE = "queue"  # an AllocRequest the ring has no room for now (or a resize drains it)
-    GRANT = "grant"  # a ring region is granted
+    GRANT = "grant"  # a ring region is granted (a Grant, or a pre-grant with the RequestKV)
+    WITHDRAW = "withdraw"  # its writer gave its pre-grant back unwritten: the region is freed
     REFUSE = "refuse"  # the part is larger than the ring
     LAND = "land"  # its StagedPart matched its grant: scatter from the region
     SCATTERED = "scattered"  # the scatter finished; the region is freed
@@ -86,6 +88,7 @@ PART_TRANSITIONS: Final[dict[tuple[PartState, PartEvent], PartState]] = {
     (PartState.QUEUED, PartEvent.GRANT): PartState.GRANTED,
     (PartState.QUEUED, PartEvent.REFUSE): PartState.REFUSED,
     (PartState.GRANTED, PartEvent.LAND): PartState.SCATTERING,
+    (PartState.GRANTED, PartEvent.WITHDRAW): PartState.UNSEEN,
     (PartState.SCATTERING, PartEvent.SCATTERED): PartState.ARRIVED,
     (PartState.UNSEEN, PartEvent.NOTIFY): PartState.ARRIVED,
 }
@@ -144,8 +147,12 @@ class Quarantined:
     writer: str  # the writer's peer (agent) name
     expiry: float
     ring_version: int  # of the ring the region belongs to (a resize may have retired it)
+    pregranted: bool = False  # granted with the RequestKV: its part may fill only its start
 
     def matches(self, peer: str, ring_offset: int, size_bytes: int, ring_version: int) -> bool:
-        """Is a StagedPart with these fields from ``peer`` the late write into this region?"""
-        return (self.writer, self.region.offset_bytes, self.region.size_bytes,
-                self.ring_version) == (peer, ring_offset, size_bytes, ring_version)
+        """Is a StagedPart with these fields from ``peer`` the late write into this region?
+        It starts at the region's start and has its size (a pre-granted region's: at most)."""
+        fits = (0 < size_bytes <= self.region.size_bytes if self.pregranted
+                else size_bytes == self.region.size_bytes)
+        return fits and (self.writer, self.region.offset_bytes, self.ring_version) == (
+            peer, ring_offset, ring_version)

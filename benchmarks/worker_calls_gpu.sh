@@ -8,16 +8,22 @@
 #      default polling with that switch interval;
 #   2. the hot-loop host time of benchmarks/staging_gpu.py alone, then beside a process that
 #      launches kernels and queries events on the same GPU (as the other ranks do).
-# Usage: benchmarks/worker_calls_gpu.sh OUT_DIR WHEELS
+# With a third argument `probe`, instead: the default run of 1. with a launch probe beside
+# each worker (PD_PROBE_LAUNCH, benchmarks/worker_calls/sitecustomize.py): is a kernel
+# launch slow in the rank's process, or only on its worker? And without UCX's cuda_ipc
+# transport (UCX_TLS=^cuda_ipc: the WRITEs then go through host memory)?
+# Usage: benchmarks/worker_calls_gpu.sh OUT_DIR WHEELS [probe]
 set -o pipefail
-out=${1:?usage: worker_calls_gpu.sh OUT_DIR WHEELS}
+out=${1:?usage: worker_calls_gpu.sh OUT_DIR WHEELS [probe]}
 wheels=${2:?WHEELS}
+mode=${3:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site "$wheels"/*.whl || exit 1
 base=/tmp/site:$PWD/contract:$PWD:$PWD/transfer
 log=$out/worker_calls_gpu_h100.txt
+[ "$mode" = probe ] && log=$out/worker_calls_gpu_h100_probe.txt
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$log"
 args="--device cuda --combos 1-1:8,2-4:8 --lengths 1024 --paths staged --repeats 10 --waves 1"
 run() {  # NAME EXTRA_BENCH_ARGS [VAR=value ...]
@@ -29,11 +35,19 @@ run() {  # NAME EXTRA_BENCH_ARGS [VAR=value ...]
     PYTHONPATH=$PWD/benchmarks/worker_calls:$base timeout 120 \
     python3 -m pd_transfer.cli bench transfer $args $extra \
     --json "$out/bench_transfer_gpu_h100_worker_$name.json" 2>&1 \
-    | grep -v "NIXL INFO\|UCX  WARN" | grep "tok" | tee -a "$log"
+    | grep -v "NIXL INFO\|UCX  WARN" | grep "tok\|rror" | tee -a "$log"
   grep -A40 "bench-prefill-0\|bench-decode-0" "/tmp/calls-$name.txt" \
-    | grep -E "==|gather\(\)|scatter\(\)|kernel.launch|order|record|select|_enqueue_gathers|_on_staged|Endpoint.step|_validate|_layer_ids" \
+    | grep -E "==|gather\(\)|scatter\(\)|kernel.launch|order|record|select|_enqueue_gathers|_on_staged|Endpoint.step|_validate|_layer_ids|probe" \
     | head -40 | tee -a "$log"
 }
+if [ "$mode" = probe ]; then
+  args="--device cuda --combos 1-1:8 --lengths 1024 --paths raw,staged --repeats 10 --waves 1"
+  run probe "" PD_PROBE_LAUNCH=1
+  run probe_no_cuda_ipc "" PD_PROBE_LAUNCH=1 UCX_TLS=^cuda_ipc
+  cat /tmp/calls-probe.txt /tmp/calls-probe_no_cuda_ipc.txt \
+    > "$out/worker_calls_gpu_h100_probe_all.txt"
+  exit 0
+fi
 run default ""
 run spin "--poll-us 0,0" PD_SWITCH_INTERVAL=0.00005
 run default_switch "" PD_SWITCH_INTERVAL=0.00005

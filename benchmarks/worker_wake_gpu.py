@@ -128,12 +128,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--quick", action="store_true",
+                        help="only hot, spin 20, event 20 and event 200")
+    parser.add_argument("--label", default="", help="a note kept in the JSON (the setup)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
     case = Case(args.tokens, 16, device)
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(device),
-                               "tokens": args.tokens, "runs": args.runs, "rows": []}
+                               "tokens": args.tokens, "runs": args.runs, "label": args.label,
+                               "rows": []}
     print(f"{results['gpu']}: host µs per call, {args.tokens} tokens, median / p90 of "
           f"{args.runs}")
     for name, call in (("gather", case.gather), ("scatter", case.scatter)):
@@ -147,6 +151,8 @@ def main() -> int:
                       (f"event {pause_us}, 2 threads", _event_wait(), pause, "python"),
                       (f"event {pause_us}, engine", _event_wait(), pause, "engine"),
                       (f"event {pause_us}, nixl", _nixl_then(_event_wait()), pause, "")]
+        if args.quick:
+            modes = [m for m in modes if m[0] in ("hot", "spin 20", "event 20", "event 200")]
         for mode, wait, pause, neighbour in modes:
 
             def run(c: Callable[[int], object] = call, w: Wait | None = wait,

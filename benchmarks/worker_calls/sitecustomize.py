@@ -4,7 +4,12 @@ Put this directory first on `PYTHONPATH` of `pd-transfer bench transfer` (its ra
 inherit it) and set `PD_TIME_CALLS` to a file: every call below made on a rank's worker
 thread (named `bench-<role>-<rank>`) is timed, and when the worker stops its medians, p90s
 and maxima are appended to the file, one block per worker. `PD_SWITCH_INTERVAL` sets the
-interpreter's GIL switch interval (seconds) in every process. Not used by the product.
+interpreter's GIL switch interval (seconds) in every process. `PD_PROBE_LAUNCH=1` also starts,
+beside each worker, a thread that every ~1 ms launches a one-element kernel on its own
+stream twice in a row and times both launches (the first after its wait, the second right
+after the first), then does the same with a staging gather (the worker's own Triton kernel,
+1K tokens of 16 layers): the same launches in the same process, off the worker. Not used by
+the product.
 """
 
 from __future__ import annotations
@@ -86,6 +91,55 @@ def _install(path: str) -> None:
         stop(self, *args, **kwargs)
 
     worker.Worker.stop = stop_and_report  # type: ignore[method-assign]
+    if os.environ.get("PD_PROBE_LAUNCH"):
+        start = worker.Worker.start
+
+        def start_with_probe(self: worker.Worker) -> worker.Worker:
+            threading.Thread(target=_probe, args=(self,), name="launch-probe",
+                             daemon=True).start()
+            return start(self)
+
+        worker.Worker.start = start_with_probe  # type: ignore[method-assign]
+
+
+def _probe(owner: Any) -> None:
+    import torch  # noqa: PLC0415
+
+    from pd_transfer import staging  # noqa: PLC0415
+    from pd_transfer.layout import KVLayout, KVPool  # noqa: PLC0415
+
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    one = torch.zeros(1, device="cuda")
+    layout = KVLayout(16, 128, 16, 8, 128, torch.bfloat16)
+    pool = KVPool.allocate(layout, torch.device("cuda"))
+    pages = staging.prepare_pages(pool, list(range(64)))
+    out = torch.empty(staging.staged_chunk_bytes(layout, 16, 64, 8), dtype=torch.uint8,
+                      device="cuda")
+
+    def gather() -> None:
+        staging.gather(pool, range(16), pages, head_start=0, num_heads=8, out=out,
+                       stream=stream)
+
+    gather()
+    rest = threading.Event()
+    while not owner._stop.is_set():
+        rest.wait(1e-3)
+        with torch.cuda.stream(stream):
+            t0 = time.perf_counter()
+            one.add_(1)
+            t1 = time.perf_counter()
+            one.add_(1)
+            t2 = time.perf_counter()
+        rest.wait(1e-3)
+        t3 = time.perf_counter()
+        gather()
+        t4 = time.perf_counter()
+        gather()
+        t5 = time.perf_counter()
+        _durations.setdefault("probe launch, after 1 ms", []).append(t1 - t0)
+        _durations.setdefault("probe launch, right after", []).append(t2 - t1)
+        _durations.setdefault("probe gather, after 1 ms", []).append(t4 - t3)
+        _durations.setdefault("probe gather, right after", []).append(t5 - t4)
 
 
 if os.environ.get("PD_TIME_CALLS"):

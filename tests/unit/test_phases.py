@@ -7,6 +7,8 @@ NIXL, no GPU.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from pd_transfer.bench_phases import STAGED_PHASES, compute_phases
@@ -99,50 +101,54 @@ def _times(peer: str, stamps: dict[Stamp, float], finished: float) -> dict[str, 
                        "stamps": dict(part.stamps)}]}
 
 
-def test_staged_phases_follow_the_critical_path_and_add_up_to_the_latency() -> None:
-    """Worked example (ms after start 10.000): the gather ends after the grant, so 'gather'
-    is its exposed tail (2.5 - 2.0 = 0.5) and 'post' starts there."""
+MS = 1e-3
+START = 10.0
+
+
+def _worked(pre_ms: dict[Stamp, float], dec_ms: dict[Stamp, float], prefill_done_ms: float,
+            decode_done_ms: float) -> tuple[dict[str, Any], dict[str, float]]:
+    """Phases of a one-part request whose stamps are given in ms after START, and their
+    split rounded to µs, in ms."""
     agents = {("prefill", 0): "P", ("decode", 0): "D"}
-    ms = 1e-3
-    pre = {Stamp.GIVEN: 10.0, Stamp.PICKED: 10 + 0.1 * ms, Stamp.READY: 10 + 0.1 * ms,
-           Stamp.ALLOC_SENT: 10 + 0.3 * ms, Stamp.GATHER_QUEUED: 10 + 0.3 * ms,
-           Stamp.GATHER_ENQUEUED: 10 + 0.4 * ms, Stamp.GRANTED: 10 + 2.0 * ms,
-           Stamp.GATHERED: 10 + 2.5 * ms, Stamp.POSTED: 10 + 2.6 * ms,
-           Stamp.WRITTEN: 10 + 3.0 * ms}
-    dec = {Stamp.ALLOC_RECEIVED: 10 + 1.0 * ms, Stamp.GRANT_SENT: 10 + 1.2 * ms,
-           Stamp.NOTIFIED: 10 + 3.2 * ms, Stamp.SCATTER_QUEUED: 10 + 3.3 * ms,
-           Stamp.SCATTERED: 10 + 4.0 * ms}
-    phases = compute_phases(10.0, {0: _times("D", pre, 10 + 5 * ms)},
-                            {0: _times("P", dec, 10 + 4.1 * ms)}, agents)
-    split = {k: round(v / ms, 6) for k, v in phases["split_s"].items()}
+    pre = {k: START + v * MS for k, v in pre_ms.items()}
+    dec = {k: START + v * MS for k, v in dec_ms.items()}
+    phases = compute_phases(START, {0: _times("D", pre, START + prefill_done_ms * MS)},
+                            {0: _times("P", dec, START + decode_done_ms * MS)}, agents)
+    split = {k: round(v / MS, 6) for k, v in phases["split_s"].items()}
+    return phases, split
+
+
+def test_staged_phases_follow_the_critical_path_and_add_up_to_the_latency() -> None:
+    """Worked example (ms after start): the gather ends after the grant, so 'gather' is its
+    exposed tail (2.5 - 2.0 = 0.5) and 'post' starts there."""
+    phases, split = _worked(
+        {Stamp.GIVEN: 0.0, Stamp.PICKED: 0.1, Stamp.READY: 0.1, Stamp.ALLOC_SENT: 0.3,
+         Stamp.GATHER_QUEUED: 0.3, Stamp.GATHER_ENQUEUED: 0.4, Stamp.GRANTED: 2.0,
+         Stamp.GATHERED: 2.5, Stamp.POSTED: 2.6, Stamp.WRITTEN: 3.0},
+        {Stamp.ALLOC_RECEIVED: 1.0, Stamp.GRANT_SENT: 1.2, Stamp.NOTIFIED: 3.2,
+         Stamp.SCATTER_QUEUED: 3.3, Stamp.SCATTERED: 4.0}, 5.0, 4.1)
     assert list(split) == list(STAGED_PHASES)
     assert split == {"pickup": 0.1, "prepare": 0.3, "grant wait": 1.6, "gather": 0.5,
                      "post": 0.1, "post → notification": 0.6, "scatter": 0.8,
                      "completion": 0.1}
-    assert sum(phases["split_s"].values()) == pytest.approx(4.1 * ms)
+    assert sum(phases["split_s"].values()) == pytest.approx(4.1 * MS)
     assert phases["critical"] == {"decode_rank": 0, "prefill_rank": 0, "part": 0,
                                   "size_bytes": 1024}
-    assert phases["overlapped_s"]["grant round trip"] == pytest.approx(1.7 * ms)
+    assert phases["overlapped_s"]["grant round trip"] == pytest.approx(1.7 * MS)
 
 
 def test_a_pre_granted_part_has_no_grant_wait_and_no_round_trip() -> None:
-    """Worked example (ms after start 10.000): the pre-grant is taken at 0.3, so 'prepare'
-    ends with the gather's enqueue at 0.4 and the gather's tail (0.4 → 0.9) follows at once."""
-    agents = {("prefill", 0): "P", ("decode", 0): "D"}
-    ms = 1e-3
-    pre = {Stamp.GIVEN: 10.0, Stamp.PICKED: 10 + 0.1 * ms, Stamp.READY: 10 + 0.1 * ms,
-           Stamp.PREGRANT_TAKEN: 10 + 0.3 * ms, Stamp.GRANTED: 10 + 0.3 * ms,
-           Stamp.GATHER_QUEUED: 10 + 0.3 * ms, Stamp.GATHER_ENQUEUED: 10 + 0.4 * ms,
-           Stamp.GATHERED: 10 + 0.9 * ms, Stamp.POSTED: 10 + 1.0 * ms,
-           Stamp.WRITTEN: 10 + 1.4 * ms}
-    dec = {Stamp.PREGRANTED: 9.0, Stamp.NOTIFIED: 10 + 1.5 * ms,
-           Stamp.SCATTER_QUEUED: 10 + 1.6 * ms, Stamp.SCATTERED: 10 + 2.0 * ms}
-    phases = compute_phases(10.0, {0: _times("D", pre, 10 + 3 * ms)},
-                            {0: _times("P", dec, 10 + 2.2 * ms)}, agents)
-    split = {k: round(v / ms, 6) for k, v in phases["split_s"].items()}
+    """Worked example (ms after start): the pre-grant is taken at 0.3, so 'prepare' ends with
+    the gather's enqueue at 0.4 and the gather's tail (0.4 → 0.9) follows at once."""
+    phases, split = _worked(
+        {Stamp.GIVEN: 0.0, Stamp.PICKED: 0.1, Stamp.READY: 0.1, Stamp.PREGRANT_TAKEN: 0.3,
+         Stamp.GRANTED: 0.3, Stamp.GATHER_QUEUED: 0.3, Stamp.GATHER_ENQUEUED: 0.4,
+         Stamp.GATHERED: 0.9, Stamp.POSTED: 1.0, Stamp.WRITTEN: 1.4},
+        {Stamp.PREGRANTED: -1000.0, Stamp.NOTIFIED: 1.5, Stamp.SCATTER_QUEUED: 1.6,
+         Stamp.SCATTERED: 2.0}, 3.0, 2.2)
     assert split == {"pickup": 0.1, "prepare": 0.3, "grant wait": 0.0, "gather": 0.5,
                      "post": 0.1, "post → notification": 0.5, "scatter": 0.5,
                      "completion": 0.2}
-    assert sum(phases["split_s"].values()) == pytest.approx(2.2 * ms)
+    assert sum(phases["split_s"].values()) == pytest.approx(2.2 * MS)
     assert "grant round trip" not in phases["overlapped_s"]
-    assert phases["overlapped_s"]["gather enqueue"] == pytest.approx(0.1 * ms)
+    assert phases["overlapped_s"]["gather enqueue"] == pytest.approx(0.1 * MS)

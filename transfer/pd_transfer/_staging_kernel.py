@@ -112,15 +112,15 @@ def _staging_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
                 tl.store(staged_ptr + staged_offsets, values, mask=mask)
 
 
+_WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
+
+
 def _word(head_bytes: int, addresses: Sequence[int]) -> tuple[torch.dtype, int]:
     """Widest integer word dividing a head's bytes and every base address."""
     for dtype, size in _WORDS:
         if head_bytes % size == 0 and all(address % size == 0 for address in addresses):
             return dtype, size
     return torch.uint8, 1
-
-
-_WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
 
 
 def _next_power_of_2(value: int) -> int:
@@ -141,7 +141,7 @@ class _PoolWords:
         layout = pool.layout
         self.k, self.v = parts[0], parts[-1]  # MLA: K twice (V is never read)
         self.addresses = (self.k.data_ptr(), self.v.data_ptr())
-        self.head_bytes = layout.head_dim * layout.dtype.itemsize
+        self.head_bytes = layout.bytes_per_token_per_head
         self.num_parts = len(parts)
         self.device = self.k.device.index
         self._views: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -160,7 +160,7 @@ class KVLayout:
     @property
     def page_view(self) -> tuple[int, int]:
         """``(a, b)``: one page of one part, as bytes, is ``[a, kv_heads, b]``."""
-        head_bytes = self.head_dim * self.dtype.itemsize
+        head_bytes = self.bytes_per_token_per_head
         packed = 2 if self.packing is KVPacking.PER_HEAD else 1
         if self.page_format is PageFormat.NHD:  # PER_HEAD: one (token, head) row is K | V
             return self.page_size, packed * head_bytes
@@ -407,7 +407,7 @@ class KVPool:
         if part is KVPart.KV or (part is KVPart.V and not layout.has_v):
             raise ValueError(f"KVPool.token_bytes: part must be K or V (V only with has_v), "
                              f"got {part.value}")
-        head_bytes = layout.head_dim * layout.dtype.itemsize
+        head_bytes = layout.bytes_per_token_per_head
         shape = (layout.num_pages, layout.kv_heads, layout.page_size, head_bytes)
         index = 0 if part is KVPart.K else 1
         if layout.packing is KVPacking.PER_HEAD and layout.page_format is PageFormat.NHD:

@@ -149,12 +149,6 @@ def staged_chunk_bytes(layout: KVLayout, num_layers: int, num_pages: int, num_he
     return len(layout.parts) * num_layers * num_pages * a * num_heads * b
 
 
-def _head_bytes(layout: KVLayout) -> int:
-    """``layout.bytes_per_token_per_head`` without the tensor allocation that property makes
-    (a few µs, several times per call, on the transfer worker's hot path)."""
-    return layout.head_dim * layout.dtype.itemsize
-
-
 def gather(
     pool: KVPool,
     layers: Sequence[int],
@@ -326,7 +320,7 @@ def _pool_rows(
         layout.num_layers * layout.num_pages,
         layout.page_size,
         layout.kv_heads,
-        _head_bytes(layout),
+        layout.bytes_per_token_per_head,
     )
     return as_bytes[:, :, head_start : head_start + num_heads, :]
 
@@ -347,7 +341,7 @@ def _move_torch(  # noqa: PLR0917 - private, called once with _move's arguments
         rows.numel(),
         layout.page_size,
         num_heads,
-        _head_bytes(layout),
+        layout.bytes_per_token_per_head,
     )
     for index, tensor in enumerate(pool.tensors()):
         source = _pool_rows(tensor, layout, head_start, num_heads)

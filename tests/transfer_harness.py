@@ -81,7 +81,7 @@ class Cluster:
     page_format: PageFormatName = "nhd"
     packing: PackingName = "separate"
     per_layer: bool = False  # vLLM-shaped per-layer tensors (always unless nhd/separate)
-    pregrant_share: float = PREGRANT_SHARE  # 0: every staged part asks (no pre-grants)
+    pregrant_share: float | None = PREGRANT_SHARE  # 0: none; None: the receiver default
     clock: ManualClock = field(default_factory=ManualClock)
     senders: list[PrefillSender] = field(default_factory=list)
     receivers: list[DecodeReceiver] = field(default_factory=list)

@@ -564,3 +564,16 @@ def test_a_hostile_pre_grant_fails_its_request_before_anything_is_posted(
     assert status is not None and status.reason is FailureReason.PROTOCOL_VIOLATION
     assert problem in status.detail
     assert sender.transport.stats.transfers_posted == 0 and sender.pregrants_taken == 0
+
+
+def test_pre_grants_default_to_off_on_cpu_and_refuse_a_share_outside_0_to_1() -> None:
+    """On CPU the grant round trip is small beside the copies (receiver.PREGRANT_SHARE)."""
+    cluster = Cluster(mode="staged", pregrant_share=None)
+    assert cluster.receivers[0].pregrant_share == 0.0
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request)
+    cluster.run(lambda: cluster.finished(request.room))
+    assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+    assert (cluster.senders[0].pregrants_taken, cluster.senders[0].alloc_requests_sent) == (0, 1)
+    with pytest.raises(ValueError, match=r"pregrant_share must be in \[0, 1\], got 1.5"):
+        Cluster(mode="staged", pregrant_share=1.5)

@@ -44,7 +44,7 @@ from pd_transfer.plan import (
     compute_local_heads,
     compute_transfer_topology,
 )
-from pd_transfer.receiver import PREGRANT_SHARE, DecodeReceiver
+from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.sender import PrefillSender
 from pd_transfer.staging import staged_chunk_bytes
 from pd_transfer.transport.base import TransferState
@@ -76,7 +76,8 @@ class GroupSpec:
     ring_bytes: int  # each decode rank's ring
     timeout_s: float = 120.0
     poll_us: tuple[float, float] | None = None  # the workers' (moving, waiting) sleep caps
-    pregrant_share: float = PREGRANT_SHARE  # decode's ring share for pre-grants (0: none)
+    pregrant_share: float | None = None  # decode's ring share for pre-grants (None: the
+    #                                      receiver's default, 0: none)
 
     def geometry(self) -> GeometryDoc:
         return GeometryDoc(num_layers=self.layers, total_kv_heads=self.kv_heads,

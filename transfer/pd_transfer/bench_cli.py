@@ -151,7 +151,8 @@ def _run_transfer(args: argparse.Namespace) -> int:
           f"lengths {settings.lengths}, {settings.repeats} requests at 1 in flight, "
           f"{settings.waves} waves of {settings.concurrency}, worker poll caps (µs) "
           f"{settings.poll_us or 'endpoint default'}, pre-grant share "
-          f"{settings.pregrant_share}, UCX_TLS "
+          f"{'receiver default' if settings.pregrant_share is None else settings.pregrant_share}"
+          f", UCX_TLS "
           f"{os.environ.get('UCX_TLS', '(UCX default)')}")
     json_path = args.json
     report = run_transfer_bench(settings, checkpoint=None if json_path is None

@@ -42,7 +42,6 @@ from pd_transfer.bench_phases import compute_phases
 from pd_transfer.bootstrap import DTYPES, DtypeName
 from pd_transfer.layout import KVLayout
 from pd_transfer.plan import Parallelism, compute_local_heads, compute_transfer_topology
-from pd_transfer.receiver import PREGRANT_SHARE
 from pd_transfer.transport.nixl import NixlTransport
 
 __all__ = ["Combo", "TransferBenchSettings", "run_transfer_bench", "write_json"]
@@ -81,7 +80,8 @@ class TransferBenchSettings:
     ring_mib: int | None = None  # per decode rank; likewise
     seed: int = 0
     poll_us: tuple[float, float] | None = None  # workers' sleep caps (default: the endpoint's)
-    pregrant_share: float = PREGRANT_SHARE  # decode's ring share for pre-grants (0: none)
+    pregrant_share: float | None = None  # decode's ring share for pre-grants (None: the
+    #                                      receiver's default, 0: none)
 
 
 def _contiguous_possible(settings: TransferBenchSettings, combo: Combo) -> bool:

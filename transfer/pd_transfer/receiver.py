@@ -26,8 +26,9 @@ Pre-grants (protocol v5): a staged writer's RequestKV carries a region for its p
 as the writer's whole share of the request, granted at once when no allocation is queued and
 live pre-grants stay within ``pregrant_share`` of the ring (requests whose KV is still being
 computed never pin the ring for parts already moving), so the first part skips the
-AllocRequest / Grant round trip. It is a Granted part like any other (freed when scattered,
-quarantined when its request fails while the writer lives) except that: its StagedPart may
+AllocRequest / Grant round trip (by default on CUDA only: ``PREGRANT_SHARE``). It is a
+Granted part like any other (freed when scattered, quarantined when its request fails while
+the writer lives) except that: its StagedPart may
 be smaller than the region, whose tail is freed when it lands; no stall watchdog runs on it
 (the writer may still be computing the KV: the transfer deadline bounds it); an AllocRequest
 for it means the writer could not use it (it gives it back: the region is freed and the
@@ -90,8 +91,10 @@ from pd_transfer.transport.base import RegisteredRegion, Transport
 __all__ = ["PREGRANT_SHARE", "DecodeReceiver"]
 
 _log = logging.getLogger("pd_transfer")
-#: The share of the ring live pre-grants may hold (module docstring); the rest always serves
-#: AllocRequests.
+#: The share of the ring live pre-grants may hold on CUDA (module docstring); the rest always
+#: serves AllocRequests. On CPU pre-grants are off by default: a CPU transfer's copies take
+#: milliseconds, beside which the grant round trip is small, and a pre-grant would pin ring
+#: space while the writer computes.
 PREGRANT_SHARE = 0.5
 
 
@@ -185,9 +188,11 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                  metrics: TransferMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  phases: PhaseLog | None = None, poll: PollIntervals | None = None,
-                 pregrant_share: float = PREGRANT_SHARE) -> None:
+                 pregrant_share: float | None = None) -> None:
         """``pregrant_share``: the share of the ring live pre-grants may hold (0: none; every
-        part asks with an AllocRequest)."""
+        part asks with an AllocRequest). Default: ``PREGRANT_SHARE`` on CUDA, 0 on CPU."""
+        if pregrant_share is None:
+            pregrant_share = PREGRANT_SHARE if pool.device.type == "cuda" else 0.0
         if not 0.0 <= pregrant_share <= 1.0:
             raise ValueError(f"pregrant_share must be in [0, 1], got {pregrant_share}")
         super().__init__(transport, pool, identity, auth=auth, timeouts=timeouts,

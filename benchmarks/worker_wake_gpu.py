@@ -20,7 +20,15 @@ case, when the thread before each call:
 - ``spin S, touch``: as ``spin``, but the wait ends with a stream query (a cheap CUDA call)
   just before the call.
 
-Median and p90 of ``--runs`` calls each, gather and scatter. Not a test: asserts nothing.
+Median and p90 of ``--runs`` calls each, gather and scatter. ``--calls`` adds calls that
+tell a cold CUDA driver from a cold core:
+
+- ``python``: Python work with no CUDA call (about as long as a hot gather's enqueue);
+- ``query``: one stream query (the cheapest CUDA call);
+- ``query+gather``: a stream query, then the gather, timed together (does a cheap call
+  before the gather pay the wake-up for it, or only move it?).
+
+Not a test: asserts nothing.
 
     python benchmarks/worker_wake_gpu.py --json benchmarks/results/worker_wake_gpu_h100.json
 """
@@ -73,6 +81,16 @@ def per_call_us(call: Callable[[int], object], wait: Wait | None, pause_s: float
     times.sort()
     return {"median_us": statistics.median(times) * 1e6,
             "p90_us": times[int(0.9 * (len(times) - 1))] * 1e6}
+
+
+def _python_work(i: int) -> int:
+    """Host work with no CUDA call: dict and list churn, as a step's bookkeeping does."""
+    table = {k: k * i for k in range(120)}
+    return sum(v for k, v in table.items() if k % 3)
+
+
+def _query(_: int) -> None:
+    torch.cuda.current_stream().query()
 
 
 def _spin_touch(seconds: float) -> None:
@@ -130,6 +148,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=300)
     parser.add_argument("--quick", action="store_true",
                         help="only hot, spin 20, event 20 and event 200")
+    parser.add_argument("--calls", default="gather,scatter",
+                        help="comma-separated: gather, scatter, python, query, query+gather")
     parser.add_argument("--label", default="", help="a note kept in the JSON (the setup)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -140,7 +160,15 @@ def main() -> int:
                                "rows": []}
     print(f"{results['gpu']}: host µs per call, {args.tokens} tokens, median / p90 of "
           f"{args.runs}")
-    for name, call in (("gather", case.gather), ("scatter", case.scatter)):
+    def query_gather(i: int) -> None:
+        _query(i)
+        case.gather(i)
+
+    calls: dict[str, Callable[[int], object]] = {
+        "gather": case.gather, "scatter": case.scatter, "python": _python_work,
+        "query": _query, "query+gather": query_gather}
+    for name in args.calls.split(","):
+        call = calls[name]
         modes: list[tuple[str, Wait | None, float, str]] = [("hot", None, 0.0, "")]
         for pause_us in PAUSES_US:
             pause = pause_us * 1e-6
@@ -162,7 +190,7 @@ def main() -> int:
             row = (_with_neighbour(run, pause, engine=neighbour == "engine") if neighbour
                    else run())
             results["rows"].append({"call": name, "mode": mode, **row})
-            print(f"  {name:7s} {mode:22s} {row['median_us']:8.1f} {row['p90_us']:8.1f}")
+            print(f"  {name:12s} {mode:22s} {row['median_us']:8.1f} {row['p90_us']:8.1f}")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0

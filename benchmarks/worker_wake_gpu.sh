@@ -2,8 +2,9 @@
 # benchmarks/worker_wake_gpu.py on one CUDA GPU (Python 3.12 and torch preinstalled, no
 # registry): alone; then (--quick) beside two other processes that only hold a CUDA context
 # on the same GPU; then beside two that query a CUDA event every ~20 µs, as idle rank
-# workers with a part in flight do.
-# Usage: benchmarks/worker_wake_gpu.sh OUT_DIR WHEELS
+# workers with a part in flight do. With `cold`: only alone, with Python work, a stream
+# query and a query before the gather beside the gather (a cold core or a cold driver?).
+# Usage: benchmarks/worker_wake_gpu.sh OUT_DIR WHEELS [cold]
 set -o pipefail
 out=${1:?usage: worker_wake_gpu.sh OUT_DIR WHEELS}
 wheels=${2:?WHEELS}
@@ -12,12 +13,15 @@ export PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site "$wheels"/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/contract:$PWD:$PWD/transfer
-log=$out/worker_wake_gpu_h100.txt
+# Files are named by the GPU model (h100, h200): the device machine may lend either.
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*' \
+  | tr 'H' 'h')
+log=$out/worker_wake_gpu_${gpu:-gpu}${3:+_$3}.txt
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 wake() {  # NAME LABEL [ARGS]
   echo "== $2" | tee -a "$log"
   timeout 300 python3 benchmarks/worker_wake_gpu.py --label "$2" ${3:-} \
-    --json "$out/worker_wake_gpu_h100$1.json" 2>&1 | grep -v "NIXL INFO\|UCX  WARN" \
+    --json "$out/worker_wake_gpu_${gpu:-gpu}$1.json" 2>&1 | grep -v "NIXL INFO\|UCX  WARN" \
     | tee -a "$log"
 }
 pids=()
@@ -43,6 +47,11 @@ PY
   done
   sleep 5
 }
+if [ "${3:-}" = cold ]; then
+  wake _cold "alone: Python work, a stream query, a query before the gather" \
+    "--calls gather,python,query,query+gather"
+  exit 0
+fi
 wake "" "alone"
 neighbours idle
 wake _idle_neighbours "beside 2 processes holding a context" --quick

@@ -725,6 +725,13 @@ class PdResult:
         return self.prefill.latency_s + self.decode.latency_s
 
 
+# How long decode's side of a NixlConnector P/D request may take. On 2 cores a decode
+# request whose engine busy-steps while it waits for its KV starves the prefill engine it
+# waits on: measured up to 106 s (the tests' 90 s KV lease, then the pull), and once past
+# a 120 s limit in CI. Longer than any lease the tests set, so such a request ends.
+NIXL_DECODE_TIMEOUT_S = 240.0
+
+
 def nixl_pd_complete(prefill: VllmServer, decode: VllmServer, prompt: Sequence[int],
                      max_tokens: int, *, stream: bool = False,
                      tick_prefill_s: float | None = 0.05) -> PdResult:
@@ -743,7 +750,8 @@ def nixl_pd_complete(prefill: VllmServer, decode: VllmServer, prompt: Sequence[i
                            f"{first}")
     with _ticking(prefill, tick_prefill_s):
         second = complete(decode, prompt, max_tokens,
-                          kv_transfer_params=first.kv_transfer_params, stream=stream)
+                          kv_transfer_params=first.kv_transfer_params, stream=stream,
+                          timeout_s=NIXL_DECODE_TIMEOUT_S)
     if len(second.token_ids) != max_tokens:
         # vLLM answers 200 with no tokens when the NIXL handshake or the KV pull fails.
         raise PdFailed(f"decode returned {len(second.token_ids)} of {max_tokens} tokens "

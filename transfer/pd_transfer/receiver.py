@@ -352,9 +352,14 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         return region
 
     def _pregranted_bytes(self) -> int:
-        return sum(p.region.size_bytes for t in self._transfers.values()
-                   for w in t.writers.values() for p in w.parts.values()
-                   if p.pregranted and p.region is not None)
+        """Ring bytes held by live pre-grants (only ever a writer's part 0)."""
+        held = 0
+        for transfer in self._transfers.values():
+            for writer in transfer.writers.values():
+                part = writer.parts.get(0)
+                if part is not None and part.pregranted and part.region is not None:
+                    held += part.region.size_bytes
+        return held
 
     def _writer_share(self, transfer: ReceiveTransfer, writer: _Writer) -> int:
         """Staged bytes of ``writer``'s whole share of the request: no part is larger."""
@@ -558,7 +563,6 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         if msg.size_bytes < region.size_bytes:  # the unwritten tail of a pre-grant: free now
             region = part.region = self.ring.shrink(region, msg.size_bytes)
             assert region is not None  # a Granted part's region is live
-            self._serve_queue()
         if part.pregranted:
             self.metrics.pregrant("used")
         view = self.ring_buffer[region.offset_bytes : region.offset_bytes + region.size_bytes]

@@ -14,8 +14,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site "$wheels"/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/contract:$PWD:$PWD/transfer
 # Files are named by the GPU model (h100, h200): the device machine may lend either.
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*' \
-  | tr 'H' 'h')
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9][0-9]*" \
+  | head -1 | tr 'H' 'h')
 log=$out/worker_wake_gpu_${gpu:-gpu}${3:+_$3}.txt
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 wake() {  # NAME LABEL [ARGS]

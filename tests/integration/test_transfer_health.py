@@ -224,3 +224,39 @@ def test_silent_agent_turns_unknown_and_tcp_fallback_is_caught(
         cluster, silent).get("reason") == "ReportStale"))
     assert gate(cluster, silent)["status"] == "False"
     assert all(gate(cluster, p)["status"] == "True" for p in others)
+
+
+def test_gates_follow_reports_while_a_spec_update_is_refused(
+        operator: KopfRunner, control_plane: ControlPlaneHandle, cluster: Cluster) -> None:
+    """A refused spec update leaves the last valid generation's pods serving, so their
+    transfer gates keep following their reports: a pod that recovers gets its gate back, a
+    pod that starts failing loses it (docs/failure-modes.md #36)."""
+    agents = start_fleet(control_plane, cluster)
+    pods = tuple(sorted(agents.pods))
+    wait_for("every pod's transfer gate True",
+             lambda: all(gate(cluster, p).get("status") == "True" for p in pods))
+    recovering, breaking = f"{NAME}-decode-1", f"{NAME}-prefill-0"
+    agents.report(recovering, window=(40, 30), healthy=False,
+                  window_reasons={"GrantTimeout": 30}, last_error="no grant in 10 s")
+    wait_for(f"{recovering}'s gate False", refreshing(agents, pods, lambda: gate(
+        cluster, recovering).get("status") == "False"), timeout_s=STALE_AFTER_S)
+
+    cluster.patch_spec({"prefill": {"parallelism": {"tensor": 3}}})  # 8 KV heads over 3 ranks
+    wait_for("SpecValid=False", refreshing(agents, pods, lambda: cluster.condition(
+        "SpecValid").get("status") == "False"))
+    agents.report(recovering, window=(50, 0), healthy=True, window_reasons={},
+                  last_error="")
+    wait_for(f"{recovering}'s gate True again, the spec still invalid", refreshing(
+        agents, pods, lambda: gate(cluster, recovering).get("status") == "True"),
+        timeout_s=STALE_AFTER_S)
+    agents.report(breaking, window=(40, 30), healthy=False,
+                  window_reasons={"GrantTimeout": 30}, last_error="no grant in 10 s")
+    failing = wait_for(f"{breaking}'s gate False, the spec still invalid", refreshing(
+        agents, pods, lambda: (g if (g := gate(cluster, breaking)).get("status") == "False"
+                               else None)), timeout_s=STALE_AFTER_S)
+    assert failing["reason"] == "TransferFailing"
+    assert cluster.condition("SpecValid")["status"] == "False"
+    assert cluster.status()["phase"] == "Invalid"
+    assert {p: gate(cluster, p)["status"] for p in pods} == {
+        f"{NAME}-decode-0": "True", f"{NAME}-decode-1": "True",
+        f"{NAME}-prefill-0": "False", f"{NAME}-prefill-1": "True"}

@@ -78,6 +78,7 @@ class GroupSpec:
     poll_us: tuple[float, float] | None = None  # the workers' (moving, waiting) sleep caps
     pregrant_share: float | None = None  # decode's ring share for pre-grants (None: the
     #                                      receiver's default, 0: none)
+    ready_events: bool = False  # cuda: each part carries an event, as an engine's does
 
     def geometry(self) -> GeometryDoc:
         return GeometryDoc(num_layers=self.layers, total_kv_heads=self.kv_heads,
@@ -227,7 +228,11 @@ class _Rank:
             live = [r for r in args[1] if (s := endpoint.poll(r)) is not None and not s.finished]
             _spin_until(args[0])
             for room in live:
-                endpoint.send_part(room, last=True)
+                event = None
+                if self.spec.ready_events and self.device.type == "cuda":
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record(torch.cuda.current_stream(self.device))
+                endpoint.send_part(room, last=True, ready_event=event)
             return len(live)
         if command == "raw":  # prefill: (start_at, num_tokens, count)
             assert isinstance(endpoint, PrefillSender)

@@ -109,6 +109,10 @@ def _add_transfer_parser(kinds: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--pregrant-share", type=float, default=None,
                    help="the share of each decode ring pre-grants may hold (0: every part "
                         "asks with an AllocRequest; default: the receiver's)")
+    p.add_argument("--ready-events", action="store_true",
+                   help="cuda: give each part a CUDA event recorded at send_part, as the "
+                        "engine connectors do (default: none; the gather then waits for the "
+                        "default stream)")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--chart", type=Path, default=None, help="write the PNG of phases here")
     p.set_defaults(handler=_run_transfer)
@@ -142,6 +146,7 @@ def _run_transfer(args: argparse.Namespace) -> int:
     )
     if args.pregrant_share is not None:
         settings = replace(settings, pregrant_share=args.pregrant_share)
+    settings = replace(settings, ready_events=args.ready_events)
     unknown = set(settings.paths) - {"raw", "staged", "contiguous"}
     if unknown:
         print(f"unknown paths {sorted(unknown)}", file=sys.stderr)
@@ -152,7 +157,7 @@ def _run_transfer(args: argparse.Namespace) -> int:
           f"{settings.waves} waves of {settings.concurrency}, worker poll caps (µs) "
           f"{settings.poll_us or 'endpoint default'}, pre-grant share "
           f"{'receiver default' if settings.pregrant_share is None else settings.pregrant_share}"
-          f", UCX_TLS "
+          f", ready events {'on' if settings.ready_events else 'off'}, UCX_TLS "
           f"{os.environ.get('UCX_TLS', '(UCX default)')}")
     json_path = args.json
     report = run_transfer_bench(settings, checkpoint=None if json_path is None

@@ -82,6 +82,7 @@ class TransferBenchSettings:
     poll_us: tuple[float, float] | None = None  # workers' sleep caps (default: the endpoint's)
     pregrant_share: float | None = None  # decode's ring share for pre-grants (None: the
     #                                      receiver's default, 0: none)
+    ready_events: bool = False  # cuda: each part carries a ready event, as an engine's does
 
 
 def _contiguous_possible(settings: TransferBenchSettings, combo: Combo) -> bool:
@@ -124,7 +125,7 @@ def _group_spec(settings: TransferBenchSettings, combo: Combo) -> GroupSpec:
 
     return replace(base, staging_bytes=room(max(per_prefill), settings.staging_mib),
                    ring_bytes=room(max(per_decode), settings.ring_mib), poll_us=settings.poll_us,
-                   pregrant_share=settings.pregrant_share)
+                   pregrant_share=settings.pregrant_share, ready_events=settings.ready_events)
 
 
 class _Runner:

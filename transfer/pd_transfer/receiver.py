@@ -585,6 +585,8 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
     def _dst_ids(self, transfer: ReceiveTransfer) -> PageIds:
         """The request's destination pages on the pool's device, made once."""
         if transfer.dst_ids is None:
+            if self._stream is not None:
+                self._stream.bind()  # the upload runs on the scatters' stream, before them
             transfer.dst_ids = prepare_pages(self.pool, transfer.dst_pages)
         return transfer.dst_ids
 
@@ -835,7 +837,9 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                    for w in transfer.writers.values())
 
     def _swap_staging(self, new_bytes: int) -> None:
-        new_buffer = torch.zeros(new_bytes, dtype=torch.uint8, device=self.pool.device)
+        # Uninitialised: every region is written before it is read, and a zero-fill would
+        # be a kernel that a peer's WRITE into the new buffer does not wait for.
+        new_buffer = torch.empty(new_bytes, dtype=torch.uint8, device=self.pool.device)
         old_buffer, old_region, version = self.ring_buffer, self.ring_region, self.ring_version
         name = f"{self.transport.agent_name}/ring-v{version + 1}"
         self.transport.deregister(old_region)

@@ -686,7 +686,14 @@ class PrefillSender(Endpoint[SendTransfer]):
                 pages = self._src_ids(transfer).select(out.pages.start, out.pages.stop)
                 heads = stream.plan.heads
                 if self._stream is not None:
-                    self._stream.order()  # after the engine's default stream (no device sync)
+                    if out.spec.ready is None:
+                        self._stream.order()  # after the engine's default stream (no sync)
+                    else:
+                        # Its ready event has fired (``_advance``): the part's KV is written,
+                        # and its page ids were uploaded on this stream (``bind``). Ordering
+                        # after the default stream's tail would add two CUDA calls and make
+                        # the gather wait for work queued since (later layers; failure #35).
+                        self._stream.bind()
                     gather(self.pool, layers, pages, head_start=heads.src_head_offset,
                            num_heads=heads.num_heads, out=view, stream=self._stream.stream)
                     out.gathered = self._stream.record()
@@ -701,6 +708,8 @@ class PrefillSender(Endpoint[SendTransfer]):
         ``extend_request`` added pages since)."""
         ids = transfer.src_ids
         if ids is None or len(ids) != len(transfer.src_pages):
+            if self._stream is not None:
+                self._stream.bind()  # the upload runs on the gathers' stream, before them
             ids = transfer.src_ids = prepare_pages(self.pool, transfer.src_pages)
         return ids
 
@@ -940,7 +949,9 @@ class PrefillSender(Endpoint[SendTransfer]):
         return bool(self.staging.regions_of(transfer.room))
 
     def _swap_staging(self, new_bytes: int) -> None:
-        new_buffer = torch.zeros(new_bytes, dtype=torch.uint8, device=self.pool.device)
+        # Uninitialised: every region is written before it is read, and a zero-fill would
+        # be a kernel that a peer's WRITE into the new buffer does not wait for.
+        new_buffer = torch.empty(new_bytes, dtype=torch.uint8, device=self.pool.device)
         old_buffer, old_region = self.staging_buffer, self.staging_region
         self.transport.deregister(old_region)
         try:

@@ -2,8 +2,10 @@
 
 `Reconciler.reconcile(namespace, name)` never asks what changed. Steps, in order:
 1. read and parse the PDDeployment (cross-field and name rules included); an invalid spec writes
-   SpecValid=False (plus a Warning Event) and touches nothing else, so children of an earlier
-   valid generation keep running;
+   SpecValid=False (plus a Warning Event) and touches no child, so children of an earlier
+   valid generation keep running, and their pods' transfer gates keep following their
+   reports as that generation's spec judges them (step 9; none after an operator restart,
+   which keeps no earlier spec);
 2. build the desired children (pure builders), and the transfer key Secret with the keys
    of the live one, or new ones on a rotation or when it is gone (`transfer_key`);
 3. list live children by label and server-side apply only those that `diff.needs_apply`
@@ -162,6 +164,7 @@ class Reconciler:
             k for k in CHILD_KINDS if k != PDB or capabilities.pod_disruption_budgets
         )
         self._managed: dict[tuple[str, str], Counter[str]] = {}
+        self._last_valid: dict[tuple[str, str], PDDeployment] = {}
 
     # -- entry point ---------------------------------------------------------------------
 
@@ -190,12 +193,12 @@ class Reconciler:
         body = self.kube.get(PDDEPLOYMENTS, namespace, name)
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             self._set_managed((namespace, name), Counter())
+            self._last_valid.pop((namespace, name), None)
             return False, "success"
         parsed = self._parse(body)
         if parsed.pdd is None:
-            self._write_invalid(parsed)
-            return True, "invalid"
-        pdd = parsed.pdd
+            return self._reconcile_invalid(parsed, namespace, name), "invalid"
+        pdd = self._last_valid[namespace, name] = parsed.pdd
         desired = build_children(pdd, self.capabilities)
         selector = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_DEPLOYMENT}={name}"
         live = {child_key(obj): obj for obj in self.kube.list_children(namespace, selector,
@@ -217,11 +220,7 @@ class Reconciler:
                 raise
             failure, pending = f"{exc} ({failures + 1} attempts in a row)", exc
         self._set_managed((namespace, name), Counter(m["kind"] for m in desired))
-        pods = self.kube.list_objects(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}")
-        agents = self.kube.list_objects(TRANSFERAGENTS, namespace, f"{LABEL_DEPLOYMENT}={name}")
-        roles = {r: _role(pdd, desired, r) for r in (Role.PREFILL, Role.DECODE)}
-        fleet = observe_fleet(pods, agents, self.clock(), health=pdd.spec.transfer.health,
-                              revisions={r: o.revision for r, o in roles.items()})
+        pods, roles, fleet = self._observe_fleet(namespace, name, pdd, desired)
         observed = self._observe(pdd, roles, fleet, live, created=created, failure=failure)
         short = any(short_of_pods(w, pods) for w in observed.workloads)
         if short:
@@ -258,11 +257,34 @@ class Reconciler:
         )
         return _Parsed(body, previous, pdd, None)
 
-    def _write_invalid(self, parsed: _Parsed) -> None:
+    def _reconcile_invalid(self, parsed: _Parsed, namespace: str,
+                           name: str) -> bool | RecheckAfter:
+        """SpecValid=False, and the last valid generation's pods' gates (module docstring,
+        step 1). A gate left as it stood would keep a pod that recovered out of its router,
+        or a failing one in, until the spec is fixed (docs/failure-modes.md #36)."""
         meta = parsed.body["metadata"]
         snapshot = PDDSnapshot(int(meta.get("generation", 0)), parsed.previous, None)
         status = compute_status(snapshot, None, self.clock(), parsed.spec_error)
-        self._write_status(parsed, status)
+        last = self._last_valid.get((namespace, name))
+        if last is None:
+            self._write_status(parsed, status)
+            return True
+        _, _, fleet = self._observe_fleet(namespace, name, last,
+                                          build_children(last, self.capabilities))
+        self._write_status(parsed, status, transfer_gate_changes(fleet))
+        return self._recheck(last, fleet, None)
+
+    def _observe_fleet(
+        self, namespace: str, name: str, pdd: PDDeployment, desired: Sequence[Obj]
+    ) -> tuple[list[Obj], dict[Role, RoleObservation], FleetObservation]:
+        """The pods of both roles, what each role should be, and the one observation of
+        them and their TransferAgents that every later step reads."""
+        pods = self.kube.list_objects(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}")
+        agents = self.kube.list_objects(TRANSFERAGENTS, namespace, f"{LABEL_DEPLOYMENT}={name}")
+        roles = {r: _role(pdd, desired, r) for r in (Role.PREFILL, Role.DECODE)}
+        fleet = observe_fleet(pods, agents, self.clock(), health=pdd.spec.transfer.health,
+                              revisions={r: o.revision for r, o in roles.items()})
+        return pods, roles, fleet
 
     def _apply(self, desired: Sequence[Obj], live: Mapping[Any, Obj], created: list[str]) -> None:
         for manifest in desired:

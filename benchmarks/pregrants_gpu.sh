@@ -12,10 +12,8 @@ out=${1:?usage: pregrants_gpu.sh OUT_DIR WHEELS one|two}
 wheels=${2:?WHEELS}
 which=${3:?one|two}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site "$wheels"/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/contract:$PWD:$PWD/transfer
+. benchmarks/gpu_setup.sh
+gpu_setup "$wheels" || exit 1
 log=$out/pregrants_gpu_$which.txt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 bench() {  # NAME EXTRA_ARGS
@@ -27,14 +25,7 @@ bench() {  # NAME EXTRA_ARGS
 if [ "$which" = one ]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/unit/test_staging.py \
     2>&1 | tail -2 | tee -a "$log"
-  for tps in "2 4 1" "4 2 1" "2 4 2"; do
-    set -- $tps
-    timeout 120 python3 -m pd_transfer.cli selftest --device cuda --prefill-tp "$1" \
-      --decode-tp "$2" --prefill-pp "$3" --mode staged --dtype bfloat16 --layers 8 \
-      --kv-heads 8 --head-dim 128 --tokens 1000 --requests 8 --concurrency 4 --json \
-      2>> "$out/selftest_stderr.txt" | sed -n '/^{/,$p' > "$out/selftest_gpu_pregrants_$1-$2-pp$3.json"
-    echo "selftest $1->$2 pp$3: rc $?" | tee -a "$log"
-  done
+  staged_selftests "$out" selftest_gpu_pregrants "$log"
   bench bench_transfer_gpu_h100_pregrants_off "--pregrant-share 0"
   bench bench_transfer_gpu_h100_pregrants ""
 else

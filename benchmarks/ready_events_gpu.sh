@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Parts that carry a ready event (benchmarks/README.md, "Ready events"), in one machine call
 # (Python 3.12 and torch preinstalled, no registry): the GPU tests of the staging kernels
-# and the selftest's staged runs, whose reference engine gives every part a ready event
-# (bit-exact); then `pd-transfer bench transfer` on one GPU without ready events (each
-# gather ordered after the default stream) and with them (the gather follows the fired
-# event alone), same machine, back to back.
+# and of the staged path beside a busy engine stream, and the selftest's staged runs,
+# whose reference engine gives every part a ready event (bit-exact); then `pd-transfer
+# bench transfer` on one GPU without ready events (each gather ordered after the default
+# stream) and with them (the gather follows the fired event alone), back to back.
 # With `pipeline BEFORE_SENDER`: `pd-transfer bench pipeline` on the staged path (TP 2 -> 4,
 # one GPU), first with BEFORE_SENDER (the previous commit's transfer/pd_transfer/sender.py,
 # whose gathers wait for the default stream) in a copy of the tree, then with this tree.
@@ -13,14 +13,8 @@ set -o pipefail
 out=${1:?usage: ready_events_gpu.sh OUT_DIR WHEELS}
 wheels=${2:?WHEELS}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site "$wheels"/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/contract:$PWD:$PWD/transfer
-# Files are named by the GPU model (h100, h200): the device machine may lend either.
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9][0-9]*" \
-  | head -1 | tr 'H' 'h')
-gpu=${gpu:-gpu}
+. benchmarks/gpu_setup.sh
+gpu_setup "$wheels" || exit 1
 log=$out/ready_events_gpu_$gpu${3:+_$3}.txt
 if [ "${3:-}" = pipeline ]; then
   before=$(mktemp -d)
@@ -39,16 +33,8 @@ if [ "${3:-}" = pipeline ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/unit/test_staging.py \
-  2>&1 | tail -2 | tee -a "$log"
-for tps in "2 4 1" "4 2 1" "2 4 2"; do
-  set -- $tps
-  timeout 120 python3 -m pd_transfer.cli selftest --device cuda --prefill-tp "$1" \
-    --decode-tp "$2" --prefill-pp "$3" --mode staged --dtype bfloat16 --layers 8 \
-    --kv-heads 8 --head-dim 128 --tokens 1000 --requests 8 --concurrency 4 --json \
-    2>> "$out/selftest_stderr.txt" | sed -n '/^{/,$p' \
-    > "$out/selftest_gpu_${gpu}_ready_events_$1-$2-pp$3.json"
-  echo "selftest $1->$2 pp$3: rc $?" | tee -a "$log"
-done
+  tests/integration/test_pipeline_nixl.py 2>&1 | tail -4 | tee -a "$log"
+staged_selftests "$out" "selftest_gpu_${gpu}_ready_events" "$log"
 bench() {  # NAME EXTRA_ARGS
   # shellcheck disable=SC2086
   timeout 200 python3 -m pd_transfer.cli bench transfer --device cuda --waves 2 \

@@ -9,19 +9,14 @@ set -o pipefail
 out=${1:?usage: worker_wake_gpu.sh OUT_DIR WHEELS}
 wheels=${2:?WHEELS}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site "$wheels"/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/contract:$PWD:$PWD/transfer
-# Files are named by the GPU model (h100, h200): the device machine may lend either.
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9][0-9]*" \
-  | head -1 | tr 'H' 'h')
-log=$out/worker_wake_gpu_${gpu:-gpu}${3:+_$3}.txt
+. benchmarks/gpu_setup.sh
+gpu_setup "$wheels" || exit 1
+log=$out/worker_wake_gpu_$gpu${3:+_$3}.txt
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 wake() {  # NAME LABEL [ARGS]
   echo "== $2" | tee -a "$log"
   timeout 300 python3 benchmarks/worker_wake_gpu.py --label "$2" ${3:-} \
-    --json "$out/worker_wake_gpu_${gpu:-gpu}$1.json" 2>&1 | grep -v "NIXL INFO\|UCX  WARN" \
+    --json "$out/worker_wake_gpu_$gpu$1.json" 2>&1 | grep -v "NIXL INFO\|UCX  WARN" \
     | tee -a "$log"
 }
 pids=()

@@ -13,9 +13,13 @@ its own, and in bfloat16 that flips exact ties (seen: a 1500-token prompt whose 
 tokens had equal bfloat16 logprobs on TP 1 and TP 2 alike, -4.2398, came out as the other
 token through P/D). Float32 keeps those differences far below any logit gap.
 
-The transfer timeout is 60 s (decode's stall watchdog: a quarter of it): with five engines
-on two cores a prefill process was once seen starved for 8.5 s between posting a part and
-writing it, which a 30 s timeout turns into a StalledWriter failure.
+The transfer timeout is 180 s (decode's stall watchdog: a quarter of it, 45 s): with five
+engines on two cores a prefill process was seen starved for 8.5 s between posting a part
+and writing it, and later, in a CI run, for 32 s: its rank's timeline had no event between
+0.9 s and 33.3 s, its engine thread's step ended 16 s after its last post, and its
+bootstrap server did not answer meanwhile, while the decode ranks kept working. A 60 s
+timeout (15 s watchdog) turned that into StalledWriter failures. The cause of such a
+freeze is not established; the test asserts what P/D across TP computes, not how fast.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from tests.polling import wait_for
 pytestmark = pytest.mark.e2e
 
 MODEL = ModelSpec(layers=4, kv_heads=2, hidden=256, heads=4, dtype="float32")
-TIMEOUTS = {"transfer_seconds": 60.0, "kv_lease_seconds": 60.0}
+TIMEOUTS = {"transfer_seconds": 180.0, "kv_lease_seconds": 180.0}
 BATCH_TOKENS = 256
 MAX_TOKENS = 6
 BLOCK = 32

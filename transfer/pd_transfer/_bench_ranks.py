@@ -35,6 +35,7 @@ from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import DTYPES, BootstrapServer, DtypeName, GeometryDoc
 from pd_transfer.layout import KVLayout, KVPart, KVPool
 from pd_transfer.phases import PhaseLog, RequestTimes
+from pd_transfer.pipeline import record_ready_event
 from pd_transfer.plan import (
     HeadRange,
     KVGeometry,
@@ -228,10 +229,7 @@ class _Rank:
             live = [r for r in args[1] if (s := endpoint.poll(r)) is not None and not s.finished]
             _spin_until(args[0])
             for room in live:
-                event = None
-                if self.spec.ready_events and self.device.type == "cuda":
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    event.record(torch.cuda.current_stream(self.device))
+                event = record_ready_event(self.device) if self.spec.ready_events else None
                 endpoint.send_part(room, last=True, ready_event=event)
             return len(live)
         if command == "raw":  # prefill: (start_at, num_tokens, count)

@@ -69,6 +69,7 @@ from pd_transfer.protocol.messages import (
 )
 from pd_transfer.protocol.parts import PartMachine
 from pd_transfer.ring import StagingRing
+from pd_transfer.staging import StagingStream
 from pd_transfer.transport.base import RegisteredRegion, Transport
 
 __all__ = ["CUDA_POLL", "Endpoint", "PollIntervals", "RankIdentity", "ResizeResult", "Timeouts",
@@ -221,6 +222,9 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         self._resize: PendingResize | None = None
         self._transfers: dict[str, TransferT] = {}  # live requests by room
         self.part_machine = PartMachine(self.metrics.part_transition_refused)
+        # CUDA: the stream this endpoint's gathers or scatters run on (bound to the worker's
+        # thread by ``thread_started``); None on CPU, where they run in place.
+        self._stream = StagingStream(pool.device) if pool.device.type == "cuda" else None
         _check_pool_format(pool, identity.geometry)
         self.kv_regions = tuple(
             transport.register(tensor, name=f"{transport.agent_name}/kv-{index}")
@@ -293,6 +297,13 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         return done
 
     # Worker-facing -------------------------------------------------------------------------
+
+    def thread_started(self) -> None:
+        """On CUDA, make the worker's thread enqueue all its CUDA work (page-id uploads,
+        layer tables, resized buffers) on the staging stream, ahead of the gathers or
+        scatters that read it (``StagingStream.bind``)."""
+        if self._stream is not None:
+            self._stream.bind()
 
     def step(self) -> bool:
         """One round: commands, messages, transfer progress, deadlines. True if it did work."""

@@ -211,7 +211,7 @@ def launch(
            *map(_int_spec, ints))
     kernel = _COMPILED.get(key) if _DIRECT_LAUNCH and not _launch_hooks() else None
     # Either launcher checks the pointers in the current device's context: a pool on cuda:1
-    # needs cuda:1 current (the endpoints' worker makes it so once: StagingStream.order).
+    # needs cuda:1 current (the endpoints' worker makes it so once: Endpoint.thread_started).
     device = words.device
     with (contextlib.nullcontext() if torch.cuda.current_device() == device
           else torch.cuda.device(device)):

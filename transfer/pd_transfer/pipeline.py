@@ -78,7 +78,18 @@ __all__ = [
     "compute_chunk_plan",
     "compute_group_count",
     "compute_layer_groups",
+    "record_ready_event",
 ]
+
+
+def record_ready_event(device: torch.device) -> torch.cuda.Event | None:
+    """The event a part's send waits on: recorded on ``device``'s current stream, where the
+    engine just wrote the part's KV. None on CPU, where the KV is in place once written."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def compute_group_count(num_layers: int, num_tokens: int, config: LayerPipelineConfig) -> int:
@@ -296,7 +307,7 @@ class LayerPipeline:
         events = 0
         for index, group in enumerate(groups):
             forward(group)
-            event = self._record_ready()
+            event = record_ready_event(self.device)
             events += event is not None
             self.sink.send_part(
                 room,
@@ -306,10 +317,3 @@ class LayerPipeline:
                 ready_event=event,
             )
         return ChunkRun(groups, len(groups), events)
-
-    def _record_ready(self) -> torch.cuda.Event | None:
-        if self.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.device))
-        return event

@@ -81,7 +81,6 @@ from pd_transfer.protocol.parts import Part, PartEvent, PartState, Quarantined
 from pd_transfer.ring import Region, StagingRing
 from pd_transfer.staging import (
     PageIds,
-    StagingStream,
     prepare_pages,
     scatter,
     staged_chunk_bytes,
@@ -206,9 +205,6 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         self.ring_version = 1
         self.metrics.attach_ring(self.ring)
         self.metrics.set_staging(ring_bytes, self.ring_version)
-        self._stream: StagingStream | None = None
-        if pool.device.type == "cuda":
-            self._stream = StagingStream(pool.device)
         self._queue: collections.deque[_Queued] = collections.deque()
         self._quarantine: list[Quarantined] = []
         self._retired: dict[int, torch.Tensor] = {}  # old ring buffers quarantine still pins
@@ -585,8 +581,6 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
     def _dst_ids(self, transfer: ReceiveTransfer) -> PageIds:
         """The request's destination pages on the pool's device, made once."""
         if transfer.dst_ids is None:
-            if self._stream is not None:
-                self._stream.bind()  # the upload runs on the scatters' stream, before them
             transfer.dst_ids = prepare_pages(self.pool, transfer.dst_pages)
         return transfer.dst_ids
 

@@ -86,7 +86,6 @@ from pd_transfer.protocol.parts import Part, PartEvent, PartState
 from pd_transfer.ring import StagingRing
 from pd_transfer.staging import (
     PageIds,
-    StagingStream,
     gather,
     prepare_pages,
     staged_chunk_bytes,
@@ -200,9 +199,6 @@ class PrefillSender(Endpoint[SendTransfer]):
         self.staging = StagingRing(staging_bytes)
         self.staging_version = 1
         self.metrics.set_staging(staging_bytes, self.staging_version)
-        self._stream: StagingStream | None = None
-        if pool.device.type == "cuda":
-            self._stream = StagingStream(pool.device)
         self._stage_layers = compute_stage_layers(
             identity.geometry.num_layers, identity.parallelism.pp, identity.coord.pp_rank
         )
@@ -686,14 +682,12 @@ class PrefillSender(Endpoint[SendTransfer]):
                 pages = self._src_ids(transfer).select(out.pages.start, out.pages.stop)
                 heads = stream.plan.heads
                 if self._stream is not None:
+                    # A part whose ready event has fired (``_advance``) has its KV written,
+                    # and its page ids were uploaded on this stream (``thread_started``).
+                    # Ordering it after the default stream's tail would add two CUDA calls
+                    # and make it wait for work queued since (later layers; failure #35).
                     if out.spec.ready is None:
                         self._stream.order()  # after the engine's default stream (no sync)
-                    else:
-                        # Its ready event has fired (``_advance``): the part's KV is written,
-                        # and its page ids were uploaded on this stream (``bind``). Ordering
-                        # after the default stream's tail would add two CUDA calls and make
-                        # the gather wait for work queued since (later layers; failure #35).
-                        self._stream.bind()
                     gather(self.pool, layers, pages, head_start=heads.src_head_offset,
                            num_heads=heads.num_heads, out=view, stream=self._stream.stream)
                     out.gathered = self._stream.record()
@@ -708,8 +702,6 @@ class PrefillSender(Endpoint[SendTransfer]):
         ``extend_request`` added pages since)."""
         ids = transfer.src_ids
         if ids is None or len(ids) != len(transfer.src_pages):
-            if self._stream is not None:
-                self._stream.bind()  # the upload runs on the gathers' stream, before them
             ids = transfer.src_ids = prepare_pages(self.pool, transfer.src_pages)
         return ids
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,7 +105,7 @@ class StagingStream:
     ``order()`` makes it wait for everything queued so far on the device's default stream
     (where an engine that passes no ready event wrote its KV): one reused event, recorded
     and waited on (two CUDA calls, no device sync). A part whose ready event has fired
-    needs no such wait (``bind()`` alone). The kernels are launched on ``stream`` directly
+    needs no such wait. The kernels are launched on ``stream`` directly
     (``gather(..., stream=)``), so no stream switch is needed per chunk.
     """
 
@@ -115,23 +114,18 @@ class StagingStream:
         self._device = self.stream.device_index
         self._default = torch.cuda.default_stream(device)
         self._mark = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._bound = threading.local()
 
     def bind(self) -> None:
-        """Make the calling thread (the endpoint's worker) use the stream's device (a pool
-        on cuda:1 needs no switch per launch) and enqueue all its CUDA work on ``stream``:
-        the page-id uploads and layer tables a gather or scatter reads then run before it
-        on the same stream, not on the engine's stream behind its queued work. Once per
-        thread; the engine's threads keep their own current stream."""
-        if getattr(self._bound, "done", False):
-            return
+        """Make the calling thread (the endpoint's worker, once at its start) use the
+        stream's device (a pool on cuda:1 needs no switch per launch) and enqueue all its
+        CUDA work on ``stream``: the page-id uploads and layer tables a gather or scatter
+        reads then run before it on the same stream, not on the engine's stream behind its
+        queued work. The engine's threads keep their own current stream."""
         torch.cuda.set_device(self._device)
         torch.cuda.set_stream(self.stream)
-        self._bound.done = True
 
     def order(self) -> None:
-        """Called on the thread that enqueues; ``bind`` included."""
-        self.bind()
+        """Make ``stream`` wait for the default stream's queued work (no device sync)."""
         self._mark.record(self._default)
         self.stream.wait_event(self._mark)
 

@@ -33,6 +33,10 @@ class Steppable(Protocol):
         """Set when work arrives that a sleeping worker should start at once."""
         ...
 
+    def thread_started(self) -> None:
+        """Called once on the worker's thread, before its first step."""
+        ...
+
     def step(self) -> bool: ...
 
     def poll_interval_s(self) -> float | None:
@@ -76,6 +80,7 @@ class Worker:
     def _run(self) -> None:
         sleep_s = 0.0
         wakeup = self.endpoint.wakeup
+        self.endpoint.thread_started()
         while not self._stop.is_set():
             try:
                 busy = self.endpoint.step()

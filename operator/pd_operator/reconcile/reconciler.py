@@ -140,6 +140,15 @@ class _Parsed:
     spec_error: str | None
 
 
+@dataclass(frozen=True)
+class _ValidGeneration:
+    """The last valid spec and its roles' revisions: what the pods' transfer gates are
+    judged by while a later spec is refused."""
+
+    pdd: PDDeployment
+    revisions: Mapping[Role, str]
+
+
 class Reconciler:
     """Reconciles PDDeployments through a KubeClient; one instance per operator process.
 
@@ -164,7 +173,7 @@ class Reconciler:
             k for k in CHILD_KINDS if k != PDB or capabilities.pod_disruption_budgets
         )
         self._managed: dict[tuple[str, str], Counter[str]] = {}
-        self._last_valid: dict[tuple[str, str], PDDeployment] = {}
+        self._last_valid: dict[tuple[str, str], _ValidGeneration] = {}
 
     # -- entry point ---------------------------------------------------------------------
 
@@ -198,8 +207,11 @@ class Reconciler:
         parsed = self._parse(body)
         if parsed.pdd is None:
             return self._reconcile_invalid(parsed, namespace, name), "invalid"
-        pdd = self._last_valid[namespace, name] = parsed.pdd
+        pdd = parsed.pdd
         desired = build_children(pdd, self.capabilities)
+        roles = {r: _role(pdd, desired, r) for r in (Role.PREFILL, Role.DECODE)}
+        valid = self._last_valid[namespace, name] = _ValidGeneration(
+            pdd, {r: o.revision for r, o in roles.items()})
         selector = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_DEPLOYMENT}={name}"
         live = {child_key(obj): obj for obj in self.kube.list_children(namespace, selector,
                                                                         self._kinds)}
@@ -220,7 +232,7 @@ class Reconciler:
                 raise
             failure, pending = f"{exc} ({failures + 1} attempts in a row)", exc
         self._set_managed((namespace, name), Counter(m["kind"] for m in desired))
-        pods, roles, fleet = self._observe_fleet(namespace, name, pdd, desired)
+        pods, fleet = self._observe_fleet(namespace, name, valid)
         observed = self._observe(pdd, roles, fleet, live, created=created, failure=failure)
         short = any(short_of_pods(w, pods) for w in observed.workloads)
         if short:
@@ -269,22 +281,20 @@ class Reconciler:
         if last is None:
             self._write_status(parsed, status)
             return True
-        _, _, fleet = self._observe_fleet(namespace, name, last,
-                                          build_children(last, self.capabilities))
+        _, fleet = self._observe_fleet(namespace, name, last)
         self._write_status(parsed, status, transfer_gate_changes(fleet))
-        return self._recheck(last, fleet, None)
+        return self._recheck(last.pdd, fleet, None)
 
     def _observe_fleet(
-        self, namespace: str, name: str, pdd: PDDeployment, desired: Sequence[Obj]
-    ) -> tuple[list[Obj], dict[Role, RoleObservation], FleetObservation]:
-        """The pods of both roles, what each role should be, and the one observation of
-        them and their TransferAgents that every later step reads."""
+        self, namespace: str, name: str, valid: _ValidGeneration
+    ) -> tuple[list[Obj], FleetObservation]:
+        """The pods of both roles and the one observation of them and their TransferAgents
+        (judged by ``valid``'s spec and revisions) that every later step reads."""
         pods = self.kube.list_objects(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}")
         agents = self.kube.list_objects(TRANSFERAGENTS, namespace, f"{LABEL_DEPLOYMENT}={name}")
-        roles = {r: _role(pdd, desired, r) for r in (Role.PREFILL, Role.DECODE)}
-        fleet = observe_fleet(pods, agents, self.clock(), health=pdd.spec.transfer.health,
-                              revisions={r: o.revision for r, o in roles.items()})
-        return pods, roles, fleet
+        fleet = observe_fleet(pods, agents, self.clock(),
+                              health=valid.pdd.spec.transfer.health, revisions=valid.revisions)
+        return pods, fleet
 
     def _apply(self, desired: Sequence[Obj], live: Mapping[Any, Obj], created: list[str]) -> None:
         for manifest in desired:

@@ -42,7 +42,7 @@ from typing import Final
 import torch
 
 from pd_contract.config import LayerPipelineConfig
-from pd_transfer.pipeline import compute_layer_groups
+from pd_transfer.pipeline import compute_layer_groups, record_ready_event
 from pd_transfer.pod_peers import PodConnections
 from pd_transfer.protocol.lifecycle import FailureReason, RequestStatus, State
 from pd_transfer.receiver import DecodeReceiver
@@ -176,7 +176,7 @@ class RankSide:
     def _post(self, parts: list[_Part]) -> None:
         sender = self.endpoint
         assert isinstance(sender, PrefillSender)
-        event = self._ready_event()
+        event = record_ready_event(self.device)
         now = self.clock()
         for part in parts:
             tracked = self._tracked.get(self._by_room.get(part.room, ""))
@@ -190,13 +190,6 @@ class RankSide:
                     last=part.last)
             self._watch(sender.send_part(part.room, part.pages, part.layers, last=part.last,
                                          ready_event=event), part.room)
-
-    def _ready_event(self) -> torch.cuda.Event | None:
-        if self.device.type != "cuda":
-            return None  # on CPU the layer's KV is in place when its attention returned
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.device))
-        return event
 
     def start_loads(self) -> None:
         """``start_load_kv``: ask prefill for every load planned this step."""

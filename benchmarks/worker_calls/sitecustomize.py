@@ -8,8 +8,13 @@ interpreter's GIL switch interval (seconds) in every process. `PD_PROBE_LAUNCH=1
 beside each worker, a thread that every ~1 ms launches a one-element kernel on its own
 stream twice in a row and times both launches (the first after its wait, the second right
 after the first), then does the same with a staging gather (the worker's own Triton kernel,
-1K tokens of 16 layers): the same launches in the same process, off the worker. Not used by
-the product.
+1K tokens of 16 layers): the same launches in the same process, off the worker.
+`PD_EVENT_TIMES` (a file) instead times each gather/scatter the workers enqueue on their
+staging stream: its host enqueue, its device time (timing events recorded on that stream
+just before and after it) and when it finished as seen from the host (a thread of the
+probe's own blocks on each end event in turn: the soonest any worker could know). Finished
+minus enqueue end minus device time is how long the kernel waited to run: behind earlier
+work on the stream, or for the GPU to switch to this process's context. Not used by the product.
 """
 
 from __future__ import annotations
@@ -142,5 +147,72 @@ def _probe(owner: Any) -> None:
         _durations.setdefault("probe gather, right after", []).append(t5 - t4)
 
 
+def _install_event_times(path: str) -> None:
+    import queue  # noqa: PLC0415 - only when timing is asked for
+
+    import torch  # noqa: PLC0415
+
+    from pd_transfer import receiver, sender, worker  # noqa: PLC0415
+
+    # label -> [(enqueue start, enqueue end, start event, end event, finished)]
+    calls: dict[str, list[list[Any]]] = {}
+    ends: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+
+    def stamp_finished() -> None:  # the end events of one stream fire in order
+        while True:
+            row = ends.get()
+            row[3].synchronize()
+            row[4] = time.perf_counter()
+
+    threading.Thread(target=stamp_finished, name="event-times", daemon=True).start()
+
+    def timed(module: Any, label: str) -> None:
+        original: Callable[..., Any] = getattr(module, label)
+
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            stream = kwargs.get("stream")
+            if stream is None:
+                return original(*args, **kwargs)
+            start, end = (torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                          for _ in range(2))
+            t0 = time.perf_counter()
+            start.record(stream)
+            result = original(*args, **kwargs)
+            end.record(stream)
+            row = [t0, time.perf_counter(), start, end, None]
+            calls.setdefault(label, []).append(row)
+            ends.put(row)
+            return result
+
+        setattr(module, label, call)
+
+    timed(sender, "gather")
+    timed(receiver, "scatter")
+    stop = worker.Worker.stop
+
+    def stop_and_report(self: worker.Worker, *args: Any, **kwargs: Any) -> None:
+        torch.cuda.synchronize()
+        time.sleep(0.1)  # the stamping thread's last rows
+        lines = [f"== pid {os.getpid()} {self._thread.name}"]
+        for label, made in calls.items():
+            rows = [((t1 - t0) * 1e6, start.elapsed_time(end) * 1e3, (done - t1) * 1e6)
+                    for t0, t1, start, end, done in made if done is not None]
+            for name, column in (("host enqueue", 0), ("device", 1),
+                                 ("enqueue end -> finished", 2)):
+                ordered = sorted(r[column] for r in rows)
+                lines.append(f"  {label:8s} {name:24s} n={len(ordered):5d} "
+                             f"med={statistics.median(ordered):8.1f}us "
+                             f"p90={ordered[int(0.9 * (len(ordered) - 1))]:8.1f}us")
+        with open(path, "a") as out:
+            fcntl.flock(out, fcntl.LOCK_EX)
+            out.write("\n".join(lines) + "\n")
+        stop(self, *args, **kwargs)
+
+    worker.Worker.stop = stop_and_report  # type: ignore[method-assign]
+
+
 if os.environ.get("PD_TIME_CALLS"):
     _install(os.environ["PD_TIME_CALLS"])
+elif os.environ.get("PD_EVENT_TIMES"):
+    _install_event_times(os.environ["PD_EVENT_TIMES"])

@@ -216,3 +216,45 @@ def test_staged_part_is_written_while_the_engine_stream_runs_later_work() -> Non
         torch.cuda.synchronize()
         prefill.close()
         decode.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_staged_scatter_waits_for_engine_work_queued_on_its_pages_before_the_request() -> None:
+    """Decode's scatters run after whatever the engine queued on its default stream before
+    the request started (there: the last kernels of the pages' previous owner). Here decode
+    queues a ~1 s kernel and then zeroes the request's pages on that stream just before
+    ``expect``: a scatter that did not wait would be overwritten by the zeros, and the KV
+    would not match. The stream is ordered once per request, when it starts."""
+    gpu_model = ReferenceModel(MODEL, seed=7, device="cuda")
+    decode = DecodeProcess(DecodeSpec(
+        model=MODEL, dtype=torch.float32, page_size=PAGE, num_pages=NUM_PAGES, tp=2,
+        device="cuda", link="nvlink", ring_bytes=1 << 20, mode="staged", seed=7,
+        torch_threads=1,
+    ))
+    prefill = PrefillPeer(gpu_model, num_pages=NUM_PAGES, page_size=PAGE,
+                          staging_bytes=1 << 20, auth=decode.auth)
+    src, dst = list(SRC_PAGES[:10]), list(DST_PAGES[:10])
+    try:
+        prefill.connect(decode)
+        token_ids = torch.randint(0, MODEL.vocab_size, (NUM_TOKENS,),
+                                  generator=torch.Generator().manual_seed(5))
+        ChunkForward(gpu_model, token_ids, pools=(prefill.pool,), page_table=src,
+                     start_pos=0)(range(MODEL.num_layers))
+        torch.cuda.synchronize()
+        for room, busy_cycles in (("warm-up", 0), ("busy-decode-stream", 2_000_000_000)):
+            prefill.sender.register_request(room, src, NUM_TOKENS).result(10.0)
+            assert decode.ask("expect", room, dst, NUM_TOKENS, busy_cycles) == "ok"
+            prefill.wait_transferring(room)
+            prefill.send_part(room, last=True)
+            result = decode.ask("wait", room, dst, 60.0)
+            assert result["states"] == ["Succeeded", "Succeeded"], (room, result)
+            assert prefill.wait_finished(room) == "Succeeded"
+            digests = decode.ask("digest", dst)
+            for rank, digest in enumerate(digests):
+                expected = kv_digest(prefill.pool, src, model_heads(2, rank))
+                assert digest == expected, f"{room}: rank {rank}'s KV was overwritten"
+    finally:
+        torch.cuda.synchronize()
+        prefill.close()
+        decode.close()

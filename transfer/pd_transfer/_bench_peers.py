@@ -264,8 +264,9 @@ def _decode_main(conn: Connection, spec: DecodeSpec) -> None:
     """The decode process: build the ranks, then serve (command, *args) until "exit"."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     torch.set_num_threads(spec.torch_threads)
-    if spec.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(spec.device))
+    device = torch.device(spec.device)
+    if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current one
+        torch.cuda.set_device(device)
     ranks = [_DecodeRank(spec, r) for r in range(spec.tp)]
     conn.send([r.receiver.document().model_dump_json() for r in ranks])
     model: ReferenceModel | None = None
@@ -277,12 +278,18 @@ def _decode_main(conn: Connection, spec: DecodeSpec) -> None:
                 r.receiver.add_peer_document(document).result(30.0)
             conn.send("ok")
         elif command == "expect":
-            room, pages, num_tokens = args
-            for r in ranks:  # a stale pool from an earlier run must not pass verification
-                for pool in {id(p): p for p in (r.pool, r.usable_pool())}.values():
-                    slots = pool.pages_to_tokens(list(pages))
-                    for tensor in pool.tensors():
-                        tensor.index_fill_(1, slots, 0)
+            # busy_cycles (CUDA): the engine's stream runs a kernel that long before the
+            # poisoning below, so the poison lands late unless the scatters wait for it.
+            room, pages, num_tokens, *busy_cycles = args
+            pools = [p for r in ranks for p in {id(p): p for p in (r.pool, r.usable_pool())
+                                                   }.values()]
+            slots = [p.pages_to_tokens(list(pages)) for p in pools]  # before: these sync
+            if busy_cycles and busy_cycles[0]:
+                torch.cuda._sleep(busy_cycles[0])  # type: ignore[no-untyped-call]
+            for pool, pool_slots in zip(pools, slots, strict=True):
+                for tensor in pool.tensors():  # a stale pool must not pass verification
+                    tensor.index_fill_(1, pool_slots, 0)
+            for r in ranks:
                 r.receiver.expect(room, pages, num_tokens).result(30.0)
             conn.send("ok")
         elif command == "wait":

@@ -566,7 +566,6 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         local_layers = range(layers.start + first, layers.stop + first)
         dst_pages = self._dst_ids(transfer).select(pages.start, pages.stop)
         if self._stream is not None:
-            self._stream.order()  # after the engine's default stream (no device sync)
             scatter(view, self.pool, local_layers, dst_pages,
                     head_start=plan.heads.dst_head_offset, num_heads=plan.heads.num_heads,
                     stream=self._stream.stream)
@@ -579,9 +578,15 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             self._landed(transfer, writer, part)
 
     def _dst_ids(self, transfer: ReceiveTransfer) -> PageIds:
-        """The request's destination pages on the pool's device, made once."""
+        """The request's destination pages on the pool's device, made once (when the
+        request starts). CUDA: the scatters' stream is then ordered after everything the
+        engine queued on its default stream so far, which includes the last kernels of
+        these pages' previous owners; once per request, since the engine queues nothing on
+        the pages while they load."""
         if transfer.dst_ids is None:
             transfer.dst_ids = prepare_pages(self.pool, transfer.dst_pages)
+            if self._stream is not None:
+                self._stream.order()
         return transfer.dst_ids
 
     def _landed(self, transfer: ReceiveTransfer, writer: _Writer, part: _InPart) -> None:

@@ -7,9 +7,11 @@
 # selftest's staged runs (bit-exact); then `pd-transfer bench transfer --ready-events` with
 # one request in flight throughout, with PD_EVENT_TIMES
 # (benchmarks/worker_calls/sitecustomize.py): per rank worker, each call's host enqueue,
-# its device time and when it finished as seen from the host; last `pd-transfer bench
-# pipeline` on the staged path (TP 2 -> 4).
-# Usage: benchmarks/event_times_gpu.sh OUT_DIR WHEELS
+# its device time and when it finished as seen from the host; then `pd-transfer bench
+# pipeline` on the staged path (TP 2 -> 4). With BEFORE_TREE (a copy of an earlier commit's
+# transfer/ directory), last: `bench transfer --ready-events` at 1K tokens alternating that
+# tree and this one, twice each.
+# Usage: benchmarks/event_times_gpu.sh OUT_DIR WHEELS [BEFORE_TREE]
 set -o pipefail
 out=${1:?usage: event_times_gpu.sh OUT_DIR WHEELS}
 wheels=${2:?WHEELS}
@@ -35,4 +37,17 @@ timeout 150 python3 -m pd_transfer.cli bench pipeline --device cuda:0 --link nvl
   --prefill-tp 2 --decode-tp 4 --prefill-buffer-mib 1536 --decode-pool-mib 1536 \
   --lengths 1024,4096 --repeats 3 --json "$out/$name.json" --timeline "$out/$name.png" 2>&1 \
   | grep -v "NIXL INFO\|UCX  WARN" | tee -a "$log"
+[ -n "${3:-}" ] || exit 0
+before=$(realpath "$3")
+for round in 1 2; do
+  for tree in "$before" "$PWD/transfer"; do
+    name=bench_transfer_gpu_${gpu}_event_times_$([ "$tree" = "$before" ] && echo before \
+      || echo after)_$round
+    echo "== $name" | tee -a "$log"
+    PYTHONPATH=/tmp/site:$PWD/contract:$PWD:$tree timeout 100 python3 -m pd_transfer.cli \
+      bench transfer --device cuda --repeats 10 --waves 2 --lengths 1024 --paths raw,staged \
+      --ready-events --json "$out/$name.json" 2>&1 | grep -v "NIXL INFO\|UCX  WARN" \
+      | grep "tok" | tee -a "$log"
+  done
+done
 exit 0

@@ -162,13 +162,14 @@ def clone(pool: KVPool) -> KVPool:
     return KVPool(pool.layout, pool.k.clone(), None if pool.v is None else pool.v.clone())
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_staged_part_is_written_while_the_engine_stream_runs_later_work() -> None:
-    """A part whose ready event has fired is gathered, written and scattered while the
-    engine's stream still runs later work (here a long sleep kernel standing in for the next
-    layers' forward). Ordered after that stream's tail instead, every part of a
-    layer-pipelined forward waited for the whole forward (docs/failure-modes.md #35)."""
+SRC, DST = list(SRC_PAGES[:10]), list(DST_PAGES[:10])
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def gpu_staged() -> Iterator[tuple[PrefillPeer, DecodeProcess]]:
+    """Prefill (this process) and decode (TP 2, staged) on the GPU, connected, prefill's
+    pages SRC holding one forward's KV."""
     gpu_model = ReferenceModel(MODEL, seed=7, device="cuda")
     decode = DecodeProcess(DecodeSpec(
         model=MODEL, dtype=torch.float32, page_size=PAGE, num_pages=NUM_PAGES, tp=2,
@@ -177,84 +178,82 @@ def test_staged_part_is_written_while_the_engine_stream_runs_later_work() -> Non
     ))
     prefill = PrefillPeer(gpu_model, num_pages=NUM_PAGES, page_size=PAGE,
                           staging_bytes=1 << 20, auth=decode.auth)
-    src, dst = list(SRC_PAGES[:10]), list(DST_PAGES[:10])
+    try:
+        prefill.connect(decode)
+        token_ids = torch.randint(0, MODEL.vocab_size, (NUM_TOKENS,),
+                                  generator=torch.Generator().manual_seed(3))
+        ChunkForward(gpu_model, token_ids, pools=(prefill.pool,), page_table=SRC,
+                     start_pos=0)(range(MODEL.num_layers))
+        torch.cuda.synchronize()
+        yield prefill, decode
+    finally:
+        torch.cuda.synchronize()
+        prefill.close()
+        decode.close()
+
+
+def assert_decode_holds_prefill_kv(prefill: PrefillPeer, decode: DecodeProcess,
+                                   room: str) -> None:
+    for rank, digest in enumerate(decode.ask("digest", DST)):
+        expected = kv_digest(prefill.pool, SRC, model_heads(2, rank))
+        assert digest == expected, f"{room}: rank {rank}'s KV differs from prefill's"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_staged_part_is_written_while_the_engine_stream_runs_later_work(
+    gpu_staged: tuple[PrefillPeer, DecodeProcess],
+) -> None:
+    """A part whose ready event has fired is gathered, written and scattered while the
+    engine's stream still runs later work (here a long sleep kernel standing in for the next
+    layers' forward). Ordered after that stream's tail instead, every part of a
+    layer-pipelined forward waited for the whole forward (docs/failure-modes.md #35)."""
+    prefill, decode = gpu_staged
 
     def send(room: str, busy: bool) -> tuple[dict[str, Any], bool]:
         """One request's KV, its part given a fired-by-then ready event; with ``busy``, a
         10-20 s kernel queued on the engine's stream after that event. Returns decode's
         result and whether that kernel still ran when decode had everything."""
-        prefill.sender.register_request(room, src, NUM_TOKENS).result(10.0)
-        assert decode.ask("expect", room, dst, NUM_TOKENS) == "ok"
+        prefill.sender.register_request(room, SRC, NUM_TOKENS).result(10.0)
+        assert decode.ask("expect", room, DST, NUM_TOKENS) == "ok"
         prefill.wait_transferring(room)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record()
         if busy:
             torch.cuda._sleep(40_000_000_000)  # type: ignore[no-untyped-call]
         prefill.send_part(room, last=True, ready_event=ready)
-        result = decode.ask("wait", room, dst, 60.0)
+        result = decode.ask("wait", room, DST, 60.0)
         still_busy = not torch.cuda.default_stream().query()
         torch.cuda.synchronize()
         assert prefill.wait_finished(room) == "Succeeded"
         return result, still_busy
 
-    try:
-        prefill.connect(decode)
-        token_ids = torch.randint(0, MODEL.vocab_size, (NUM_TOKENS,),
-                                  generator=torch.Generator().manual_seed(3))
-        ChunkForward(gpu_model, token_ids, pools=(prefill.pool,), page_table=src,
-                     start_pos=0)(range(MODEL.num_layers))
-        # The first staged transfer compiles the staging kernels and maps the peer's memory.
-        warm, _ = send("warm-up", busy=False)
-        assert warm["states"] == ["Succeeded", "Succeeded"], warm
-        result, still_busy = send("busy-engine-stream", busy=True)
-        assert result["states"] == ["Succeeded", "Succeeded"], result
-        assert still_busy, "the part waited for later work on the engine's stream"
-        digests = decode.ask("digest", dst)
-        for rank, digest in enumerate(digests):
-            assert digest == kv_digest(prefill.pool, src, model_heads(2, rank)), f"rank {rank}"
-    finally:
-        torch.cuda.synchronize()
-        prefill.close()
-        decode.close()
+    # The first staged transfer compiles the staging kernels and maps the peer's memory.
+    warm, _ = send("warm-up", busy=False)
+    assert warm["states"] == ["Succeeded", "Succeeded"], warm
+    result, still_busy = send("busy-engine-stream", busy=True)
+    assert result["states"] == ["Succeeded", "Succeeded"], result
+    assert still_busy, "the part waited for later work on the engine's stream"
+    assert_decode_holds_prefill_kv(prefill, decode, "busy-engine-stream")
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_staged_scatter_waits_for_engine_work_queued_on_its_pages_before_the_request() -> None:
+@needs_cuda
+def test_staged_scatter_waits_for_engine_work_queued_on_its_pages_before_the_request(
+    gpu_staged: tuple[PrefillPeer, DecodeProcess],
+) -> None:
     """Decode's scatters run after whatever the engine queued on its default stream before
     the request started (there: the last kernels of the pages' previous owner). Here decode
     queues a ~1 s kernel and then zeroes the request's pages on that stream just before
     ``expect``: a scatter that did not wait would be overwritten by the zeros, and the KV
     would not match. The stream is ordered once per request, when it starts."""
-    gpu_model = ReferenceModel(MODEL, seed=7, device="cuda")
-    decode = DecodeProcess(DecodeSpec(
-        model=MODEL, dtype=torch.float32, page_size=PAGE, num_pages=NUM_PAGES, tp=2,
-        device="cuda", link="nvlink", ring_bytes=1 << 20, mode="staged", seed=7,
-        torch_threads=1,
-    ))
-    prefill = PrefillPeer(gpu_model, num_pages=NUM_PAGES, page_size=PAGE,
-                          staging_bytes=1 << 20, auth=decode.auth)
-    src, dst = list(SRC_PAGES[:10]), list(DST_PAGES[:10])
-    try:
-        prefill.connect(decode)
-        token_ids = torch.randint(0, MODEL.vocab_size, (NUM_TOKENS,),
-                                  generator=torch.Generator().manual_seed(5))
-        ChunkForward(gpu_model, token_ids, pools=(prefill.pool,), page_table=src,
-                     start_pos=0)(range(MODEL.num_layers))
-        torch.cuda.synchronize()
-        for room, busy_cycles in (("warm-up", 0), ("busy-decode-stream", 2_000_000_000)):
-            prefill.sender.register_request(room, src, NUM_TOKENS).result(10.0)
-            assert decode.ask("expect", room, dst, NUM_TOKENS, busy_cycles) == "ok"
-            prefill.wait_transferring(room)
-            prefill.send_part(room, last=True)
-            result = decode.ask("wait", room, dst, 60.0)
-            assert result["states"] == ["Succeeded", "Succeeded"], (room, result)
-            assert prefill.wait_finished(room) == "Succeeded"
-            digests = decode.ask("digest", dst)
-            for rank, digest in enumerate(digests):
-                expected = kv_digest(prefill.pool, src, model_heads(2, rank))
-                assert digest == expected, f"{room}: rank {rank}'s KV was overwritten"
-    finally:
-        torch.cuda.synchronize()
-        prefill.close()
-        decode.close()
+    prefill, decode = gpu_staged
+    for room, busy_cycles in (("warm-up", 0), ("busy-decode-stream", 2_000_000_000)):
+        prefill.sender.register_request(room, SRC, NUM_TOKENS).result(10.0)
+        assert decode.ask("expect", room, DST, NUM_TOKENS, busy_cycles) == "ok"
+        prefill.wait_transferring(room)
+        prefill.send_part(room, last=True)
+        result = decode.ask("wait", room, DST, 60.0)
+        assert result["states"] == ["Succeeded", "Succeeded"], (room, result)
+        assert prefill.wait_finished(room) == "Succeeded"
+        assert_decode_holds_prefill_kv(prefill, decode, room)

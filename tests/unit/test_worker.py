@@ -35,6 +35,27 @@ def test_a_command_does_not_wait_for_the_idle_sleep() -> None:
     assert not sender.wakeup.is_set() or sender.wakeup.wait(0)  # consumed or harmless
 
 
+def test_a_worker_whose_thread_setup_fails_still_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``thread_started`` (on CUDA: binding the thread to the staging stream) raising must
+    not end the loop silently: every request would hang instead of failing. A stand-in
+    raises, since a real device error cannot be produced here."""
+    cluster = Cluster()
+    sender = cluster.senders[0]
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: no device")
+
+    monkeypatch.setattr(sender, "thread_started", broken)
+    worker = Worker(sender, "test-setup-fails").start()
+    try:
+        assert sender.submit(lambda: "served").result(timeout=5.0) == "served"
+        assert worker.loop_errors == 1
+    finally:
+        worker.stop(close=False)
+
+
 def test_submit_sets_the_wakeup_event() -> None:
     cluster = Cluster()
     sender = cluster.senders[0]

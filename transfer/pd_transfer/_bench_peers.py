@@ -283,7 +283,8 @@ def _decode_main(conn: Connection, spec: DecodeSpec) -> None:
             room, pages, num_tokens, *busy_cycles = args
             pools = [p for r in ranks for p in {id(p): p for p in (r.pool, r.usable_pool())
                                                    }.values()]
-            slots = [p.pages_to_tokens(list(pages)) for p in pools]  # before: these sync
+            # Before the kernel: their page-id upload would wait for it.
+            slots = [p.pages_to_tokens(list(pages)) for p in pools]
             if busy_cycles and busy_cycles[0]:
                 torch.cuda._sleep(busy_cycles[0])  # type: ignore[no-untyped-call]
             for pool, pool_slots in zip(pools, slots, strict=True):

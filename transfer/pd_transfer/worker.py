@@ -80,7 +80,12 @@ class Worker:
     def _run(self) -> None:
         sleep_s = 0.0
         wakeup = self.endpoint.wakeup
-        self.endpoint.thread_started()
+        try:
+            self.endpoint.thread_started()
+        except Exception:  # the loop still runs: its requests fail or time out, not hang
+            self.loop_errors += 1
+            _log.exception("transfer worker %s could not set up its thread",
+                           threading.current_thread().name)
         while not self._stop.is_set():
             try:
                 busy = self.endpoint.step()

@@ -12,6 +12,7 @@ Succeeded; and decode's next-token logits computed from the transferred KV equal
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -166,14 +167,15 @@ SRC, DST = list(SRC_PAGES[:10]), list(DST_PAGES[:10])
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture
-def gpu_staged() -> Iterator[tuple[PrefillPeer, DecodeProcess]]:
-    """Prefill (this process) and decode (TP 2, staged) on the GPU, connected, prefill's
-    pages SRC holding one forward's KV."""
+@contextlib.contextmanager
+def gpu_pair(decode_tp: int) -> Iterator[tuple[PrefillPeer, DecodeProcess]]:
+    """Prefill (this process) and decode (TP 1: contiguous path; TP 2: staged) on the GPU,
+    connected, prefill's pages SRC holding one forward's KV."""
     gpu_model = ReferenceModel(MODEL, seed=7, device="cuda")
     decode = DecodeProcess(DecodeSpec(
-        model=MODEL, dtype=torch.float32, page_size=PAGE, num_pages=NUM_PAGES, tp=2,
-        device="cuda", link="nvlink", ring_bytes=1 << 20, mode="staged", seed=7,
+        model=MODEL, dtype=torch.float32, page_size=PAGE, num_pages=NUM_PAGES, tp=decode_tp,
+        device="cuda", link="nvlink", ring_bytes=1 << 20,
+        mode="auto" if decode_tp == 1 else "staged", seed=7,
         torch_threads=1,
     ))
     prefill = PrefillPeer(gpu_model, num_pages=NUM_PAGES, page_size=PAGE,
@@ -192,10 +194,17 @@ def gpu_staged() -> Iterator[tuple[PrefillPeer, DecodeProcess]]:
         decode.close()
 
 
+@pytest.fixture
+def gpu_staged() -> Iterator[tuple[PrefillPeer, DecodeProcess]]:
+    with gpu_pair(decode_tp=2) as pair:
+        yield pair
+
+
 def assert_decode_holds_prefill_kv(prefill: PrefillPeer, decode: DecodeProcess,
                                    room: str) -> None:
-    for rank, digest in enumerate(decode.ask("digest", DST)):
-        expected = kv_digest(prefill.pool, SRC, model_heads(2, rank))
+    digests = decode.ask("digest", DST)
+    for rank, digest in enumerate(digests):
+        expected = kv_digest(prefill.pool, SRC, model_heads(len(digests), rank))
         assert digest == expected, f"{room}: rank {rank}'s KV differs from prefill's"
 
 
@@ -256,4 +265,32 @@ def test_staged_scatter_waits_for_engine_work_queued_on_its_pages_before_the_req
         result = decode.ask("wait", room, DST, 60.0)
         assert result["states"] == ["Succeeded", "Succeeded"], (room, result)
         assert prefill.wait_finished(room) == "Succeeded"
+        assert_decode_holds_prefill_kv(prefill, decode, room)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("decode_tp", [1, 2], ids=["contiguous", "staged"])
+def test_a_part_without_ready_event_waits_for_the_default_streams_earlier_work(
+    decode_tp: int,
+) -> None:
+    """A part sent without a ready event is read after what the device's default stream held
+    at ``send_part``. Here prefill queues a ~1 s kernel and then overwrites its pages on that
+    stream just before ``send_part``: the contiguous path's WRITE, posted at once, read the
+    pages before the overwrite (decode got the old KV); the staged gather waited
+    (docs/failure-modes.md #37)."""
+    with gpu_pair(decode_tp) as (prefill, decode):
+        room = f"late-write-{decode_tp}"
+        prefill.sender.register_request(room, SRC, NUM_TOKENS).result(10.0)
+        assert decode.ask("expect", room, DST, NUM_TOKENS) == "ok"
+        prefill.wait_transferring(room)
+        slots = prefill.pool.pages_to_tokens(SRC)  # before the kernel: its upload would wait
+        torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]
+        for tensor in prefill.pool.tensors():
+            tensor.index_fill_(1, slots, 0.25)
+        prefill.send_part(room, last=True)
+        result = decode.ask("wait", room, DST, 60.0)
+        assert result["states"] == ["Succeeded"] * decode_tp, result
+        assert prefill.wait_finished(room) == "Succeeded"
+        torch.cuda.synchronize()
         assert_decode_holds_prefill_kv(prefill, decode, room)

@@ -111,7 +111,7 @@ def _add_transfer_parser(kinds: argparse._SubParsersAction[argparse.ArgumentPars
                         "asks with an AllocRequest; default: the receiver's)")
     p.add_argument("--ready-events", action="store_true",
                    help="cuda: give each part a CUDA event recorded at send_part, as the "
-                        "engine connectors do (default: none; the gather then waits for the "
+                        "engine connectors do (default: none; send_part then marks the "
                         "default stream)")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--chart", type=Path, default=None, help="write the PNG of phases here")

@@ -235,8 +235,13 @@ class PrefillSender(Endpoint[SendTransfer]):
         ready_event: ReadyEvent | None = None,
     ) -> Future[None]:
         """Send request pages ``pages`` (indices into the registered page list; all by
-        default) of global ``layers`` (this stage's by default) once ``ready_event`` fired."""
+        default) of global ``layers`` (this stage's by default) once ``ready_event`` fired.
+        CUDA without one: the KV was written on the device's default stream, and the part is
+        read after what that stream held at this call (an event recorded there now;
+        docs/failure-modes.md #37)."""
         given = self.clock()
+        if ready_event is None and self._stream is not None:
+            ready_event = self._stream.mark_default()
         return self.submit(lambda: self._add_part(room, pages, layers, last, ready_event,
                                                   given))
 
@@ -682,12 +687,10 @@ class PrefillSender(Endpoint[SendTransfer]):
                 pages = self._src_ids(transfer).select(out.pages.start, out.pages.stop)
                 heads = stream.plan.heads
                 if self._stream is not None:
-                    # A part whose ready event has fired (``_advance``) has its KV written,
-                    # and its page ids were uploaded on this stream (``thread_started``).
-                    # Ordering it after the default stream's tail would add two CUDA calls
-                    # and make it wait for work queued since (later layers; failure #35).
-                    if out.spec.ready is None:
-                        self._stream.order()  # after the engine's default stream (no sync)
+                    # Its ready event has fired (``_advance``; on CUDA every part has one):
+                    # its KV is written, and its page ids were uploaded on this stream
+                    # (``thread_started``). Ordering it after the default stream's tail
+                    # would make it wait for work queued since (later layers; failure #35).
                     gather(self.pool, layers, pages, head_start=heads.src_head_offset,
                            num_heads=heads.num_heads, out=view, stream=self._stream.stream)
                     out.gathered = self._stream.record()

@@ -103,9 +103,10 @@ class StagingStream:
     """The CUDA stream an endpoint's gathers or scatters run on, off the engine's stream.
 
     ``order()`` makes it wait for everything queued so far on the device's default stream
-    (where an engine that passes no ready event wrote its KV): one reused event, recorded
-    and waited on (two CUDA calls, no device sync). A part whose ready event has fired
-    needs no such wait. The kernels are launched on ``stream`` directly
+    (decode, once per request: the pages' previous owner's last kernels): one reused event,
+    recorded and waited on (two CUDA calls, no device sync). ``mark_default()`` is the event
+    a prefill part sent without a ready event waits for. The kernels are launched on
+    ``stream`` directly
     (``gather(..., stream=)``), so no stream switch is needed per chunk.
     """
 
@@ -128,6 +129,13 @@ class StagingStream:
         """Make ``stream`` wait for the default stream's queued work (no device sync)."""
         self._mark.record(self._default)
         self.stream.wait_event(self._mark)
+
+    def mark_default(self) -> torch.cuda.Event:
+        """A new event that fires when the work queued so far on the device's default stream
+        has run (any thread may call it)."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._default)
+        return event
 
     def record(self) -> torch.cuda.Event:
         """A new event that fires when the work queued so far on ``stream`` has run."""

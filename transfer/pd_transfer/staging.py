@@ -102,19 +102,17 @@ class PageIds:
 class StagingStream:
     """The CUDA stream an endpoint's gathers or scatters run on, off the engine's stream.
 
-    ``order()`` makes it wait for everything queued so far on the device's default stream
-    (decode, once per request: the pages' previous owner's last kernels): one reused event,
-    recorded and waited on (two CUDA calls, no device sync). ``mark_default()`` is the event
-    a prefill part sent without a ready event waits for. The kernels are launched on
-    ``stream`` directly
-    (``gather(..., stream=)``), so no stream switch is needed per chunk.
+    The kernels are launched on ``stream`` directly (``gather(..., stream=)``), so no stream
+    switch is needed per chunk. ``order()`` makes the stream wait for everything queued so
+    far on the device's default stream (decode, once per request: the last kernels of the
+    pages' previous owner), with no device sync. ``mark_default()`` is the event a prefill
+    part sent without a ready event waits for; ``record()`` marks this stream's own work.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self._device = self.stream.device_index
         self._default = torch.cuda.default_stream(device)
-        self._mark = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
     def bind(self) -> None:
         """Make the calling thread (the endpoint's worker, once at its start) use the
@@ -127,21 +125,22 @@ class StagingStream:
 
     def order(self) -> None:
         """Make ``stream`` wait for the default stream's queued work (no device sync)."""
-        self._mark.record(self._default)
-        self.stream.wait_event(self._mark)
+        self.stream.wait_event(self.mark_default())
 
     def mark_default(self) -> torch.cuda.Event:
-        """A new event that fires when the work queued so far on the device's default stream
+        """An event that fires when the work queued so far on the device's default stream
         has run (any thread may call it)."""
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self._default)
-        return event
+        return _event_after(self._default)
 
     def record(self) -> torch.cuda.Event:
-        """A new event that fires when the work queued so far on ``stream`` has run."""
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self.stream)
-        return event
+        """An event that fires when the work queued so far on ``stream`` has run."""
+        return _event_after(self.stream)
+
+
+def _event_after(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(stream)
+    return event
 
 
 def prepare_pages(pool: KVPool, page_ids: Sequence[int]) -> PageIds:

@@ -314,16 +314,18 @@ def test_killed_decode_leaves_the_router_goes_stale_and_comes_back(cluster: Clus
     assert record is not None
     killed = time.monotonic()
     os.killpg(record.pid, signal.SIGKILL)  # the server and its engine-core process
+    # The budgets below cover a host stall (2 cores: the kernel has reported a CPU stuck
+    # for 30-80 s); the figures printed are what this run took.
     wait_for("the router down to one decode engine", lambda: cluster.router_metric(
-        "pd_router_endpoints", role="decode") == 1.0, 20)
+        "pd_router_endpoints", role="decode") == 1.0, 120)
     dropped = time.monotonic()
     stale = wait_for(f"{victim} listed stale", lambda: (
         t if victim in (t := (cluster.pdd().get("status") or {}).get("transfer") or {}).get(
-            "stalePods", []) else None), STALE_S + 30)
+            "stalePods", []) else None), STALE_S + 120)
     assert victim in stale["stalePods"]
     gate = wait_for(f"{victim}'s transfer gate False", lambda: (
         g if (g := cluster.pod_condition(victim, "pd.serving.dev/transfer-ready")).get(
-            "status") == "False" else None), 30)
+            "status") == "False" else None), 120)
     print(f"{victim} killed: out of the router after {dropped - killed:.1f} s, gate "
           f"{gate.get('reason')} after {time.monotonic() - killed:.1f} s")
     served = cluster.window(dropped + 1.0, time.monotonic())
@@ -425,9 +427,11 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
     assert complete(target, PROMPTS[0], MAX_TOKENS, timeout_s=240).token_ids == (
         cluster.expected[len(PROMPTS[0])])
     # Both pods report through their sidecars.
+    # A report interval past the busy engine's late answers (its sidecar's /metrics reads
+    # time out while a request runs for tens of seconds on 2 cores).
     healthy = wait_for("EngineNative TransferHealthy=True", lambda: (
         c if (c := _condition(cluster, NATIVE, "TransferHealthy")).get("status") == "True"
-        else None), 60)
+        else None), 180)
     print(f"EngineNative transfer health: {healthy['message']}")
 
     def reports() -> dict[str, Obj]:
@@ -449,6 +453,7 @@ def _condition(cluster: Cluster, name: str, type_: str) -> Obj:
 
 
 MISMATCHED = f"{NAME}-kv-mismatch"
+UNHEALTHY_WITHIN_S = 150
 
 
 def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_router(
@@ -482,7 +487,11 @@ def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_rou
     assert router is not None
     started = time.monotonic()
     answers = Counter()
-    while time.monotonic() - started < 30 and _condition(
+    # Requests go on until the condition turns: a sidecar sees the failures at its first
+    # reading after them. On 2 cores a CPU has been stuck for 30-80 s at a time (engines,
+    # API server and agents all stopped), so the budget is several report intervals past
+    # such a stall.
+    while time.monotonic() - started < UNHEALTHY_WITHIN_S and _condition(
             cluster, MISMATCHED, "TransferHealthy").get("status") != "False":
         try:
             complete(router, PROMPTS[1], MAX_TOKENS, timeout_s=60)
@@ -491,7 +500,7 @@ def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_rou
             answers[str(exc).split(":")[0]] += 1
     unhealthy = wait_for("TransferHealthy=False", lambda: (
         c if (c := _condition(cluster, MISMATCHED, "TransferHealthy")).get("status")
-        == "False" else None), 30)
+        == "False" else None), 60)
     noticed = time.monotonic() - started
     print(f"mismatched decode: answers {dict(answers)}; TransferHealthy=False after "
           f"{noticed:.1f} s: {unhealthy['reason']}: {unhealthy['message']}")
@@ -499,13 +508,13 @@ def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_rou
     assert decode in unhealthy["message"]
     gate = wait_for(f"{decode}'s transfer gate False", lambda: (
         g if (g := cluster.pod_condition(decode, "pd.serving.dev/transfer-ready")).get(
-            "status") == "False" else None), 30)
+            "status") == "False" else None), 120)
     assert decode in gate.get("message", "") or gate.get("reason")
     events = cluster.core.list_namespaced_event(
         cluster.namespace, field_selector=f"involvedObject.name={MISMATCHED}").items
     assert any(e.type == "Warning" and decode in (e.message or "") for e in events)
     wait_for("the router without a decode engine", lambda: cluster.router_metric_of(
-        MISMATCHED, "pd_router_endpoints", role="decode") == 0.0, 30)
+        MISMATCHED, "pd_router_endpoints", role="decode") == 0.0, 120)
 
 
 def _wait_serving(cluster: Cluster, name: str) -> None:

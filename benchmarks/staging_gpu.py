@@ -169,10 +169,11 @@ class Case:
         pool = self.dst if scatter_ else self.pool
 
         def step(i: int) -> None:
-            _staging_kernel.launch(
+            _staging_kernel.plan(
                 pool, layers, self.page_ids[i % self.rot].device,
                 head_start=SCATTER_HEAD if scatter_ else GATHER_HEAD, num_heads=SLICE,
-                staged=self.region(i), scatter=scatter_, tile_bytes=tile, num_warps=warps)
+                staged=self.region(i), scatter=scatter_, tile_bytes=tile,
+                num_warps=warps).run()
         return step
 
     def check_bit_exact(self) -> bool:

@@ -82,6 +82,7 @@ class Cluster:
     packing: PackingName = "separate"
     per_layer: bool = False  # vLLM-shaped per-layer tensors (always unless nhd/separate)
     pregrant_share: float | None = PREGRANT_SHARE  # 0: none; None: the receiver default
+    engine_gathers: bool = False  # send_part gathers pre-granted requests (CPU: a test mode)
     clock: ManualClock = field(default_factory=ManualClock)
     senders: list[PrefillSender] = field(default_factory=list)
     receivers: list[DecodeReceiver] = field(default_factory=list)
@@ -101,7 +102,7 @@ class Cluster:
             self.senders.append(PrefillSender(
                 transport, pool, RankIdentity("p0", coord, self.prefill_par, self.geometry),
                 auth=TEST_AUTH, staging_bytes=self.staging_bytes, timeouts=self.timeouts,
-                clock=self.clock))
+                clock=self.clock, engine_thread_gathers=self.engine_gathers))
         for tp in range(self.decode_tp):
             coord = RankCoord(0, tp)
             transport = self.fabric.create(f"decode-0-{tp}")
@@ -199,3 +200,12 @@ class Cluster:
 
     def counts(self) -> list[dict[str, int]]:
         return [e.debug_counts() for e in self.endpoints]  # type: ignore[attr-defined]
+
+    def assert_clean(self) -> None:
+        """Past the quarantine grace, every endpoint's per-request structures are empty
+        (docs/failure-modes.md #4, #11)."""
+        self.clock.advance(self.timeouts.quarantine_grace_s + 0.1)
+        self.step()
+        for counts in self.counts():
+            kept = {k: v for k, v in counts.items() if k != "live_status"}
+            assert kept == dict.fromkeys(kept, 0), counts

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -200,6 +201,31 @@ def gpu_staged() -> Iterator[tuple[PrefillPeer, DecodeProcess]]:
         yield pair
 
 
+def engine_gathers(prefill: PrefillPeer) -> int:
+    """Gathers prefill's ``send_part`` launched on the calling thread (sender.py)."""
+    return int(prefill.sender.metrics.gathers.labels("engine")._value.get())
+
+
+def wait_armed(prefill: PrefillPeer, shares: int, timeout_s: float = 30.0) -> None:
+    """Until prefill has set staging space aside for ``shares`` decode ranks (their
+    pre-granted RequestKVs arrived): the next whole part is gathered in ``send_part``."""
+    deadline = time.monotonic() + timeout_s
+    while prefill.sender.debug_counts()["armed_gathers"] < shares:
+        assert time.monotonic() < deadline, "prefill set no staging space aside"
+        time.sleep(100e-6)
+
+
+def send_whole(prefill: PrefillPeer, decode: DecodeProcess, room: str) -> None:
+    """One request of prefill's pages SRC into decode's DST, as one part; Succeeded."""
+    prefill.sender.register_request(room, SRC, NUM_TOKENS).result(10.0)
+    assert decode.ask("expect", room, DST, NUM_TOKENS) == "ok"
+    prefill.wait_transferring(room)
+    prefill.send_part(room, last=True)
+    result = decode.ask("wait", room, DST, 60.0)
+    assert result["states"] == ["Succeeded"] * len(decode.documents), (room, result)
+    assert prefill.wait_finished(room) == "Succeeded"
+
+
 def assert_decode_holds_prefill_kv(prefill: PrefillPeer, decode: DecodeProcess,
                                    room: str) -> None:
     digests = decode.ask("digest", DST)
@@ -226,11 +252,15 @@ def test_staged_part_is_written_while_the_engine_stream_runs_later_work(
         prefill.sender.register_request(room, SRC, NUM_TOKENS).result(10.0)
         assert decode.ask("expect", room, DST, NUM_TOKENS) == "ok"
         prefill.wait_transferring(room)
+        if busy:  # (the warm-up compiled the kernel: the worker compiles, never send_part)
+            wait_armed(prefill, 2)
+        before = engine_gathers(prefill)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record()
         if busy:
             torch.cuda._sleep(40_000_000_000)  # type: ignore[no-untyped-call]
         prefill.send_part(room, last=True, ready_event=ready)
+        assert engine_gathers(prefill) == before + (2 if busy else 0)
         result = decode.ask("wait", room, DST, 60.0)
         still_busy = not torch.cuda.default_stream().query()
         torch.cuda.synchronize()
@@ -280,15 +310,21 @@ def test_a_part_without_ready_event_waits_for_the_default_streams_earlier_work(
     pages before the overwrite (decode got the old KV); the staged gather waited
     (docs/failure-modes.md #37)."""
     with gpu_pair(decode_tp) as (prefill, decode):
+        if decode_tp == 2:  # staged: the kernel compiles on the worker's first gather
+            send_whole(prefill, decode, "warm-up")
         room = f"late-write-{decode_tp}"
         prefill.sender.register_request(room, SRC, NUM_TOKENS).result(10.0)
         assert decode.ask("expect", room, DST, NUM_TOKENS) == "ok"
         prefill.wait_transferring(room)
+        if decode_tp == 2:  # staged: gathered on this thread, behind a device-side wait
+            wait_armed(prefill, 2)
         slots = prefill.pool.pages_to_tokens(SRC)  # before the kernel: its upload would wait
         torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]
         for tensor in prefill.pool.tensors():
             tensor.index_fill_(1, slots, 0.25)
+        before = engine_gathers(prefill)
         prefill.send_part(room, last=True)
+        assert engine_gathers(prefill) - before == (2 if decode_tp == 2 else 0)
         result = decode.ask("wait", room, DST, 60.0)
         assert result["states"] == ["Succeeded"] * decode_tp, result
         assert prefill.wait_finished(room) == "Succeeded"

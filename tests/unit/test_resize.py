@@ -55,14 +55,6 @@ def _posted(cluster: Cluster) -> int:
                for s in cluster.senders)
 
 
-def _clean(cluster: Cluster) -> None:
-    cluster.clock.advance(cluster.timeouts.quarantine_grace_s + 0.1)
-    cluster.step()
-    for counts in cluster.counts():
-        assert {k: v for k, v in counts.items() if k != "live_status"} == dict.fromkeys(
-            [k for k in counts if k != "live_status"], 0), counts
-
-
 @pytest.mark.parametrize("new_bytes", [4096, 32768], ids=["shrink", "grow"])
 def test_resize_under_a_steady_stream_fails_nothing(new_bytes: int) -> None:
     cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2, ring_bytes=8192)
@@ -110,7 +102,7 @@ def test_resize_under_a_steady_stream_fails_nothing(new_bytes: int) -> None:
         _start_multipart(cluster, request)
     cluster.run(lambda: _all_done(cluster, after, []))
     _succeeded_and_exact(cluster, after)
-    _clean(cluster)
+    cluster.assert_clean()
 
 
 def test_a_writer_silent_past_the_deadline_fails_only_its_request() -> None:
@@ -136,7 +128,7 @@ def test_a_writer_silent_past_the_deadline_fails_only_its_request() -> None:
     assert receiver.metrics.snapshot().failures_by_reason == {"ResizeDeadline": 1}
     cluster.run(lambda: cluster.finished(silent.room))
     cluster.retire(silent)
-    _clean(cluster)
+    cluster.assert_clean()
 
 
 def test_a_staged_part_of_a_stale_registration_is_rejected_for_its_request_only() -> None:
@@ -182,7 +174,7 @@ def test_a_lost_ring_update_is_sent_again_and_the_next_request_succeeds() -> Non
     # that peer's ring (re-sent) is known at version 2; the other one was never needed.
     assert [sorted(d.ring_version for d in s.peers.values() if d.role == "decode")
             for s in cluster.senders] == [[1, 2], [1, 2]]
-    _clean(cluster)
+    cluster.assert_clean()
 
 
 def test_a_second_resize_while_one_runs_is_refused_and_bad_sizes_too() -> None:
@@ -223,7 +215,7 @@ def test_prefill_buffer_resize_under_a_stream() -> None:
         assert future.result().capacity_bytes == 4096 == sender.staging.capacity_bytes
         assert sender.staging_version == 2 and sender.staging_region.size_bytes == 4096
         assert sender.metrics.snapshot().staging_bytes == 4096
-    _clean(cluster)
+    cluster.assert_clean()
 
 
 def test_100_requests_after_resizes_leave_every_map_at_baseline() -> None:
@@ -240,7 +232,7 @@ def test_100_requests_after_resizes_leave_every_map_at_baseline() -> None:
             cluster.start(request)
         cluster.run(lambda b=batch: _all_done(cluster, b, []))  # type: ignore[misc]
         _succeeded_and_exact(cluster, batch)
-    _clean(cluster)
+    cluster.assert_clean()
     assert [{k: v for k, v in c.items() if k != "live_status"} for c in cluster.counts()] == [
         {k: v for k, v in c.items() if k != "live_status"} for c in baseline]
     assert all(r.ring_version == 3 for r in cluster.receivers)
@@ -287,7 +279,7 @@ def test_a_resize_takes_back_a_pre_grant_whose_writer_has_not_written() -> None:
     assert sender.pregrants_taken == 0 and sender.alloc_requests_sent == 1
     assert {k: v for k, v in _pregrant_counts(receiver).items() if v} == {
         "granted": 1, "returned": 1}
-    _clean(cluster)
+    cluster.assert_clean()
 
 
 def test_a_lost_withdraw_is_sent_again() -> None:
@@ -307,7 +299,7 @@ def test_a_lost_withdraw_is_sent_again() -> None:
         sender.send_part(computing.room, last=True)
     cluster.run(lambda: cluster.finished(computing.room))
     _succeeded_and_exact(cluster, [computing])
-    _clean(cluster)
+    cluster.assert_clean()
 
 
 def _pregrants(cluster: Cluster) -> list[tuple[str, int]]:

@@ -19,7 +19,7 @@ by 16), the loads and stores compile to 16-byte vector accesses. Offsets are int
 
 Host cost: the chunk's layer and page ids come as device tensors (``staging.PageIds``), so a
 launch does no per-page work. Triton's launcher binds and specialises every argument on
-each call (~15-25 µs on an H100 host); ``launch`` keeps the compiled kernel of each
+each call (~15-25 µs on an H100 host); ``Launch.run`` keeps the compiled kernel of each
 specialisation and calls its launcher directly after the first launch (~10 µs). The cache key
 is finer than Triton's own: every pointer's 16-byte alignment, every integer's 32-bit range,
 equality to 1 and divisibility by 16, the constexprs, the word type, warps and the device.
@@ -30,6 +30,7 @@ The page count, layer count and pool page count vary per request and are not spe
 import contextlib
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
 
 from pd_transfer.layout import KVPool
 
-__all__ = ["launch"]
+__all__ = ["Launch", "plan"]
 
 #: Bytes one program moves (a tile of token rows); 16 KiB keeps several programs resident
 #: per SM and thousands in flight from 1K-token chunks up (tuned on an H100, see
@@ -166,7 +167,49 @@ def _words_of(pool: KVPool) -> _PoolWords:
     return words
 
 
-def launch(
+@dataclass(frozen=True, eq=False)
+class Launch:
+    """One kernel launch with its arguments bound and its specialisation known (``plan``):
+    ``run`` enqueues it; ``compiled`` says whether that costs a compilation first."""
+
+    device: int
+    grid: tuple[int, int, int]
+    tensors: tuple[torch.Tensor, ...]
+    ints: tuple[int, ...]
+    constexprs: tuple[Any, ...]
+    key: tuple[Any, ...]
+    num_warps: int
+
+    @property
+    def compiled(self) -> bool:
+        return self.key in _COMPILED
+
+    def run(self, stream: torch.cuda.Stream | None = None) -> None:
+        kernel = _COMPILED.get(self.key) if _DIRECT_LAUNCH and not _launch_hooks() else None
+        # Either launcher checks the pointers in the current device's context: a pool on
+        # cuda:1 needs cuda:1 current (the endpoints' worker makes it so once:
+        # Endpoint.thread_started).
+        device = self.device
+        grid = self.grid
+        with (contextlib.nullcontext() if torch.cuda.current_device() == device
+              else torch.cuda.device(device)):
+            if kernel is None:  # Triton's own launch: binds, compiles if new, launches
+                page_size, row, rows, cols, even, scatter_ = self.constexprs
+                with (torch.cuda.stream(stream) if stream is not None
+                      else contextlib.nullcontext()):
+                    _COMPILED[self.key] = _staging_kernel[grid](
+                        *self.tensors, *self.ints, PAGE_SIZE=page_size, ROW_WORDS=row,
+                        BLOCK_R=rows, BLOCK_C=cols, EVEN_ROWS=even, SCATTER=scatter_,
+                        num_warps=self.num_warps)
+                return
+            # The compiled kernel's launcher takes every parameter in order, constexprs too.
+            handle = (stream or torch.cuda.current_stream(self.tensors[2].device)).cuda_stream
+            kernel.run(grid[0], grid[1], grid[2], handle, kernel.function,
+                       kernel.packed_metadata, None, None, None, *self.tensors, *self.ints,
+                       *self.constexprs)
+
+
+def plan(
     pool: KVPool,
     layers: torch.Tensor,
     pages: torch.Tensor,
@@ -175,12 +218,11 @@ def launch(
     num_heads: int,
     staged: torch.Tensor,
     scatter: bool,
-    stream: torch.cuda.Stream | None = None,
     tile_bytes: int = TILE_BYTES,
     num_warps: int = NUM_WARPS,
-) -> None:
-    """Enqueue one kernel on ``stream`` (default: the current stream); arguments already
-    validated by staging.
+) -> Launch:
+    """One kernel launch on a chunk, bound for ``Launch.run``; arguments already validated
+    by staging.
 
     ``layers`` and ``pages`` are int64 tensors on the staging buffer's device holding the
     chunk's layer ids and page ids; the chunk is written from (scatter: read from) the start
@@ -209,24 +251,7 @@ def launch(
            words.addresses[0] % 16 == 0, words.addresses[1] % 16 == 0,
            staged_address % 16 == 0, layers.data_ptr() % 16 == 0, pages.data_ptr() % 16 == 0,
            *map(_int_spec, ints))
-    kernel = _COMPILED.get(key) if _DIRECT_LAUNCH and not _launch_hooks() else None
-    # Either launcher checks the pointers in the current device's context: a pool on cuda:1
-    # needs cuda:1 current (the endpoints' worker makes it so once: Endpoint.thread_started).
-    device = words.device
-    with (contextlib.nullcontext() if torch.cuda.current_device() == device
-          else torch.cuda.device(device)):
-        if kernel is None:  # Triton's own launch: binds, compiles if new, launches
-            page_size, row, rows, cols, even, scatter_ = constexprs
-            with (torch.cuda.stream(stream) if stream is not None
-                  else contextlib.nullcontext()):
-                _COMPILED[key] = _staging_kernel[grid](
-                    *tensors, *ints, PAGE_SIZE=page_size, ROW_WORDS=row, BLOCK_R=rows,
-                    BLOCK_C=cols, EVEN_ROWS=even, SCATTER=scatter_, num_warps=num_warps)
-            return
-        # The compiled kernel's launcher takes every parameter in order, constexprs too.
-        handle = (stream or torch.cuda.current_stream(staged.device)).cuda_stream
-        kernel.run(grid[0], grid[1], grid[2], handle, kernel.function, kernel.packed_metadata,
-                   None, None, None, *tensors, *ints, *constexprs)
+    return Launch(words.device, grid, tensors, ints, constexprs, key, num_warps)
 
 
 #: The direct launch relies on Triton's CompiledKernel.run signature, checked on 3.6.

@@ -117,6 +117,11 @@ class TransferMetrics:
             "written by their part 0 (used), given back unwritten (returned)", ["outcome"],
             registry=r,
         )
+        self.gathers = Counter(
+            "pd_transfer_gathers", "Staged gathers launched (prefill), by the thread that "
+            "launched them: engine (inside send_part, into staging set aside at the "
+            "RequestKV) or worker", ["thread"], registry=r,
+        )
         self._ring: StagingRing | None = None
         self._ring_gauges = False
         self._staging_bytes = 0
@@ -222,6 +227,10 @@ class TransferMetrics:
     def pregrant(self, outcome: str) -> None:
         """A pre-grant was granted, used, or returned (receiver.py's module docstring)."""
         self.pregrants.labels(outcome).inc()
+
+    def gathers_launched(self, thread: str, count: int) -> None:
+        """``count`` staged gathers launched on the engine's or the worker's thread."""
+        self.gathers.labels(thread).inc(count)
 
     def write_posted(self, path: str, descriptors: int) -> None:
         self.writes_posted.labels(path).inc()

@@ -25,6 +25,19 @@ the pre-grant but has not posted then asks with an AllocRequest), and a request 
 holding an unwritten pre-grant sends ``Withdrawn`` so decode frees it without waiting out its
 quarantine.
 
+Gathers on the engine's thread: a staged RequestKV that brings a pre-grant for a request
+whose pages are all registered and whose engine has given no part yet makes the worker set
+staging space aside for that decode rank's whole share and prepare its gather (``_arm``:
+page and layer ids on the device, arguments checked). The engine's ``send_part`` of the
+whole request (``last=True``, every page, every layer of this stage) then launches those
+gathers itself, on the staging stream after a device-side wait for its ready event, and the
+worker finds part 0 gathered and pre-granted: it only posts the WRITE. Why: the engine's
+thread launches kernels back to back, while the worker's first CUDA call after a wait costs
+several times a hot launch, and host polling of the ready event is gone. Any other part
+gives the space back (``_disarm``), as do a Withdraw, the request's end and a resize of this
+buffer; a part whose pre-grant was withdrawn after its gather asks with an AllocRequest. On
+by default on CUDA (``engine_thread_gathers``); counted in ``pd_transfer_gathers_total``.
+
 A RequestKV for a room not registered yet is buffered for ``kv_lease_s`` (docs/failure-modes.md
 #2): a router sends both halves at once, and a loaded engine may queue the prefill half for
 seconds before its first chunk registers the room; the lease is how long either side of a
@@ -43,8 +56,9 @@ from __future__ import annotations
 
 import base64
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -83,10 +97,12 @@ from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.coverage import Coverage, CoverageError
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Role, State
 from pd_transfer.protocol.parts import Part, PartEvent, PartState
-from pd_transfer.ring import StagingRing
+from pd_transfer.ring import Region, StagingRing
 from pd_transfer.staging import (
     PageIds,
+    PreparedMove,
     gather,
+    prepare_gather,
     prepare_pages,
     staged_chunk_bytes,
 )
@@ -105,6 +121,16 @@ class ReadyEvent(Protocol):
 
 
 @dataclass(frozen=True)
+class _Gathered:
+    """A decode rank's whole share, gathered by the engine's thread in ``send_part``."""
+
+    region: Region
+    size_bytes: int
+    event: torch.cuda.Event | None  # CUDA: fires when the gather has run
+    enqueued_at: float
+
+
+@dataclass(frozen=True)
 class _PartSpec:
     """A part the engine gave: request pages ``pages`` x global layers ``layers``."""
 
@@ -113,6 +139,32 @@ class _PartSpec:
     last: bool
     ready: ReadyEvent | None
     given_at: float  # the engine's send_part call
+    early: Mapping[str, _Gathered] = field(default_factory=dict)  # by decode rank
+
+
+@dataclass(frozen=True, eq=False)
+class _EarlyGather:
+    """Staging space set aside for one decode rank's whole share, and the gather into it
+    that ``send_part`` launches on the engine's thread (module docstring)."""
+
+    region: Region
+    move: PreparedMove
+
+
+@dataclass(frozen=True)
+class _Armed:
+    """A request's early gathers by decode rank, and the part that takes them: the whole
+    request (every page, every layer of this stage) with ``last=True``."""
+
+    total_pages: int
+    stage: LayerRange
+    gathers: dict[str, _EarlyGather]
+
+    def covers(self, pages: range | None, layers: range | None) -> bool:
+        return ((pages is None or (pages.step, pages.start, pages.stop) == (
+                    1, 0, self.total_pages))
+                and (layers is None or (layers.step, layers.start, layers.stop) == (
+                    1, self.stage.start, self.stage.stop)))
 
 
 @dataclass(kw_only=True, eq=False)
@@ -189,9 +241,20 @@ class PrefillSender(Endpoint[SendTransfer]):
                  auth: PeerAuth, staging_bytes: int, timeouts: Timeouts | None = None,
                  metrics: TransferMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 phases: PhaseLog | None = None, poll: PollIntervals | None = None) -> None:
+                 phases: PhaseLog | None = None, poll: PollIntervals | None = None,
+                 engine_thread_gathers: bool | None = None) -> None:
+        """``engine_thread_gathers``: whether ``send_part`` launches the gathers set aside
+        for it (module docstring); default: on CUDA, where the engine's thread launches
+        kernels back to back and the worker's first launch after a wait costs several
+        times more. On CPU the gather would run on the engine's thread, so tests only."""
         super().__init__(transport, pool, identity, auth=auth, timeouts=timeouts,
                          metrics=metrics, clock=clock, phases=phases, poll=poll)
+        self.engine_thread_gathers = (pool.device.type == "cuda" if engine_thread_gathers
+                                      is None else engine_thread_gathers)
+        # Rooms whose gathers wait for the engine's thread; the one lock the engine's thread
+        # takes, held while it launches them so the worker never frees space being gathered.
+        self._armed: dict[str, _Armed] = {}
+        self._armed_lock = threading.Lock()
         self.staging_buffer = torch.zeros(staging_bytes, dtype=torch.uint8, device=pool.device)
         self.staging_region = transport.register(
             self.staging_buffer, name=f"{transport.agent_name}/staging"
@@ -242,8 +305,10 @@ class PrefillSender(Endpoint[SendTransfer]):
         given = self.clock()
         if ready_event is None and self._stream is not None:
             ready_event = self._stream.mark_default()
+        early = (self._gather_on_engine_thread(room, pages, layers, ready_event)
+                 if last and self._armed else {})
         return self.submit(lambda: self._add_part(room, pages, layers, last, ready_event,
-                                                  given))
+                                                  given, early))
 
     def abort(self, room: str, detail: str = "aborted by the engine") -> Future[None]:
         return self.submit(lambda: self._abort(room, detail))
@@ -257,12 +322,99 @@ class PrefillSender(Endpoint[SendTransfer]):
     def debug_counts(self) -> dict[str, int]:
         """Sizes of every per-request structure (docs/failure-modes.md #11 tests compare to
         baseline)."""
+        with self._armed_lock:
+            armed = sum(len(a.gathers) for a in self._armed.values())
         return {
             "transfers": len(self._transfers),
             "early_requests": sum(len(v) for v in self._early.values()),
             "staging_regions": self.staging.live_regions,
+            "armed_gathers": armed,
             **self.status_counts(),
         }
+
+    # Gathers on the engine's thread (module docstring) ---------------------------------------
+
+    def _gather_on_engine_thread(self, room: str, pages: range | None, layers: range | None,
+                                 ready: ReadyEvent | None) -> dict[str, _Gathered]:
+        """Launch ``room``'s armed gathers here if this part is the whole request: on CUDA
+        the staging stream waits for ``ready`` on the device (no host poll). Called on the
+        engine's thread, inside ``send_part``; {} leaves the part to the worker."""
+        stream = self._stream
+        wait = ready if isinstance(ready, torch.cuda.Event) else None
+        if stream is not None and wait is None:
+            return {}  # an engine's own ReadyEvent: only the worker can poll it
+        with self._armed_lock:
+            armed = self._armed.get(room)
+            if armed is None or not armed.covers(pages, layers):
+                return {}
+            del self._armed[room]
+            try:
+                if stream is not None and wait is not None:
+                    stream.stream.wait_event(wait)
+                for early in armed.gathers.values():
+                    early.move.launch(stream.stream if stream is not None else None)
+                event = stream.record() if stream is not None else None
+            except Exception:  # the worker gathers it; the set-aside space goes at the end
+                _log.exception("room %s: a gather on the engine's thread failed; the "
+                               "transfer worker gathers the part", room)
+                return {}
+            at = self.clock()
+        self.metrics.gathers_launched("engine", len(armed.gathers))
+        return {peer: _Gathered(early.region, early.move.nbytes, event, at)
+                for peer, early in armed.gathers.items()}
+
+    def _arm(self, transfer: SendTransfer, stream: _Stream) -> None:
+        """Set staging space aside for ``stream``'s whole share and prepare its gather, for
+        the engine's thread to launch in ``send_part``: only while no part was given, with
+        every page registered, a pre-grant of the peer's ring in force and no resize."""
+        pregrant = stream.pregrant
+        if (not self.engine_thread_gathers or stream.path != "staged" or pregrant is None
+                or transfer.specs or self._resize is not None
+                or len(transfer.src_pages) != transfer.total_pages
+                or pregrant.ring_version != self._peer_document(stream).ring_version):
+            return
+        stage, plan = self._stage_layers, stream.plan
+        layers = range(plan.layers.start - stage.start, plan.layers.stop - stage.start)
+        pages = range(stream.first_page, transfer.total_pages)
+        size = staged_chunk_bytes(self.pool.layout, len(layers), len(pages),
+                                  plan.heads.num_heads)
+        try:
+            region = self.staging.allocate(transfer.room, size)
+        except OversizedAllocation:
+            return  # the worker's path fails the part with what to change
+        if region is None:
+            return  # the buffer is full now; the worker gathers it when space frees
+        move = prepare_gather(
+            self.pool, layers, self._src_ids(transfer).select(pages.start, pages.stop),
+            head_start=plan.heads.src_head_offset, num_heads=plan.heads.num_heads,
+            out=self.staging_buffer[region.offset_bytes : region.offset_bytes + size])
+        if not move.compiled:  # a new kernel compiles on the worker, not in the engine's step
+            self.staging.free(region)
+            return
+        with self._armed_lock:
+            armed = self._armed.setdefault(transfer.room, _Armed(
+                transfer.total_pages, stage, {}))
+            armed.gathers[stream.peer] = _EarlyGather(region, move)
+
+    def _disarm(self, room: str | None = None, peer: str | None = None) -> None:
+        """Take back what the engine's thread has not taken: ``room``'s gathers (only
+        ``peer``'s, if given), or every room's; their staging space is freed."""
+        with self._armed_lock:
+            rooms = [room] if room is not None else list(self._armed)
+            taken: list[_EarlyGather] = []
+            for name in rooms:
+                armed = self._armed.get(name)
+                if armed is None:
+                    continue
+                if peer is None:
+                    taken.extend(armed.gathers.values())
+                    armed.gathers.clear()
+                elif (early := armed.gathers.pop(peer, None)) is not None:
+                    taken.append(early)
+                if not armed.gathers:
+                    del self._armed[name]
+        for early in taken:
+            self.staging.free(early.region)
 
     # Commands (worker thread) -------------------------------------------------------------
 
@@ -307,34 +459,43 @@ class PrefillSender(Endpoint[SendTransfer]):
         last: bool,
         ready: ReadyEvent | None,
         given: float,
+        early: Mapping[str, _Gathered],
     ) -> None:
-        transfer = self._transfers.get(room)
-        if transfer is None:
-            raise KeyError(f"room {room!r} is not live (never registered, or finished)")
-        if transfer.last_given:
-            raise ValueError(f"room {room!r}: a part was already sent with last=True")
-        pages = pages if pages is not None else range(len(transfer.src_pages))
-        if pages.step != 1 or not pages or pages.start < 0 or pages.stop > len(transfer.src_pages):
-            raise ValueError(f"room {room!r}: pages {pages} not inside the request's "
-                             f"{len(transfer.src_pages)} registered pages")
-        stage = self._stage_layers
-        span = LayerRange(layers.start, layers.stop) if layers is not None else stage
-        if span.count <= 0 or span.start < stage.start or span.stop > stage.stop:
-            raise ValueError(f"room {room!r}: layers {layers} not inside this stage's {stage}")
+        self._disarm(room)  # a part was given: what the engine's thread did not take goes back
         try:
-            transfer.coverage.claim(range(span.start, span.stop), pages)
-        except CoverageError as exc:
-            raise ValueError(f"room {room!r}: {exc}; each page of each layer is sent once") from exc
-        transfer.specs.append(_PartSpec(pages, span, last, ready, given))
-        transfer.last_given = last
-        if last and not transfer.coverage.complete:
-            # The engine ended the request without handing over all of its KV: decode would
-            # read stale pages. The engine broke the API, not a peer: InternalError.
-            detail = (f"the parts sent up to last=True leave {transfer.coverage.missing()} "
-                      f"unsent; send every page of every layer of this stage "
-                      f"{_span(stage)} before last=True")
-            self._fail(transfer, FailureReason.INTERNAL_ERROR, detail)
-            raise ValueError(f"room {room!r}: {detail}")
+            transfer = self._transfers.get(room)
+            if transfer is None:
+                raise KeyError(f"room {room!r} is not live (never registered, or finished)")
+            if transfer.last_given:
+                raise ValueError(f"room {room!r}: a part was already sent with last=True")
+            registered = len(transfer.src_pages)
+            pages = pages if pages is not None else range(registered)
+            if pages.step != 1 or not pages or pages.start < 0 or pages.stop > registered:
+                raise ValueError(f"room {room!r}: pages {pages} not inside the request's "
+                                 f"{registered} registered pages")
+            stage = self._stage_layers
+            span = LayerRange(layers.start, layers.stop) if layers is not None else stage
+            if span.count <= 0 or span.start < stage.start or span.stop > stage.stop:
+                raise ValueError(f"room {room!r}: layers {layers} not inside this stage's {stage}")
+            try:
+                transfer.coverage.claim(range(span.start, span.stop), pages)
+            except CoverageError as exc:
+                raise ValueError(f"room {room!r}: {exc}; each page of each layer is sent "
+                                 "once") from exc
+            transfer.specs.append(_PartSpec(pages, span, last, ready, given, early))
+            transfer.last_given = last
+            if last and not transfer.coverage.complete:
+                # The engine ended the request without handing over all of its KV: decode would
+                # read stale pages. The engine broke the API, not a peer: InternalError.
+                detail = (f"the parts sent up to last=True leave {transfer.coverage.missing()} "
+                          f"unsent; send every page of every layer of this stage "
+                          f"{_span(stage)} before last=True")
+                self._fail(transfer, FailureReason.INTERNAL_ERROR, detail)
+                raise ValueError(f"room {room!r}: {detail}")
+        except BaseException:
+            for gathered in early.values():  # (already freed if the request ended)
+                self.staging.free(gathered.region)
+            raise
 
     # Messages ------------------------------------------------------------------------------
 
@@ -452,6 +613,7 @@ class PrefillSender(Endpoint[SendTransfer]):
                                          first_page=first, pregrant=pregrant)
         if message.path == "staged":
             self._src_ids(transfer)  # now, not on the way of the first part
+            self._arm(transfer, transfer.streams[peer])
         if transfer.lifecycle.state is State.BOOTSTRAPPING:
             transfer.transfer_deadline = self.clock() + self.timeouts.transfer_s
             self._apply(transfer, Event.START)
@@ -485,6 +647,7 @@ class PrefillSender(Endpoint[SendTransfer]):
         out = stream.out.get(0)
         if stream.pregrant is not None:
             stream.pregrant = None
+            self._disarm(transfer.room, stream.peer)  # gathered early or not, part 0 asks
         elif out is not None and out.pregranted and out.state is PartState.AWAITING_GRANT:
             out.grant, out.pregranted = None, False
             out.stamps.pop(Stamp.GRANTED, None)
@@ -552,6 +715,7 @@ class PrefillSender(Endpoint[SendTransfer]):
                     self._check_complete(transfer)
         self._enqueue_gathers()
         if self._resize is not None:
+            self._disarm()  # no gather into the buffer being drained
             busy = self._step_resize() or busy
         return busy
 
@@ -592,9 +756,11 @@ class PrefillSender(Endpoint[SendTransfer]):
                 index = stream.parts_made
                 stream.parts_made += 1
                 final = stream.parts_made if spec.last else None
-                stream.out[index] = _OutPart(
+                out = stream.out[index] = _OutPart(
                     index=index, spec=spec, pages=pages, layers=LayerRange(start, stop),
                     final=final, stamps={Stamp.GIVEN: spec.given_at, Stamp.PICKED: self.clock()})
+                if index == 0 and (gathered := spec.early.get(stream.peer)) is not None:
+                    self._take_gathered(transfer, stream, out, gathered)
                 made = True
             if spec.last and not stream.final_sent:
                 stream.final_sent = True
@@ -648,28 +814,50 @@ class PrefillSender(Endpoint[SendTransfer]):
         if region is None:
             return False  # the buffer is full: a finishing WRITE frees it
         out.region, out.size_bytes = region, size
-        if out.index == 0 and stream.pregrant is not None:
-            pregrant, stream.pregrant = stream.pregrant, None
-            if size <= pregrant.size_bytes and (
-                    pregrant.ring_version == self._peer_document(stream).ring_version):
-                out.grant = pregrant.model_copy(update={"size_bytes": size})
-                out.pregranted = True
-                self.pregrants_taken += 1
-                out.stamps[Stamp.PREGRANT_TAKEN] = out.stamps[Stamp.GRANTED] = self.clock()
-                self._gathers.append((transfer, stream, out, layers))
-                return True
-            # Not usable (its ring was re-registered since): the AllocRequest gives it back.
-        # The AllocRequest goes now, the gather at the end of this step
-        # (``_enqueue_gathers``): decode's turn-around overlaps the gathers' enqueue, and the
-        # AllocRequests of every part made ready in this step (one per decode rank) leave
-        # before any gather is enqueued. No grant can be handled before the gather is queued
-        # (messages are read at the start of a step).
+        # The AllocRequest (if no pre-grant serves) goes now, the gather at the end of this
+        # step (``_enqueue_gathers``): decode's turn-around overlaps the gathers' enqueue,
+        # and the AllocRequests of every part made ready in this step (one per decode rank)
+        # leave before any gather is enqueued. No grant can be handled before the gather is
+        # queued (messages are read at the start of a step).
+        if self._use_pregrant(stream, out) or self._ask_grant(transfer, stream, out):
+            self._gathers.append((transfer, stream, out, layers))
+        return True  # (not asked: the peer is gone, its requests failed and freed staging)
+
+    def _take_gathered(self, transfer: SendTransfer, stream: _Stream, out: _OutPart,
+                       gathered: _Gathered) -> None:
+        """Part 0 gathered by the engine's thread: it waits for its grant only."""
+        out.region, out.size_bytes, out.gathered = (gathered.region, gathered.size_bytes,
+                                                    gathered.event)
+        out.stamps[Stamp.READY] = out.stamps[Stamp.PICKED]
+        out.stamps[Stamp.GATHER_QUEUED] = out.stamps[Stamp.GATHER_ENQUEUED] = (
+            gathered.enqueued_at)
+        self.part_machine.apply(out, PartEvent.READY)
+        self.part_machine.apply(out, PartEvent.GATHER)
+        if not self._use_pregrant(stream, out):
+            self._ask_grant(transfer, stream, out)
+
+    def _use_pregrant(self, stream: _Stream, out: _OutPart) -> bool:
+        """Part 0 takes its stream's pre-grant (its first ``size_bytes``) if it fits and its
+        ring is in force; otherwise it asks, and its AllocRequest gives the pre-grant back."""
+        if out.index != 0 or stream.pregrant is None:
+            return False
+        pregrant, stream.pregrant = stream.pregrant, None
+        if out.size_bytes > pregrant.size_bytes or (
+                pregrant.ring_version != self._peer_document(stream).ring_version):
+            return False  # its ring was re-registered since
+        out.grant = pregrant.model_copy(update={"size_bytes": out.size_bytes})
+        out.pregranted = True
+        self.pregrants_taken += 1
+        out.stamps[Stamp.PREGRANT_TAKEN] = out.stamps[Stamp.GRANTED] = self.clock()
+        return True
+
+    def _ask_grant(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
+        """Send ``out``'s AllocRequest; False if the peer is gone (its requests failed)."""
         out.alloc_sent_at = self.clock()
         self.alloc_requests_sent += 1
         if not self.send(stream.peer, self._alloc_request(transfer, stream, out)):
-            return True  # the peer is gone: its requests failed and released their staging
+            return False
         out.stamps[Stamp.ALLOC_SENT] = self.clock()
-        self._gathers.append((transfer, stream, out, layers))
         return True
 
     def _enqueue_gathers(self) -> None:
@@ -699,6 +887,7 @@ class PrefillSender(Endpoint[SendTransfer]):
                            num_heads=heads.num_heads, out=view)
                 out.stamps[Stamp.GATHER_ENQUEUED] = self.clock()
                 self.part_machine.apply(out, PartEvent.GATHER)
+                self.metrics.gathers_launched("worker", 1)
 
     def _src_ids(self, transfer: SendTransfer) -> PageIds:
         """The request's source pages on the pool's device, made once (again only when
@@ -879,6 +1068,7 @@ class PrefillSender(Endpoint[SendTransfer]):
     def _release(self, transfer: SendTransfer) -> None:
         """Terminal: abort WRITEs in flight, free staging, forget the request. Runs once."""
         self._transfers.pop(transfer.room, None)
+        self._disarm(transfer.room)
         for stream in transfer.streams.values():
             part0 = stream.out.get(0)
             unwritten = stream.pregrant is not None or (
@@ -946,6 +1136,10 @@ class PrefillSender(Endpoint[SendTransfer]):
     def _swap_staging(self, new_bytes: int) -> None:
         # Uninitialised: every region is written before it is read, and a zero-fill would
         # be a kernel that a peer's WRITE into the new buffer does not wait for.
+        if self._stream is not None:
+            # A gather of a request failed at the deadline may still be queued: the old
+            # buffer's memory must not go back to the allocator under it.
+            self._stream.stream.synchronize()
         new_buffer = torch.empty(new_bytes, dtype=torch.uint8, device=self.pool.device)
         old_buffer, old_region = self.staging_buffer, self.staging_region
         self.transport.deregister(old_region)

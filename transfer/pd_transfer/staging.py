@@ -56,8 +56,10 @@ from pd_transfer.layout import KVLayout, KVPool
 __all__ = [
     "TRITON_AVAILABLE",
     "PageIds",
+    "PreparedMove",
     "StagingStream",
     "gather",
+    "prepare_gather",
     "prepare_pages",
     "scatter",
     "staged_chunk_bytes",
@@ -65,6 +67,7 @@ __all__ = [
 
 try:  # Triton is optional: CPU builds and images without it take the torch path.
     from pd_transfer import _staging_kernel
+    from pd_transfer._staging_kernel import Launch as _Launch
 
     TRITON_AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installation
@@ -181,8 +184,8 @@ def gather(
     Asynchronous on CUDA: enqueued on ``stream`` (default: the current stream), like any
     torch op.
     """
-    return _move(pool, layers, page_ids, head_start, num_heads, out, force_torch, False,
-                 stream)
+    return _prepare(pool, layers, page_ids, head_start, num_heads, out, force_torch,
+                    False).launch(stream)
 
 
 def scatter(
@@ -201,11 +204,68 @@ def scatter(
     of those pages, and every other page, are left untouched. Page ids must be distinct.
     Returns the number of bytes read. ``stream`` as for ``gather``.
     """
-    return _move(pool, layers, page_ids, head_start, num_heads, buffer, force_torch, True,
-                 stream)
+    return _prepare(pool, layers, page_ids, head_start, num_heads, buffer, force_torch,
+                    True).launch(stream)
 
 
-def _move(  # noqa: PLR0917 - private; gather/scatter name every argument
+@dataclass(frozen=True, eq=False)
+class PreparedMove:
+    """A gather or scatter whose arguments are checked and whose index tensors are on the
+    device (``prepare_gather``): ``launch`` only enqueues it, so it costs the host O(1) and
+    any thread may call it (a prefill engine's, inside ``send_part``)."""
+
+    pool: KVPool
+    layers: Sequence[int]
+    layer_ids: torch.Tensor
+    pages: PageIds
+    head_start: int
+    num_heads: int
+    staged: torch.Tensor
+    nbytes: int
+    scatter: bool = False
+    kernel: _Launch | None = None  # the fused kernel's bound launch (CUDA with Triton)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether ``launch`` runs without compiling a kernel first (seconds, on the
+        calling thread)."""
+        return self.kernel is None or self.kernel.compiled
+
+    def launch(self, stream: torch.cuda.Stream | None = None) -> int:
+        """Enqueue the move on ``stream`` (default: the calling thread's current stream);
+        the number of bytes it moves."""
+        if self.nbytes == 0:
+            return 0
+        pool, staged = self.pool, self.staged
+        if self.kernel is not None:
+            self.kernel.run(stream)
+            return self.nbytes
+        with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            if not pool.is_stacked:
+                _move_layers(pool, self.layers, self.pages, self.head_start, self.num_heads,
+                             staged[:self.nbytes], self.scatter)
+            else:
+                _move_torch(pool, self.layer_ids, self.pages.device, self.head_start,
+                            self.num_heads, staged[:self.nbytes], self.scatter)
+        return self.nbytes
+
+
+def prepare_gather(
+    pool: KVPool,
+    layers: Sequence[int],
+    page_ids: Sequence[int] | PageIds,
+    *,
+    head_start: int,
+    num_heads: int,
+    out: torch.Tensor,
+    force_torch: bool = False,
+) -> PreparedMove:
+    """``gather``'s checks and index uploads now (on the calling thread's current stream),
+    its launch later (``PreparedMove.launch``)."""
+    return _prepare(pool, layers, page_ids, head_start, num_heads, out, force_torch, False)
+
+
+def _prepare(  # noqa: PLR0917 - private; gather/scatter name every argument
     pool: KVPool,
     layers: Sequence[int],
     page_ids: Sequence[int] | PageIds,
@@ -214,33 +274,17 @@ def _move(  # noqa: PLR0917 - private; gather/scatter name every argument
     staged: torch.Tensor,
     force_torch: bool,
     scatter: bool,
-    stream: torch.cuda.Stream | None,
-) -> int:
-    layout = pool.layout
+) -> PreparedMove:
     pages = page_ids if isinstance(page_ids, PageIds) else prepare_pages(pool, page_ids)
     layer_ids = _layer_ids(pool, layers, scatter)
-    nbytes = _validate(layout, len(layers), pages, head_start, num_heads, staged, pool, scatter)
-    if nbytes == 0:
-        return 0
-    if pool.is_stacked and not force_torch and TRITON_AVAILABLE and staged.is_cuda:
-        _staging_kernel.launch(
-            pool,
-            layer_ids,
-            pages.device,
-            head_start=head_start,
-            num_heads=num_heads,
-            staged=staged,
-            scatter=scatter,
-            stream=stream,
-        )
-        return nbytes
-    with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-        if not pool.is_stacked:
-            _move_layers(pool, layers, pages, head_start, num_heads, staged[:nbytes], scatter)
-        else:
-            _move_torch(pool, layer_ids, pages.device, head_start, num_heads, staged[:nbytes],
-                        scatter)
-    return nbytes
+    nbytes = _validate(pool.layout, len(layers), pages, head_start, num_heads, staged, pool,
+                       scatter)
+    kernel = None
+    if nbytes and pool.is_stacked and not force_torch and TRITON_AVAILABLE and staged.is_cuda:
+        kernel = _staging_kernel.plan(pool, layer_ids, pages.device, head_start=head_start,
+                                      num_heads=num_heads, staged=staged, scatter=scatter)
+    return PreparedMove(pool, layers, layer_ids, pages, head_start, num_heads, staged,
+                        nbytes, scatter, kernel)
 
 
 def _layer_ids(pool: KVPool, layers: Sequence[int], scatter: bool) -> torch.Tensor:
@@ -286,7 +330,7 @@ def _device_index(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     return values.pin_memory().to(device, non_blocking=True)
 
 
-def _validate(  # noqa: PLR0917 - private, called once with _move's arguments
+def _validate(  # noqa: PLR0917 - private, called once with _prepare's arguments
     layout: KVLayout,
     num_layers: int,
     pages: PageIds,
@@ -339,7 +383,7 @@ def _pool_rows(
     return as_bytes[:, :, head_start : head_start + num_heads, :]
 
 
-def _move_torch(  # noqa: PLR0917 - private, called once with _move's arguments
+def _move_torch(  # noqa: PLR0917 - private, called once with _prepare's arguments
     pool: KVPool,
     layers: torch.Tensor,
     pages: torch.Tensor,
@@ -365,7 +409,7 @@ def _move_torch(  # noqa: PLR0917 - private, called once with _move's arguments
             torch.index_select(source, 0, rows, out=staged_parts[index])
 
 
-def _move_layers(  # noqa: PLR0917 - private, called once with _move's arguments
+def _move_layers(  # noqa: PLR0917 - private, called once with _prepare's arguments
     pool: KVPool,
     layers: Sequence[int],
     pages: PageIds,

@@ -1,0 +1,84 @@
+"""Markdown tables of `pd-transfer bench transfer` A/B runs: staged latency and throughput
+before and after a change, and the median request's phases on the path to the gather.
+
+Usage: python benchmarks/ab_table.py PREFIX ROUNDS
+reads PREFIX_{before,after}_{1..ROUNDS}.json (as `benchmarks/engine_gathers_gpu.sh` writes
+them) and prints, per TP combination and length: raw and staged ms at 1 in flight and
+staged GB/s at 8 in flight (each round, before → after), then the median request's
+given → gather enqueued, pickup, post, post → notification and scatter (ms, round 1).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _load(prefix: str, side: str, round_: int) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(Path(f"{prefix}_{side}_{round_}.json").read_text())
+    return data
+
+
+def _key(result: dict[str, Any]) -> str:
+    combo = result["combo"]
+    return (f"{combo['prefill_tp']}→{combo['decode_tp']} ({combo['kv_heads']}) | "
+            f"{result['tokens']}")
+
+
+def _ms(result: dict[str, Any], path: str) -> float:
+    return float(result["paths"][path]["one_in_flight"]["latency_s"]) * 1e3
+
+
+def _gbs(result: dict[str, Any]) -> float:
+    return float(result["paths"]["staged"]["in_flight"]["gb_per_s"])
+
+
+def _median_stamp(requests: list[dict[str, Any]], start: str, end: str) -> float:
+    spans = [r["phases"]["stamps_s"]["prefill"][end] - r["phases"]["stamps_s"]["prefill"][start]
+             for r in requests]
+    return float(statistics.median(spans)) * 1e3
+
+
+def _median_phase(requests: list[dict[str, Any]], phase: str) -> float:
+    return float(statistics.median(r["phases"]["split_s"][phase] for r in requests)) * 1e3
+
+
+def main(prefix: str, rounds: int) -> None:
+    runs = {(side, r): {_key(x): x for x in _load(prefix, side, r)["results"]}
+            for side in ("before", "after") for r in range(1, rounds + 1)}
+    keys = list(runs["before", 1])
+    print("| TP (KV heads) | tokens | raw ms | staged ms before → after | staged GB/s ×8 "
+          "before → after |")
+    print("|---|---:|---:|---:|---:|")
+    for key in keys:
+        raw = " / ".join(f"{_ms(runs['after', r][key], 'raw'):.2f}"
+                         for r in range(1, rounds + 1))
+        staged = " ; ".join(f"{_ms(runs['before', r][key], 'staged'):.2f} → "
+                            f"{_ms(runs['after', r][key], 'staged'):.2f}"
+                            for r in range(1, rounds + 1))
+        gbs = " ; ".join(f"{_gbs(runs['before', r][key]):.0f} → {_gbs(runs['after', r][key]):.0f}"
+                         for r in range(1, rounds + 1))
+        print(f"| {key} | {raw} | {staged} | {gbs} |")
+    print()
+    print("| TP (KV heads) | tokens | given → gather enqueued | pickup | post | "
+          "post → notification | scatter |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for key in keys:
+        cells = []
+        for name, span in (("given → gather enqueued", ("given", "gather_enqueued")),
+                           ("pickup", None), ("post", None), ("post → notification", None),
+                           ("scatter", None)):
+            pair = []
+            for side in ("before", "after"):
+                requests = runs[side, 1][key]["paths"]["staged"]["requests"]
+                pair.append(_median_stamp(requests, *span) if span else
+                            _median_phase(requests, name))
+            cells.append(f"{pair[0]:.2f} → {pair[1]:.2f}")
+        print(f"| {key} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

@@ -75,6 +75,36 @@ def test_a_part_given_before_the_request_kv_is_gathered_by_the_worker() -> None:
     cluster.assert_clean()
 
 
+class _Flag:
+    """A ready event the test fires (``ReadyEvent``: only ``query``)."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def query(self) -> bool:
+        return self.fired
+
+
+def test_a_part_whose_ready_event_has_not_fired_is_left_to_the_worker() -> None:
+    """On CPU the gather would run inside ``send_part``: with an event not fired yet the
+    KV may not be written, so the worker gathers once the event fires."""
+    cluster = Cluster(mode="staged", engine_gathers=True)
+    sender = cluster.senders[0]
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request, send=False)
+    cluster.run(lambda: _armed(cluster) == [1])
+    ready = _Flag()
+    sender.send_part(request.room, last=True, ready_event=ready)
+    for _ in range(5):
+        cluster.step()
+    assert _gathers(sender, "worker") == 0 and cluster.states(request.room) == {
+        State.TRANSFERRING}
+    ready.fired = True
+    _finish(cluster, request)
+    assert (_gathers(sender, "engine"), _gathers(sender, "worker")) == (0, 1)
+    cluster.assert_clean()
+
+
 def test_parts_smaller_than_the_request_give_the_set_aside_space_back() -> None:
     """1 → 2, two parts (pages halves): part 0 of each stream takes the first half of its
     pre-grant, part 1 asks; the worker gathers all four."""

@@ -341,7 +341,10 @@ class PrefillSender(Endpoint[SendTransfer]):
         engine's thread, inside ``send_part``; {} leaves the part to the worker."""
         stream = self._stream
         wait = ready if isinstance(ready, torch.cuda.Event) else None
-        if stream is not None and wait is None:
+        if stream is None:
+            if ready is not None and not ready.query():
+                return {}  # CPU: the gather runs in this call, so the KV must be there
+        elif wait is None:
             return {}  # an engine's own ReadyEvent: only the worker can poll it
         with self._armed_lock:
             armed = self._armed.get(room)
@@ -1068,7 +1071,6 @@ class PrefillSender(Endpoint[SendTransfer]):
     def _release(self, transfer: SendTransfer) -> None:
         """Terminal: abort WRITEs in flight, free staging, forget the request. Runs once."""
         self._transfers.pop(transfer.room, None)
-        self._disarm(transfer.room)
         for stream in transfer.streams.values():
             part0 = stream.out.get(0)
             unwritten = stream.pregrant is not None or (
@@ -1083,7 +1085,12 @@ class PrefillSender(Endpoint[SendTransfer]):
                     except TransportError as exc:
                         _log.warning("room %s: releasing a WRITE: %s", transfer.room, exc)
             stream.out.clear()
-        self.staging.free_owner(transfer.room)
+        # Under the lock the engine's thread holds from taking a room's gathers to their
+        # launch: space it gathers into is freed after that launch, so a gather of the next
+        # owner is queued behind it on the staging stream, never before it.
+        with self._armed_lock:
+            self._armed.pop(transfer.room, None)
+            self.staging.free_owner(transfer.room)
 
     def _on_peer_lost(self, peer: str, detail: str) -> None:
         for transfer in list(self._transfers.values()):

@@ -13,14 +13,14 @@ __all__ = ["wait_for", "wait_for_events"]
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = 30.0,
-             interval_s: float = 0.3) -> Any:
-    """Poll `probe` until it returns something truthy and return that; on timeout fail the
-    test naming `what` and the last value seen."""
+             interval_s: float = 0.3, until: Callable[[Any], bool] = bool) -> Any:
+    """Poll `probe` until `until` holds for what it returns (default: it is truthy) and
+    return that; on timeout fail the test naming `what` and the last value seen."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:
         last = probe()
-        if last:
+        if until(last):
             return last
         time.sleep(interval_s)
     pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}; last seen: {last!r}")

@@ -201,6 +201,9 @@ def _engine_native(pdd: Obj, name: str) -> Obj:
     del spec["transfer"]["staging"]["prefillBufferMiB"], spec["transfer"]["staging"][
         "decodePoolMiB"]
     spec["transfer"]["transport"] = {"ucxTransports": ["tcp", "self", "sm"]}
+    # The default window and staleness (60 s): a 10 s limit flaps the condition to Unknown
+    # whenever 2 loaded cores delay a report's write or the operator's read of it by 10 s.
+    spec["transfer"]["health"].update({"windowSeconds": 60, "staleAfterSeconds": 60})
     return spec
 
 
@@ -429,9 +432,8 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
     # Both pods report through their sidecars.
     # A report interval past the busy engine's late answers (its sidecar's /metrics reads
     # time out while a request runs for tens of seconds on 2 cores).
-    healthy = wait_for("EngineNative TransferHealthy=True", lambda: (
-        c if (c := _condition(cluster, NATIVE, "TransferHealthy")).get("status") == "True"
-        else None), 180)
+    healthy = wait_for("EngineNative TransferHealthy=True", lambda: _condition(
+        cluster, NATIVE, "TransferHealthy"), 180, until=lambda c: c.get("status") == "True")
     print(f"EngineNative transfer health: {healthy['message']}")
 
     def reports() -> dict[str, Obj]:
@@ -453,7 +455,7 @@ def _condition(cluster: Cluster, name: str, type_: str) -> Obj:
 
 
 MISMATCHED = f"{NAME}-kv-mismatch"
-UNHEALTHY_WITHIN_S = 150
+LOAD_S = 60
 
 
 def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_router(
@@ -487,20 +489,18 @@ def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_rou
     assert router is not None
     started = time.monotonic()
     answers = Counter()
-    # Requests go on until the condition turns: a sidecar sees the failures at its first
-    # reading after them. On 2 cores a CPU has been stuck for 30-80 s at a time (engines,
-    # API server and agents all stopped), so the budget is several report intervals past
-    # such a stall.
-    while time.monotonic() - started < UNHEALTHY_WITHIN_S and _condition(
+    # Requests for up to LOAD_S, then none: a sidecar sees the failures at its first
+    # reading after them, and they stay in the 60 s window. Without the load the 2 cores
+    # serve the control plane again (with it the API server's reads took 30 s).
+    while time.monotonic() - started < LOAD_S and _condition(
             cluster, MISMATCHED, "TransferHealthy").get("status") != "False":
         try:
             complete(router, PROMPTS[1], MAX_TOKENS, timeout_s=60)
             answers["ok"] += 1
         except RuntimeError as exc:
             answers[str(exc).split(":")[0]] += 1
-    unhealthy = wait_for("TransferHealthy=False", lambda: (
-        c if (c := _condition(cluster, MISMATCHED, "TransferHealthy")).get("status")
-        == "False" else None), 60)
+    unhealthy = wait_for("TransferHealthy=False", lambda: _condition(
+        cluster, MISMATCHED, "TransferHealthy"), 180, until=lambda c: c.get("status") == "False")
     noticed = time.monotonic() - started
     print(f"mismatched decode: answers {dict(answers)}; TransferHealthy=False after "
           f"{noticed:.1f} s: {unhealthy['reason']}: {unhealthy['message']}")

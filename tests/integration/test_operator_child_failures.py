@@ -118,7 +118,9 @@ def test_longest_name_gets_pods_and_one_more_character_gets_nothing(
     assert all(label.startswith(f"{longest}-{role}-") and len(label) <= 63
                for label, role in zip(labels, ("decode", "decode", "prefill", "prefill"),
                                       strict=True)), labels
-    assert cluster.condition("SpecValid", longest)["status"] == "True"
+    # The pods come from the StatefulSets; the status write follows the children's.
+    wait_for("SpecValid=True", lambda: cluster.condition("SpecValid", longest),
+             until=lambda c: c.get("status") == "True")
 
     # Nothing anywhere in the namespace belongs to, or is named after, the refused one.
     uid = refused["metadata"]["uid"]

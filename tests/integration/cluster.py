@@ -17,6 +17,7 @@ from pd_operator.build import Capabilities, build_children, child_key
 from pd_operator.kube import CHILD_KINDS, PDB, PODS, KubeClient
 from pd_operator.reconcile import first_difference
 from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
+from tests.polling import wait_for
 
 __all__ = ["CAPS", "GROUP", "KINDS", "NAME", "PLURAL", "VERSION", "Cluster", "example_body"]
 
@@ -101,7 +102,14 @@ class Cluster:
         return self.kube.list_objects(PODS, self.ns, selector)
 
     def mark_all_ready(self) -> None:
-        """Every pod of the PDDeployment, the router's included, becomes Running and Ready."""
+        """Every pod of the PDDeployment, the router's included, becomes Running and Ready.
+        The router's pods are awaited first: the controller-manager makes them through a
+        ReplicaSet, on a loaded host after the engines' pods."""
+        router = self.pdd()["spec"].get("router") or {}
+        wanted = router.get("replicas", 1) if router.get("enabled") else 0
+        selector = f"pd.serving.dev/deployment={NAME},app.kubernetes.io/component=router"
+        wait_for(f"{wanted} router pod(s)", lambda: len(
+            self.kube.list_objects(PODS, self.ns, selector)) >= wanted, 60)
         for pod in self.kube.list_objects(PODS, self.ns, f"pd.serving.dev/deployment={NAME}"):
             self.mark_ready(pod)
 

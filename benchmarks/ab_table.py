@@ -2,10 +2,11 @@
 before and after a change, and the median request's phases on the path to the gather.
 
 Usage: python benchmarks/ab_table.py PREFIX ROUNDS
-reads PREFIX_{before,after}_{1..ROUNDS}.json (as `benchmarks/engine_gathers_gpu.sh` writes
+reads PREFIX_{before,after}_{1..ROUNDS}.json (as `benchmarks/ab_transfer_gpu.sh` writes
 them) and prints, per TP combination and length: raw and staged ms at 1 in flight and
 staged GB/s at 8 in flight (each round, before → after), then the median request's
-given → gather enqueued, pickup, post, post → notification and scatter (ms, round 1).
+given → gather enqueued, pickup, post, post → notification and scatter, the scatter split
+at its launch (ms, round 1).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def _gbs(result: dict[str, Any]) -> float:
     return float(result["paths"]["staged"]["in_flight"]["gb_per_s"])
 
 
-def _median_stamp(requests: list[dict[str, Any]], start: str, end: str) -> float:
-    spans = [r["phases"]["stamps_s"]["prefill"][end] - r["phases"]["stamps_s"]["prefill"][start]
+def _median_stamp(requests: list[dict[str, Any]], side: str, start: str, end: str) -> float:
+    spans = [r["phases"]["stamps_s"][side][end] - r["phases"]["stamps_s"][side][start]
              for r in requests]
     return float(statistics.median(spans)) * 1e3
 
@@ -64,13 +65,14 @@ def main(prefix: str, rounds: int) -> None:
         print(f"| {key} | {raw} | {staged} | {gbs} |")
     print()
     print("| TP (KV heads) | tokens | given → gather enqueued | pickup | post | "
-          "post → notification | scatter |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "post → notification | scatter | notified → scatter launched | launched → seen done |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key in keys:
         cells = []
-        for name, span in (("given → gather enqueued", ("given", "gather_enqueued")),
+        for name, span in (("given → gather enqueued", ("prefill", "given", "gather_enqueued")),
                            ("pickup", None), ("post", None), ("post → notification", None),
-                           ("scatter", None)):
+                           ("scatter", None), ("", ("decode", "notified", "scatter_queued")),
+                           ("", ("decode", "scatter_queued", "scattered"))):
             pair = []
             for side in ("before", "after"):
                 requests = runs[side, 1][key]["paths"]["staged"]["requests"]

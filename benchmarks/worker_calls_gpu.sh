@@ -12,7 +12,9 @@
 # each worker (PD_PROBE_LAUNCH, benchmarks/worker_calls/sitecustomize.py): is a kernel
 # launch slow in the rank's process, or only on its worker? And without UCX's cuda_ipc
 # transport (UCX_TLS=^cuda_ipc: the WRITEs then go through host memory)?
-# Usage: benchmarks/worker_calls_gpu.sh OUT_DIR WHEELS [probe]
+# With `calls`, only the default run of 1. (its NIXL calls, post and message handling timed
+# too: is the post's host time NIXL's or ours?).
+# Usage: benchmarks/worker_calls_gpu.sh OUT_DIR WHEELS [probe|calls]
 set -o pipefail
 out=${1:?usage: worker_calls_gpu.sh OUT_DIR WHEELS [probe]}
 wheels=${2:?WHEELS}
@@ -24,6 +26,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 base=/tmp/site:$PWD/contract:$PWD:$PWD/transfer
 log=$out/worker_calls_gpu_h100.txt
 [ "$mode" = probe ] && log=$out/worker_calls_gpu_h100_probe.txt
+[ "$mode" = calls ] && log=$out/worker_calls_gpu_h100_calls.txt
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$log"
 args="--device cuda --combos 1-1:8,2-4:8 --lengths 1024 --paths staged --repeats 10 --waves 1"
 run() {  # NAME EXTRA_BENCH_ARGS [VAR=value ...]
@@ -37,8 +40,8 @@ run() {  # NAME EXTRA_BENCH_ARGS [VAR=value ...]
     --json "$out/bench_transfer_gpu_h100_worker_$name.json" 2>&1 \
     | grep -v "NIXL INFO\|UCX  WARN" | grep "tok\|rror" | tee -a "$log"
   grep -A40 "bench-prefill-0\|bench-decode-0" "/tmp/calls-$name.txt" \
-    | grep -E "==|gather\(\)|scatter\(\)|kernel.launch|order|record|select|_enqueue_gathers|_on_staged|Endpoint.step|_validate|_layer_ids|probe" \
-    | head -40 | tee -a "$log"
+    | grep -E "==|gather\(\)|scatter\(\)|kernel.launch|order|record|select|_enqueue_gathers|_on_staged|Endpoint.step|_validate|_layer_ids|probe|nixl|Nixl|seal|authenticate|_try_post|_on_message|PreparedMove" \
+    | head -80 | tee -a "$log"
 }
 if [ "$mode" = probe ]; then
   args="--device cuda --combos 1-1:8 --lengths 1024 --paths raw,staged --repeats 10 --waves 1"
@@ -49,6 +52,10 @@ if [ "$mode" = probe ]; then
   exit 0
 fi
 run default ""
+if [ "$mode" = calls ]; then
+  cp /tmp/calls-default.txt "$out/worker_calls_gpu_h100_calls_all.txt"
+  exit 0
+fi
 run spin "--poll-us 0,0" PD_SWITCH_INTERVAL=0.00005
 run default_switch "" PD_SWITCH_INTERVAL=0.00005
 echo "== hot loop host us alone, then beside a process launching kernels" | tee -a "$log"

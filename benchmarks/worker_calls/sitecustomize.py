@@ -66,12 +66,15 @@ def _report(path: str, worker_name: str) -> None:
 
 def _install(path: str) -> None:
     import torch  # noqa: PLC0415 - only when timing is asked for
+    from nixl._api import nixl_agent  # noqa: PLC0415
 
     from pd_transfer import _endpoint, receiver, sender, staging, worker  # noqa: PLC0415
+    from pd_transfer.transport import nixl as nixl_transport  # noqa: PLC0415
 
     for owner, name, label in (
         (sender, "gather", "gather()"),
-        (receiver, "scatter", "scatter()"),
+        (receiver, "prepare_scatter", "prepare_scatter()"),
+        (staging.PreparedMove, "launch", "PreparedMove.launch"),
         (staging, "_validate", "staging._validate"),
         (staging, "_layer_ids", "staging._layer_ids"),
         (staging, "prepare_pages", "staging.prepare_pages"),
@@ -83,12 +86,23 @@ def _install(path: str) -> None:
         (_endpoint.Endpoint, "step", "Endpoint.step"),
         (sender.PrefillSender, "_enqueue_gathers", "sender._enqueue_gathers"),
         (receiver.DecodeReceiver, "_on_staged", "receiver._on_staged"),
+        (receiver.DecodeReceiver, "_on_message", "receiver._on_message"),
+        (sender.PrefillSender, "_try_post_staged", "sender._try_post_staged"),
+        (_endpoint.Endpoint, "seal", "Endpoint.seal"),
+        (_endpoint.Endpoint, "authenticate", "Endpoint.authenticate"),
+        (nixl_transport.NixlTransport, "write", "NixlTransport.write"),
+        (nixl_transport.NixlTransport, "poll_messages", "NixlTransport.poll_messages"),
+        (nixl_agent, "get_xfer_descs", "nixl.get_xfer_descs"),
+        (nixl_agent, "initialize_xfer", "nixl.initialize_xfer"),
+        (nixl_agent, "transfer", "nixl.transfer"),
+        (nixl_agent, "check_xfer_state", "nixl.check_xfer_state"),
+        (nixl_agent, "get_new_notifs", "nixl.get_new_notifs"),
     ):
         _wrap(owner, name, label)
     if staging.TRITON_AVAILABLE:
         from pd_transfer import _staging_kernel  # noqa: PLC0415
 
-        _wrap(_staging_kernel, "launch", "kernel.launch")
+        _wrap(_staging_kernel.Launch, "run", "kernel.launch")
     stop = worker.Worker.stop
 
     def stop_and_report(self: worker.Worker, *args: Any, **kwargs: Any) -> None:
@@ -152,7 +166,7 @@ def _install_event_times(path: str) -> None:
 
     import torch  # noqa: PLC0415
 
-    from pd_transfer import receiver, sender, worker  # noqa: PLC0415
+    from pd_transfer import staging, worker  # noqa: PLC0415
 
     # label -> [(enqueue start, enqueue end, start event, end event, finished)]
     calls: dict[str, list[list[Any]]] = {}
@@ -166,29 +180,24 @@ def _install_event_times(path: str) -> None:
 
     threading.Thread(target=stamp_finished, name="event-times", daemon=True).start()
 
-    def timed(module: Any, label: str) -> None:
-        original: Callable[..., Any] = getattr(module, label)
+    launch = staging.PreparedMove.launch
 
-        @functools.wraps(original)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            stream = kwargs.get("stream")
-            if stream is None:
-                return original(*args, **kwargs)
-            start, end = (torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                          for _ in range(2))
-            t0 = time.perf_counter()
-            start.record(stream)
-            result = original(*args, **kwargs)
-            end.record(stream)
-            row = [t0, time.perf_counter(), start, end, None]
-            calls.setdefault(label, []).append(row)
-            ends.put(row)
-            return result
+    @functools.wraps(launch)
+    def timed_launch(move: staging.PreparedMove, stream: Any = None) -> int:
+        if stream is None:
+            return launch(move, stream)
+        start, end = (torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                      for _ in range(2))
+        t0 = time.perf_counter()
+        start.record(stream)
+        result = launch(move, stream)
+        end.record(stream)
+        row = [t0, time.perf_counter(), start, end, None]
+        calls.setdefault("scatter" if move.scatter else "gather", []).append(row)
+        ends.put(row)
+        return result
 
-        setattr(module, label, call)
-
-    timed(sender, "gather")
-    timed(receiver, "scatter")
+    staging.PreparedMove.launch = timed_launch  # type: ignore[method-assign]
     stop = worker.Worker.stop
 
     def stop_and_report(self: worker.Worker, *args: Any, **kwargs: Any) -> None:

@@ -285,9 +285,11 @@ def test_staged_scatter_waits_for_engine_work_queued_on_its_pages_before_the_req
     the request started (there: the last kernels of the pages' previous owner). Here decode
     queues a ~1 s kernel and then zeroes the request's pages on that stream just before
     ``expect``: a scatter that did not wait would be overwritten by the zeros, and the KV
-    would not match. The stream is ordered once per request, when it starts."""
+    would not match. The stream is ordered once per request, when it starts; the scatters,
+    of a pre-granted whole request, were prepared then too (receiver.py)."""
     prefill, decode = gpu_staged
     for room, busy_cycles in (("warm-up", 0), ("busy-decode-stream", 2_000_000_000)):
+        before = decode.ask("scatters")
         prefill.sender.register_request(room, SRC, NUM_TOKENS).result(10.0)
         assert decode.ask("expect", room, DST, NUM_TOKENS, busy_cycles) == "ok"
         prefill.wait_transferring(room)
@@ -296,6 +298,8 @@ def test_staged_scatter_waits_for_engine_work_queued_on_its_pages_before_the_req
         assert result["states"] == ["Succeeded", "Succeeded"], (room, result)
         assert prefill.wait_finished(room) == "Succeeded"
         assert_decode_holds_prefill_kv(prefill, decode, room)
+        after = decode.ask("scatters")
+        assert [a["grant"] - b["grant"] for a, b in zip(after, before, strict=True)] == [1, 1]
 
 
 @pytest.mark.gpu

@@ -327,6 +327,9 @@ def _decode_main(conn: Connection, spec: DecodeSpec) -> None:
         elif command == "digest":
             (pages,) = args
             conn.send([kv_digest(r.usable_pool(), pages, r.heads) for r in ranks])
+        elif command == "scatters":  # per rank: staged scatters launched, by when prepared
+            conn.send([{when: int(r.receiver.metrics.scatters.labels(when)._value.get())
+                        for when in ("grant", "notification")} for r in ranks])
         elif command == "decode_step":
             token, position, page_table = args
             if model is None:

@@ -122,6 +122,11 @@ class TransferMetrics:
             "launched them: engine (inside send_part, into staging set aside at the "
             "RequestKV) or worker", ["thread"], registry=r,
         )
+        self.scatters = Counter(
+            "pd_transfer_scatters", "Staged scatters launched (decode), by when they were "
+            "prepared: grant (with a pre-grant, for the writer's whole share) or "
+            "notification (when the StagedPart arrived)", ["prepared"], registry=r,
+        )
         self._ring: StagingRing | None = None
         self._ring_gauges = False
         self._staging_bytes = 0
@@ -231,6 +236,10 @@ class TransferMetrics:
     def gathers_launched(self, thread: str, count: int) -> None:
         """``count`` staged gathers launched on the engine's or the worker's thread."""
         self.gathers.labels(thread).inc(count)
+
+    def scatter_launched(self, prepared: str) -> None:
+        """A staged scatter launched, prepared at the ``grant`` or at the ``notification``."""
+        self.scatters.labels(prepared).inc()
 
     def write_posted(self, path: str, descriptors: int) -> None:
         self.writes_posted.labels(path).inc()

@@ -34,6 +34,10 @@ be smaller than the region, whose tail is freed when it lands; no stall watchdog
 for it means the writer could not use it (it gives it back: the region is freed and the
 request served as new); and a resize asks for it back (``Withdraw``, re-sent every
 ``grant_s``) so that a writer still computing does not hold the drain to its deadline.
+Its scatter is prepared with the grant: the share's page and layer ids on the device, the
+arguments checked, the kernel bound (``staging.prepare_scatter``), so a StagedPart that is
+the whole share only launches it; any other part's scatter is prepared when its StagedPart
+arrives (``pd_transfer_scatters_total{prepared=grant|notification}``).
 
 Hot resize (``resize_ring(new_bytes, deadline_s)``): no new region is granted (new
 AllocRequests queue FIFO, answered with a Watermark, bounded by their own deadlines);
@@ -81,8 +85,9 @@ from pd_transfer.protocol.parts import Part, PartEvent, PartState, Quarantined
 from pd_transfer.ring import Region, StagingRing
 from pd_transfer.staging import (
     PageIds,
+    PreparedMove,
     prepare_pages,
-    scatter,
+    prepare_scatter,
     staged_chunk_bytes,
 )
 from pd_transfer.transport.base import RegisteredRegion, Transport
@@ -106,6 +111,7 @@ class _InPart(Part):
     ring_version: int = 0  # of the ring its region was granted in
     scattered: torch.cuda.Event | None = None  # CUDA: fires when its scatter has finished
     pregranted: bool = False  # its region went out with the RequestKV (module docstring)
+    prepared: PreparedMove | None = None  # a pre-grant's scatter of the whole share
     withdraw_sent_at: float | None = None  # a resize asked for the pre-grant back
     stamps: dict[str, float] = field(default_factory=dict)  # Stamp -> clock (phases.py)
 
@@ -344,6 +350,8 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         part.region, part.granted_at, part.ring_version = region, self.clock(), self.ring_version
         self._move(writer, part, PartEvent.GRANT)
         part.stamps[Stamp.PREGRANTED] = part.granted_at
+        part.prepared = self._prepare_scatter(transfer, writer, region, *self._share_ranges(
+            transfer, writer))
         self.metrics.pregrant("granted")
         return region
 
@@ -561,21 +569,41 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             assert region is not None  # a Granted part's region is live
         if part.pregranted:
             self.metrics.pregrant("used")
-        view = self.ring_buffer[region.offset_bytes : region.offset_bytes + region.size_bytes]
-        first = plan.dst_layer_start - plan.layers.start
-        local_layers = range(layers.start + first, layers.stop + first)
-        dst_pages = self._dst_ids(transfer).select(pages.start, pages.stop)
+        move, part.prepared = part.prepared, None
+        if move is not None and (layers, pages) == self._share_ranges(transfer, writer):
+            self.metrics.scatter_launched("grant")
+        else:
+            move = self._prepare_scatter(transfer, writer, region, layers, pages)
+            self.metrics.scatter_launched("notification")
         if self._stream is not None:
-            scatter(view, self.pool, local_layers, dst_pages,
-                    head_start=plan.heads.dst_head_offset, num_heads=plan.heads.num_heads,
-                    stream=self._stream.stream)
+            move.launch(self._stream.stream)
             part.scattered = self._stream.record()
             part.stamps[Stamp.SCATTER_QUEUED] = self.clock()
         else:
-            scatter(view, self.pool, local_layers, dst_pages,
-                    head_start=plan.heads.dst_head_offset, num_heads=plan.heads.num_heads)
+            move.launch()
             part.stamps[Stamp.SCATTER_QUEUED] = self.clock()
             self._landed(transfer, writer, part)
+
+    @staticmethod
+    def _share_ranges(transfer: ReceiveTransfer, writer: _Writer) -> tuple[range, range]:
+        """``writer``'s whole share of the request: its plan's layers × every page."""
+        return (range(writer.plan.layers.start, writer.plan.layers.stop),
+                range(len(transfer.dst_pages)))
+
+    def _prepare_scatter(
+        self, transfer: ReceiveTransfer, writer: _Writer, region: Region, layers: range,
+        pages: range,
+    ) -> PreparedMove:
+        """The scatter of ``region`` (``layers`` in the plan's numbering × ``pages`` of the
+        request) into the pool, checked, its ids on the device and its kernel bound: the
+        launch is then O(1) host work. A pre-grant's is prepared with the grant."""
+        plan = writer.plan
+        first = plan.dst_layer_start - plan.layers.start
+        view = self.ring_buffer[region.offset_bytes : region.offset_bytes + region.size_bytes]
+        return prepare_scatter(view, self.pool, range(layers.start + first, layers.stop + first),
+                               self._dst_ids(transfer).select(pages.start, pages.stop),
+                               head_start=plan.heads.dst_head_offset,
+                               num_heads=plan.heads.num_heads)
 
     def _dst_ids(self, transfer: ReceiveTransfer) -> PageIds:
         """The request's destination pages on the pool's device, made once (when the

@@ -61,6 +61,7 @@ __all__ = [
     "gather",
     "prepare_gather",
     "prepare_pages",
+    "prepare_scatter",
     "scatter",
     "staged_chunk_bytes",
 ]
@@ -184,8 +185,8 @@ def gather(
     Asynchronous on CUDA: enqueued on ``stream`` (default: the current stream), like any
     torch op.
     """
-    return _prepare(pool, layers, page_ids, head_start, num_heads, out, force_torch,
-                    False).launch(stream)
+    return prepare_gather(pool, layers, page_ids, head_start=head_start, num_heads=num_heads,
+                          out=out, force_torch=force_torch).launch(stream)
 
 
 def scatter(
@@ -204,15 +205,15 @@ def scatter(
     of those pages, and every other page, are left untouched. Page ids must be distinct.
     Returns the number of bytes read. ``stream`` as for ``gather``.
     """
-    return _prepare(pool, layers, page_ids, head_start, num_heads, buffer, force_torch,
-                    True).launch(stream)
+    return prepare_scatter(buffer, pool, layers, page_ids, head_start=head_start,
+                           num_heads=num_heads, force_torch=force_torch).launch(stream)
 
 
 @dataclass(frozen=True, eq=False)
 class PreparedMove:
     """A gather or scatter whose arguments are checked and whose index tensors are on the
-    device (``prepare_gather``): ``launch`` only enqueues it, so it costs the host O(1) and
-    any thread may call it (a prefill engine's, inside ``send_part``)."""
+    device (``prepare_gather``, ``prepare_scatter``): ``launch`` only enqueues it, so it costs
+    the host O(1) and any thread may call it (a prefill engine's, inside ``send_part``)."""
 
     pool: KVPool
     layers: Sequence[int]
@@ -263,6 +264,21 @@ def prepare_gather(
     """``gather``'s checks and index uploads now (on the calling thread's current stream),
     its launch later (``PreparedMove.launch``)."""
     return _prepare(pool, layers, page_ids, head_start, num_heads, out, force_torch, False)
+
+
+def prepare_scatter(
+    buffer: torch.Tensor,
+    pool: KVPool,
+    layers: Sequence[int],
+    page_ids: Sequence[int] | PageIds,
+    *,
+    head_start: int,
+    num_heads: int,
+    force_torch: bool = False,
+) -> PreparedMove:
+    """``scatter``'s checks and index uploads now, its launch later (``PreparedMove.launch``):
+    decode prepares a pre-granted region's scatter with the grant."""
+    return _prepare(pool, layers, page_ids, head_start, num_heads, buffer, force_torch, True)
 
 
 def _prepare(  # noqa: PLR0917 - private; gather/scatter name every argument

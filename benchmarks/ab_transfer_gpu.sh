@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# A before/after run of one change to the staged path, in one machine call (Python 3.12 and
+# torch preinstalled, no registry): the GPU tests of the staging kernels and of the staged
+# path (--noconftest: the integration conftest needs the operator's dependencies, which this
+# machine lacks; these tests use none of its fixtures), the CPU unit tests of the gathers
+# launched on the engine's thread and of the scatters prepared with the grant, the
+# selftest's staged runs (bit-exact); then `pd-transfer bench transfer --ready-events` (one
+# request in flight, and 8) at 1K and 4K tokens, alternating BEFORE_TREE (a copy of the
+# previous commit's transfer/ directory) and this tree for each round of ROUNDS (seq's
+# arguments: "2" is rounds 1 and 2, "2 2" round 2 alone; default 1). NAME names
+# the log (NAME_gpu_<gpu>.txt) and the results (bench_transfer_gpu_<gpu>_NAME_<before|after>_
+# <round>.json); benchmarks/ab_table.py prints their table.
+# Usage: benchmarks/ab_transfer_gpu.sh NAME OUT_DIR WHEELS BEFORE_TREE [ROUNDS] [SKIP_TESTS]
+set -o pipefail
+usage="usage: ab_transfer_gpu.sh NAME OUT_DIR WHEELS BEFORE_TREE [ROUNDS] [SKIP_TESTS]"
+name=${1:?$usage}
+out=${2:?$usage}
+wheels=${3:?$usage}
+before=$(realpath "${4:?$usage}")
+rounds=${5:-1}
+mkdir -p "$out"
+. benchmarks/gpu_setup.sh
+gpu_setup "$wheels" || exit 1
+log=$out/${name}_gpu_$gpu.txt
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
+if [ -z "${6:-}" ]; then
+  python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu -o addopts="" \
+    tests/unit/test_staging.py tests/integration/test_pipeline_nixl.py 2>&1 | tail -4 \
+    | tee -a "$log"
+  python3 -m pytest -q -p no:cacheprovider --noconftest -o addopts="" \
+    tests/unit/test_engine_gathers.py tests/unit/test_prepared_scatters.py 2>&1 | tail -2 \
+    | tee -a "$log"
+  staged_selftests /tmp "selftest_gpu_${gpu}_$name" "$log"
+fi
+# shellcheck disable=SC2086
+for round in $(seq $rounds); do
+  for tree in "$before" "$PWD/transfer"; do
+    result=bench_transfer_gpu_${gpu}_${name}_$([ "$tree" = "$before" ] && echo before \
+      || echo after)_$round
+    echo "== $result" | tee -a "$log"
+    PYTHONPATH=/tmp/site:$PWD/contract:$PWD:$tree timeout 140 python3 -m pd_transfer.cli \
+      bench transfer --device cuda --repeats 10 --waves 2 --lengths 1024,4096 \
+      --paths raw,staged --ready-events --json "$out/$result.json" 2>&1 \
+      | grep -v "NIXL INFO\|UCX  WARN" | grep "tok" | tee -a "$log"
+  done
+done
+exit 0

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from pd_transfer.errors import DescriptorOutOfBounds, PeerUnreachable
+from pd_transfer.errors import DescriptorOutOfBounds, PeerUnreachable, TransportError
 from pd_transfer.transport import RegisteredRegion, TransferHandle, TransferState
 from pd_transfer.transport.nixl import NixlTransport
 
@@ -226,6 +226,42 @@ def test_region_the_peer_never_registered_is_refused_by_nixl(
         local.write(
             peer.name, [(region.base_address, KIB)], [(forged.base_address, KIB)], [forged], b"x"
         )
+
+
+def test_a_prepared_write_moves_what_the_source_holds_at_its_post_once(
+    local: NixlTransport, peer: Peer, source: tuple[torch.Tensor, RegisteredRegion]
+) -> None:
+    """``prepare_write`` builds NIXL's request and posts nothing; ``post`` sends the bytes the
+    source holds then (written after the prepare here), once; a discarded one never goes."""
+    tensor, region = source
+    at, size = 8 * KIB, 64 * KIB
+    target = (peer.region.base_address + 512 * KIB, size)
+    before = local.stats.snapshot()
+    prepared = local.prepare_write(peer.name, [(region.base_address + at, size)], [target],
+                                   [peer.region], b"prepared-1")
+    unused = local.prepare_write(peer.name, [(region.base_address, size)], [target],
+                                 [peer.region], b"never-posted")
+    assert local.stats == before
+    local.discard(unused)
+    local.discard(unused)  # idempotent
+    original = tensor[at : at + size].clone()
+    tensor[at : at + size] = 7
+    try:
+        handle = local.post(prepared)
+        assert wait_state(local, handle) is TransferState.DONE
+        local.release(handle)
+        for spent in (prepared, unused):
+            with pytest.raises(TransportError, match="posted or discarded"):
+                local.post(spent)
+        received = wait_for(lambda: [m[1] for m in peer.ask(local, "received")
+                                     if m[1] in (b"prepared-1", b"never-posted")] or None, local)
+        assert received == [b"prepared-1"]
+        landing = peer.ask(local, "landing")
+        assert torch.equal(landing[512 * KIB : 512 * KIB + size],
+                           torch.full((size,), 7, dtype=torch.uint8))
+        assert local.stats.transfers_posted - before.transfers_posted == 1
+    finally:
+        tensor[at : at + size] = original
 
 
 def test_killed_peer_surfaces_as_unreachable_within_a_deadline(

@@ -17,6 +17,7 @@ import pytest
 
 from pd_transfer.protocol.lifecycle import FailureReason, State
 from pd_transfer.sender import PrefillSender
+from pd_transfer.staging import PreparedMove
 from tests.transfer_harness import Cluster, Request
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,6 +63,8 @@ def test_a_pre_granted_request_is_gathered_in_send_part_and_lands_bit_exact(
     assert [_gathers(s, "worker") for s in cluster.senders] == [0] * len(streams)
     assert [(s.pregrants_taken, s.alloc_requests_sent) for s in cluster.senders] == [
         (n, 0) for n in streams]
+    # ... and posted with the WRITEs the worker prepared with the gathers.
+    assert [s.prepared_writes_posted for s in cluster.senders] == streams
     cluster.assert_clean()
 
 
@@ -117,11 +120,12 @@ def test_parts_smaller_than_the_request_give_the_set_aside_space_back() -> None:
     sender.send_part(request.room, pages=range(0, half))
     assert _armed(cluster) == [2]  # only a whole request's part takes them
     cluster.step()
-    assert _armed(cluster) == [0]
+    assert _armed(cluster) == [0] and sender.debug_counts()["prepared_writes"] == 0
     sender.send_part(request.room, pages=range(half, len(request.src_pages)), last=True)
     _finish(cluster, request)
     assert (_gathers(sender, "engine"), _gathers(sender, "worker")) == (0, 4)
     assert (sender.pregrants_taken, sender.alloc_requests_sent) == (2, 2)
+    assert sender.prepared_writes_posted == 0  # made for whole shares: discarded
     cluster.assert_clean()
 
 
@@ -165,6 +169,7 @@ def test_a_withdraw_between_the_engines_gathers_and_its_part_makes_part_0_ask() 
     _finish(cluster, request)
     assert (_gathers(sender, "engine"), _gathers(sender, "worker")) == (1, 0)
     assert (sender.pregrants_taken, sender.alloc_requests_sent) == (0, 1)
+    assert sender.prepared_writes_posted == 0  # prepared for the withdrawn region
     cluster.assert_clean()
 
 
@@ -209,3 +214,27 @@ def test_an_own_buffer_resize_takes_back_the_set_aside_space_at_once() -> None:
     assert (_gathers(sender, "engine"), _gathers(sender, "worker")) == (0, 1)
     assert sender.pregrants_taken == 1  # decode's pre-grant is untouched by prefill's resize
     cluster.assert_clean()
+
+
+def test_a_part_the_worker_gathers_after_a_failed_engine_launch_posts_its_own_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launch on the engine's thread raised (a fault the harness cannot produce through
+    the engine: the launch is made to fail), so the worker gathers the part into new space.
+    The WRITE prepared with the set-aside space must not carry it: that space holds no KV."""
+    cluster = Cluster(mode="staged", engine_gathers=True)
+    sender = cluster.senders[0]
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request, send=False)
+    cluster.run(lambda: _armed(cluster) == [1])
+    with monkeypatch.context() as patch:
+        patch.setattr(PreparedMove, "launch", _fail_launch)
+        sender.send_part(request.room, last=True)
+    _finish(cluster, request)
+    assert (_gathers(sender, "engine"), _gathers(sender, "worker")) == (0, 1)
+    assert (sender.pregrants_taken, sender.prepared_writes_posted) == (1, 0)
+    cluster.assert_clean()
+
+
+def _fail_launch(move: PreparedMove, stream: object = None) -> int:
+    raise RuntimeError("launch failed")

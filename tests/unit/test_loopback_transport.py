@@ -274,3 +274,40 @@ def test_close_is_idempotent_and_frees_everything(pair: Pair) -> None:
     with pytest.raises(PeerUnreachable):
         pair.decode.send_message("prefill-0", b"x")
     assert isinstance(pair.decode, LoopbackTransport)
+
+
+def test_a_prepared_write_reads_the_source_at_its_post_and_posts_once(pair: Pair) -> None:
+    """``prepare_write`` checks and builds; ``post`` sends what the source holds then, once.
+    A discarded one, or one whose peer was reloaded or removed, never posts."""
+    local, remote = pair.spans(2, KIB, 2 * KIB)
+    prepared = pair.prefill.prepare_write("decode-0", local, remote, [pair.dst_region], b"p")
+    unused = pair.prefill.prepare_write("decode-0", local, remote, [pair.dst_region], b"u")
+    assert pair.prefill.stats.transfers_posted == 0
+    pair.src[:KIB] = 7  # written after the prepare
+    pair.prefill.discard(unused)
+    pair.prefill.discard(unused)  # idempotent
+    handle = pair.prefill.post(prepared)
+    assert pair.decode.poll_messages() == [("prefill-0", b"p")]
+    assert pair.prefill.state(handle) is TransferState.DONE
+    assert torch.equal(pair.dst[:2 * KIB], pair.expected(2)) and pair.dst[0] == 7
+    for spent in (prepared, unused):
+        with pytest.raises(TransportError, match="posted or discarded"):
+            pair.prefill.post(spent)
+    for forget in (lambda: pair.prefill.add_peer(pair.decode.local_metadata(),
+                                                 expected_name="decode-0"),  # a reload
+                   lambda: pair.prefill.remove_peer("decode-0")):
+        orphan = pair.prefill.prepare_write("decode-0", local, remote, [pair.dst_region], b"o")
+        forget()
+        with pytest.raises(TransportError, match="posted or discarded"):
+            pair.prefill.post(orphan)
+    assert pair.prefill.stats.transfers_posted == 1 and pair.decode.poll_messages() == []
+
+
+def test_a_prepared_write_checks_bounds_and_peer_before_anything_is_built(pair: Pair) -> None:
+    local, remote = pair.spans(1, KIB, KIB)
+    with pytest.raises(DescriptorOutOfBounds):
+        pair.prefill.prepare_write("decode-0", local, [(pair.dst_region.end_address, KIB)],
+                                   [pair.dst_region], b"x")
+    with pytest.raises(PeerUnreachable):
+        pair.prefill.prepare_write("nobody", local, remote, [pair.dst_region], b"x")
+    assert pair.prefill._prepared == {}

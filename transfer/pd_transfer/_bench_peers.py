@@ -38,6 +38,7 @@ from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.reference_model import ModelConfig, ReferenceModel
 from pd_transfer.sender import PrefillSender
 from pd_transfer.transport.base import (
+    PreparedWrite,
     RegisteredRegion,
     Span,
     TransferHandle,
@@ -69,10 +70,10 @@ class _Stamps:
     arrived: dict[tuple[str, int, int], float] = field(default_factory=dict)
 
 
-class TimedTransport:
+class TimedTransport(Transport):
     """A ``Transport`` that delegates everything and stamps the times of parts.
 
-    Prefill side: ``posted[(room, part)]`` at ``write``, ``done[(room, part)]`` when
+    Prefill side: ``posted[(room, part)]`` at ``write`` (or ``post``), ``done[(room, part)]`` when
     ``state`` first reports DONE. Decode side: ``arrived[(room, sender, part)]`` when a
     PartDone / StagedPart notification is polled. Read with ``take(room)``.
     """
@@ -82,6 +83,7 @@ class TimedTransport:
         self._lock = threading.Lock()
         self._stamps = _Stamps()
         self._handles: dict[TransferHandle, tuple[str, int]] = {}
+        self._parts: dict[PreparedWrite, tuple[str, int]] = {}  # (room, part) it will post
 
     @property
     def agent_name(self) -> str:
@@ -106,23 +108,33 @@ class TimedTransport:
     def remove_peer(self, name: str) -> None:
         self._inner.remove_peer(name)
 
-    def write(
+    def prepare_write(
         self,
         peer: str,
         local: Sequence[Span],
         remote: Sequence[Span],
         remote_regions: Sequence[RegisteredRegion],
         notification: bytes,
-    ) -> TransferHandle:
-        now = time.monotonic()
-        handle = self._inner.write(peer, local, remote, remote_regions, notification)
+    ) -> PreparedWrite:
+        prepared = self._inner.prepare_write(peer, local, remote, remote_regions, notification)
         message = decode_message(outgoing_body(notification))
         if isinstance(message, PartDone | StagedPart):
-            key = (message.room, message.part)
+            self._parts[prepared] = (message.room, message.part)
+        return prepared
+
+    def post(self, prepared: PreparedWrite) -> TransferHandle:
+        now = time.monotonic()
+        key = self._parts.pop(prepared, None)
+        handle = self._inner.post(prepared)
+        if key is not None:
             with self._lock:
                 self._stamps.posted[key] = now
                 self._handles[handle] = key
         return handle
+
+    def discard(self, prepared: PreparedWrite) -> None:
+        self._parts.pop(prepared, None)
+        self._inner.discard(prepared)
 
     def state(self, handle: TransferHandle) -> TransferState:
         state = self._inner.state(handle)

@@ -31,7 +31,9 @@ staging space aside for that decode rank's whole share and prepare its gather (`
 page and layer ids on the device, arguments checked). The engine's ``send_part`` of the
 whole request (``last=True``, every page, every layer of this stage) then launches those
 gathers itself, on the staging stream after a device-side wait for its ready event, and the
-worker finds part 0 gathered and pre-granted: it only posts the WRITE. Why: the engine's
+worker finds part 0 gathered and pre-granted: it only posts the WRITE, which it prepared when
+it set the space aside (``Transport.prepare_write``: the sealed StagedPart, the descriptors
+and NIXL's request; the post is then one backend call). Why: the engine's
 thread launches kernels back to back, while the worker's first CUDA call after a wait costs
 several times a hot launch, and host polling of the ready event is gone. Any other part
 gives the space back (``_disarm``), as do a Withdraw, the request's end and a resize of this
@@ -106,7 +108,14 @@ from pd_transfer.staging import (
     prepare_pages,
     staged_chunk_bytes,
 )
-from pd_transfer.transport.base import RegisteredRegion, TransferHandle, TransferState, Transport
+from pd_transfer.transport.base import (
+    PreparedWrite,
+    RegisteredRegion,
+    Span,
+    TransferHandle,
+    TransferState,
+    Transport,
+)
 
 __all__ = ["PrefillSender", "ReadyEvent"]
 
@@ -149,6 +158,16 @@ class _EarlyGather:
 
     region: Region
     move: PreparedMove
+
+
+@dataclass(frozen=True, eq=False)
+class _PreparedShare:
+    """The WRITE of an armed share (``_arm``): from ``region`` into the ``grant`` (the
+    pre-grant), with the StagedPart of the whole share as its notification."""
+
+    region: Region
+    grant: wire.Grant
+    write: PreparedWrite
 
 
 @dataclass(frozen=True)
@@ -269,8 +288,12 @@ class PrefillSender(Endpoint[SendTransfer]):
         self._early: dict[str, list[tuple[str, wire.RequestKV, float]]] = {}
         # Parts whose AllocRequest this step sent, gathered at its end (_enqueue_gathers).
         self._gathers: list[tuple[SendTransfer, _Stream, _OutPart, range]] = []
+        # Armed shares' WRITEs, prepared with their gathers (worker thread only), by (room,
+        # decode rank).
+        self._writes: dict[tuple[str, str], _PreparedShare] = {}
         self.alloc_requests_sent = 0  # first sends only (docs/failure-modes.md #1 counts these)
         self.pregrants_taken = 0  # parts 0 written into their RequestKV's pre-grant instead
+        self.prepared_writes_posted = 0  # parts 0 posted with the WRITE prepared at _arm
 
     # Engine API ----------------------------------------------------------------------------
 
@@ -329,6 +352,7 @@ class PrefillSender(Endpoint[SendTransfer]):
             "early_requests": sum(len(v) for v in self._early.values()),
             "staging_regions": self.staging.live_regions,
             "armed_gathers": armed,
+            "prepared_writes": len(self._writes),
             **self.status_counts(),
         }
 
@@ -394,6 +418,15 @@ class PrefillSender(Endpoint[SendTransfer]):
         if not move.compiled:  # a new kernel compiles on the worker, not in the engine's step
             self.staging.free(region)
             return
+        whole = LayerRange(max(stage.start, plan.layers.start), min(stage.stop, plan.layers.stop))
+        note, local, remote, regions = self._staged_write(transfer, stream, 0, whole, pages, 1,
+                                                          pregrant, region.offset_bytes, size)
+        try:
+            self._writes[transfer.room, stream.peer] = _PreparedShare(
+                region, pregrant, self.transport.prepare_write(stream.peer, local, remote,
+                                                               regions, note))
+        except TransportError as exc:  # the part's own post meets it again and handles it
+            _log.debug("room %s: no WRITE prepared for %s: %s", transfer.room, stream.peer, exc)
         with self._armed_lock:
             armed = self._armed.setdefault(transfer.room, _Armed(
                 transfer.total_pages, stage, {}))
@@ -404,20 +437,25 @@ class PrefillSender(Endpoint[SendTransfer]):
         ``peer``'s, if given), or every room's; their staging space is freed."""
         with self._armed_lock:
             rooms = [room] if room is not None else list(self._armed)
-            taken: list[_EarlyGather] = []
+            taken: list[tuple[str, str, _EarlyGather]] = []
             for name in rooms:
                 armed = self._armed.get(name)
                 if armed is None:
                     continue
-                if peer is None:
-                    taken.extend(armed.gathers.values())
-                    armed.gathers.clear()
-                elif (early := armed.gathers.pop(peer, None)) is not None:
-                    taken.append(early)
+                for gone in [peer] if peer is not None else list(armed.gathers):
+                    if (early := armed.gathers.pop(gone, None)) is not None:
+                        taken.append((name, gone, early))
                 if not armed.gathers:
                     del self._armed[name]
-        for early in taken:
+        for name, gone, early in taken:
             self.staging.free(early.region)
+            self._discard_write(name, gone)
+
+    def _discard_write(self, room: str, peer: str) -> None:
+        """Free the WRITE prepared for ``room``'s share to ``peer``, if one is held."""
+        held = self._writes.pop((room, peer), None)
+        if held is not None:
+            self.transport.discard(held.write)
 
     # Commands (worker thread) -------------------------------------------------------------
 
@@ -796,7 +834,10 @@ class PrefillSender(Endpoint[SendTransfer]):
                              page_count=len(out.pages), final_parts=out.final)
         regions = [r.to_region() for r in stream.document.kv_regions]
         out.size_bytes = sum(length for _, length in local)
-        self._post(transfer, stream, out, local, remote, regions, self.seal(stream.peer, note))
+        sealed = self.seal(stream.peer, note)
+        self._post(transfer, stream, out,
+                   lambda: self.transport.write(stream.peer, local, remote, regions, sealed),
+                   len(local))
 
     def _stage_part(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
         if self._resize is not None:
@@ -920,34 +961,49 @@ class PrefillSender(Endpoint[SendTransfer]):
                         f" in a {ring.size_bytes}-byte ring")
             self._violation(transfer, stream.peer, "grant outside the ring")
             return True
+        held = self._writes.pop((transfer.room, stream.peer), None) if out.index == 0 else None
+        if held is not None and held.region is staging and held.grant == grant:
+            write = held.write  # the same bytes into the same region, the same StagedPart
+            self.prepared_writes_posted += 1
+            self._post(transfer, stream, out, lambda: self.transport.post(write), 1)
+            return True
+        if held is not None:
+            self.transport.discard(held.write)
+        note, local, remote, regions = self._staged_write(
+            transfer, stream, out.index, out.layers, out.pages, out.final, grant,
+            staging.offset_bytes, out.size_bytes)
+        self._post(transfer, stream, out,
+                   lambda: self.transport.write(stream.peer, local, remote, regions, note),
+                   len(local))
+        return True
+
+    def _staged_write(  # noqa: PLR0917 - private; a part's fields, as both callers hold them
+        self, transfer: SendTransfer, stream: _Stream, index: int, layers: LayerRange,
+        pages: range, final: int | None, grant: wire.Grant, staging_offset: int, size: int,
+    ) -> tuple[bytes, list[Span], list[Span], list[RegisteredRegion]]:
+        """A staged part's WRITE: its sealed StagedPart and its one descriptor pair (from
+        ``size`` staging bytes at ``staging_offset`` into the granted ring region)."""
+        ring = self._peer_document(stream).ring
+        assert ring is not None  # checked when the stream opened
         note = wire.StagedPart(
-            room=transfer.room, part=out.index, sender_id=stream.plan.sender_id,
+            room=transfer.room, part=index, sender_id=stream.plan.sender_id,
             ring_offset=grant.ring_offset, size_bytes=grant.size_bytes,
-            layer_start=out.layers.start, layer_stop=out.layers.stop,
-            page_start=out.pages.start - stream.first_page, page_count=len(out.pages),
-            ring_version=grant.ring_version, final_parts=out.final,
+            layer_start=layers.start, layer_stop=layers.stop,
+            page_start=pages.start - stream.first_page, page_count=len(pages),
+            ring_version=grant.ring_version, final_parts=final,
         )
         granted = RegisteredRegion(f"{ring.name}@{grant.ring_offset}",
                                    ring.base_address + grant.ring_offset, grant.size_bytes,
                                    ring.to_region().kind, ring.device_id)
-        local = [(self.staging_region.base_address + staging.offset_bytes, out.size_bytes)]
+        local = [(self.staging_region.base_address + staging_offset, size)]
         remote = [(granted.base_address, grant.size_bytes)]
-        self._post(transfer, stream, out, local, remote, [granted],
-                   self.seal(stream.peer, note))
-        return True
+        return self.seal(stream.peer, note), local, remote, [granted]
 
-    def _post(  # noqa: PLR0917 - private, one caller per path
-        self,
-        transfer: SendTransfer,
-        stream: _Stream,
-        out: _OutPart,
-        local: list[tuple[int, int]],
-        remote: list[tuple[int, int]],
-        regions: list[RegisteredRegion],
-        note: bytes,
-    ) -> None:
+    def _post(self, transfer: SendTransfer, stream: _Stream, out: _OutPart,
+              post: Callable[[], TransferHandle], descriptors: int) -> None:
+        """Post ``out``'s WRITE (``post``: the transport call) and account for it."""
         try:
-            out.handle = self.transport.write(stream.peer, local, remote, regions, note)
+            out.handle = post()
         except PeerUnreachable as exc:
             self.prune_peer(stream.peer, str(exc))
             return
@@ -959,7 +1015,7 @@ class PrefillSender(Endpoint[SendTransfer]):
             return
         self.part_machine.apply(out, PartEvent.POST)
         out.stamps[Stamp.POSTED] = self.clock()
-        self.metrics.write_posted(stream.path, len(local))
+        self.metrics.write_posted(stream.path, descriptors)
 
     def _poll_write(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
         assert out.handle is not None
@@ -1085,6 +1141,7 @@ class PrefillSender(Endpoint[SendTransfer]):
                     except TransportError as exc:
                         _log.warning("room %s: releasing a WRITE: %s", transfer.room, exc)
             stream.out.clear()
+            self._discard_write(transfer.room, stream.peer)
         # Under the lock the engine's thread holds from taking a room's gathers to their
         # launch: space it gathers into is freed after that launch, so a gather of the next
         # owner is queued behind it on the staging stream, never before it.

@@ -29,6 +29,7 @@ import torch
 from pd_transfer.auth import outgoing_body
 from pd_transfer.protocol.messages import Grant, decode_message
 from pd_transfer.transport.base import (
+    PreparedWrite,
     RegisteredRegion,
     Span,
     TransferHandle,
@@ -79,7 +80,7 @@ class FaultPlan:
             return True
 
 
-class FaultyTransport:
+class FaultyTransport(Transport):
     """A ``Transport`` delegating to ``inner`` except where ``plan`` says to misbehave."""
 
     def __init__(self, inner: Transport, plan: FaultPlan) -> None:
@@ -110,18 +111,24 @@ class FaultyTransport:
     def remove_peer(self, name: str) -> None:
         self._inner.remove_peer(name)
 
-    def write(
+    def prepare_write(
         self,
         peer: str,
         local: Sequence[Span],
         remote: Sequence[Span],
         remote_regions: Sequence[RegisteredRegion],
         notification: bytes,
-    ) -> TransferHandle:
-        handle = self._inner.write(peer, local, remote, remote_regions, notification)
+    ) -> PreparedWrite:
+        return self._inner.prepare_write(peer, local, remote, remote_regions, notification)
+
+    def post(self, prepared: PreparedWrite) -> TransferHandle:
+        handle = self._inner.post(prepared)
         if self._plan.fires("fail_writes"):
             self._failed.add(handle)
         return handle
+
+    def discard(self, prepared: PreparedWrite) -> None:
+        self._inner.discard(prepared)
 
     def state(self, handle: TransferHandle) -> TransferState:
         state = self._inner.state(handle)

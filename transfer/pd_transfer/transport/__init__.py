@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pd_transfer.transport.base import (
     MemoryKind,
+    PreparedWrite,
     RegisteredRegion,
     Span,
     TransferHandle,
@@ -42,6 +43,7 @@ __all__ = [
     "MemoryKind",
     "NixlConfig",
     "NixlTransport",
+    "PreparedWrite",
     "RegisteredRegion",
     "Span",
     "TransferHandle",

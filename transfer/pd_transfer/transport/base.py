@@ -12,6 +12,11 @@ Semantics every implementation keeps:
   ``notification`` reaches the peer's ``poll_messages`` only after every byte of that request
   landed. That notification (or our own ``state`` reaching DONE) is the only proof that data
   arrived (docs/failure-modes.md #9); a control message proves nothing about data.
+* **Prepared WRITEs.** ``prepare_write`` does all of ``write`` but the post: the checks, the
+  descriptors and the backend's request; ``post`` sends it, once. One never posted is freed
+  with ``discard``, or with every other one to its peer by ``remove_peer`` or a reload of
+  the peer's metadata (``add_peer`` again: what it was built against changed), or by
+  ``close``. ``write`` is ``post(prepare_write(...))``.
 * **Bounds before posting.** Every local descriptor must lie inside one region registered
   here, every remote one inside a region the peer granted (passed in by the caller), or
   ``write`` raises ``DescriptorOutOfBounds`` and posts nothing (docs/failure-modes.md #15).
@@ -33,6 +38,7 @@ import torch
 
 __all__ = [
     "MemoryKind",
+    "PreparedWrite",
     "RegisteredRegion",
     "Span",
     "TransferHandle",
@@ -99,6 +105,16 @@ class TransferHandle:
 
     transport: str
     serial: int
+
+
+@dataclass(frozen=True)
+class PreparedWrite:
+    """Opaque ticket for one WRITE prepared and not posted yet (``Transport.prepare_write``);
+    valid on the transport that issued it until ``post`` or ``discard``."""
+
+    transport: str
+    serial: int
+    peer: str
 
 
 @dataclass(slots=True)
@@ -197,8 +213,31 @@ class Transport(Protocol):
         after all the data landed.
 
         Raises DescriptorError / DescriptorOutOfBounds (nothing posted), PeerUnreachable
-        (unknown or dead peer), TransportError (backend refused).
+        (unknown or dead peer), TransportError (backend refused). Implementations that
+        subclass ``Transport`` inherit this one: ``post(prepare_write(...))``.
         """
+        return self.post(self.prepare_write(peer, local, remote, remote_regions, notification))
+
+    def prepare_write(
+        self,
+        peer: str,
+        local: Sequence[Span],
+        remote: Sequence[Span],
+        remote_regions: Sequence[RegisteredRegion],
+        notification: bytes,
+    ) -> PreparedWrite:
+        """Everything ``write`` does but the post, with the same arguments and errors: the
+        WRITE is then posted by ``post`` at the cost of the backend's post call alone."""
+        ...
+
+    def post(self, prepared: PreparedWrite) -> TransferHandle:
+        """Post a prepared WRITE; the ticket is spent whether or not this raises.
+        Raises PeerUnreachable (the peer is gone or was removed since), TransportError
+        (an unknown or spent ticket, or the backend refused)."""
+        ...
+
+    def discard(self, prepared: PreparedWrite) -> None:
+        """Free a prepared WRITE that will not be posted; idempotent."""
         ...
 
     def state(self, handle: TransferHandle) -> TransferState:

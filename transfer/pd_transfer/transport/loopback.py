@@ -36,10 +36,12 @@ from pd_transfer.errors import (
 )
 from pd_transfer.transport.base import (
     MemoryKind,
+    PreparedWrite,
     RegisteredRegion,
     Span,
     TransferHandle,
     TransferState,
+    Transport,
     TransportStats,
 )
 from pd_transfer.transport.descriptors import RegionTable, ValidatedWrite, validate_write
@@ -217,7 +219,7 @@ def _resolve_pairs(
     return pairs
 
 
-class LoopbackTransport:
+class LoopbackTransport(Transport):
     """One agent on a ``LoopbackFabric``; satisfies ``Transport``. Create via the fabric."""
 
     def __init__(self, fabric: LoopbackFabric, name: str, incarnation: int) -> None:
@@ -229,6 +231,7 @@ class LoopbackTransport:
         self._tensors: dict[str, torch.Tensor] = {}  # region name -> uint8 view (kept alive)
         self._peers: dict[str, int] = {}  # peer name -> incarnation from its metadata
         self._handles: dict[TransferHandle, _Transfer] = {}
+        self._prepared: dict[PreparedWrite, tuple[ValidatedWrite, bytes]] = {}
         self._serials = itertools.count(1)
         self._inbox: list[tuple[str, bytes]] = []
         self._closed = False
@@ -292,26 +295,45 @@ class LoopbackTransport:
                 f"metadata of {name!r} incarnation {incarnation} is older than the loaded "
                 f"incarnation {known}: refused"
             )
+        if known is not None:
+            self._forget_prepared(name)  # built against the metadata being replaced
         self._peers[name] = incarnation
         return name
 
     def remove_peer(self, name: str) -> None:
         self._peers.pop(name, None)
+        self._forget_prepared(name)
 
-    def write(
+    def prepare_write(
         self,
         peer: str,
         local: Sequence[Span],
         remote: Sequence[Span],
         remote_regions: Sequence[RegisteredRegion],
         notification: bytes,
-    ) -> TransferHandle:
+    ) -> PreparedWrite:
         self._check_open()
         plan = validate_write(local, remote, self._regions, remote_regions)
-        incarnation = self._reachable(peer)
+        self._reachable(peer)
+        prepared = PreparedWrite(self._name, next(self._serials), peer)
+        self._prepared[prepared] = (plan, notification)
+        return prepared
+
+    def discard(self, prepared: PreparedWrite) -> None:
+        self._prepared.pop(prepared, None)
+
+    def post(self, prepared: PreparedWrite) -> TransferHandle:
+        entry = self._prepared.pop(prepared, None)
+        if entry is None:
+            raise TransportError(f"{prepared} was not prepared by {self._name!r}, or was "
+                                 f"posted or discarded")
+        self._check_open()
+        plan, notification = entry
+        peer = prepared.peer
+        incarnation = self._reachable(peer)  # (the data is read when the fabric runs it)
         rule = self._fabric._fault(Envelope("transfer", self._name, peer, notification))
         transfer = _Transfer(self, peer, incarnation, plan, notification)
-        handle = TransferHandle(self._name, next(self._serials))
+        handle = TransferHandle(self._name, prepared.serial)
         self._handles[handle] = transfer
         self._stats.transfers_posted += 1
         self._stats.descriptors_posted += len(plan.local)
@@ -385,6 +407,10 @@ class LoopbackTransport:
             raise PeerUnreachable(peer, f"incarnation {incarnation} is gone (process died)")
         return incarnation
 
+    def _forget_prepared(self, peer: str) -> None:
+        for prepared in [p for p in self._prepared if p.peer == peer]:
+            del self._prepared[prepared]
+
     def _bytes_at(self, address: int, length: int) -> torch.Tensor | None:
         region = self._regions.find(address, length)
         if region is None:
@@ -397,6 +423,7 @@ class LoopbackTransport:
         self._regions = RegionTable()
         self._tensors.clear()
         self._peers.clear()
+        self._prepared.clear()
         self._inbox.clear()
         for transfer in self._handles.values():
             if transfer.state is TransferState.PENDING:

@@ -54,10 +54,12 @@ from pd_transfer.errors import (
 )
 from pd_transfer.transport.base import (
     MemoryKind,
+    PreparedWrite,
     RegisteredRegion,
     Span,
     TransferHandle,
     TransferState,
+    Transport,
     TransportStats,
 )
 from pd_transfer.transport.descriptors import Placed, RegionTable, validate_write
@@ -95,7 +97,14 @@ class _Posted:
     state: TransferState
 
 
-class NixlTransport:
+@dataclass(frozen=True)
+class _Prepared:
+    native: Any  # nixl_xfer_handle, initialized and not posted
+    descriptors: int
+    total_bytes: int
+
+
+class NixlTransport(Transport):
     """One NIXL agent; satisfies ``Transport``. Not thread-safe: one owner thread."""
 
     def __init__(self, agent_name: str, config: NixlConfig | None = None) -> None:
@@ -126,6 +135,7 @@ class NixlTransport:
         self._peers: set[str] = set()
         self._loaded: dict[str, NixlMetadata] = {}  # what each peer's metadata said
         self._posted: dict[TransferHandle, _Posted] = {}
+        self._prepared: dict[PreparedWrite, _Prepared] = {}
         self._serials = itertools.count(1)
         self._region_serials = itertools.count(1)
         self._inbox: list[tuple[str, bytes]] = []
@@ -190,6 +200,8 @@ class NixlTransport:
         known = self._loaded.get(expected_name)
         if known is not None:
             _check_reload(known, checked)
+            for prepared in [p for p in self._prepared if p.peer == expected_name]:
+                self.discard(prepared)  # built against the metadata being replaced
         try:
             loaded = self._agent.add_remote_agent(metadata)
         except _NIXL_ERRORS as exc:
@@ -208,6 +220,8 @@ class NixlTransport:
     def remove_peer(self, name: str) -> None:
         if name not in self._peers:
             return
+        for prepared in [p for p in self._prepared if p.peer == name]:
+            self.discard(prepared)  # before NIXL forgets the agent they address
         self._peers.discard(name)
         self._loaded.pop(name, None)
         try:
@@ -217,14 +231,14 @@ class NixlTransport:
 
     # Transfers ------------------------------------------------------------------------------
 
-    def write(
+    def prepare_write(
         self,
         peer: str,
         local: Sequence[Span],
         remote: Sequence[Span],
         remote_regions: Sequence[RegisteredRegion],
         notification: bytes,
-    ) -> TransferHandle:
+    ) -> PreparedWrite:
         self._check_open()
         plan = validate_write(local, remote, self._regions, remote_regions)
         self._check_peer(peer)
@@ -244,23 +258,44 @@ class NixlTransport:
             ) from exc
         except _NIXL_ERRORS as exc:
             raise TransportError(f"NIXL refused a WRITE to {peer!r}: {exc}") from exc
+        prepared = PreparedWrite(self._name, next(self._serials), peer)
+        self._prepared[prepared] = _Prepared(native, len(plan.local), plan.total_bytes)
+        return prepared
+
+    def post(self, prepared: PreparedWrite) -> TransferHandle:
+        entry = self._prepared.pop(prepared, None)
+        if entry is None:
+            raise TransportError(f"{prepared} was not prepared by {self._name!r}, or was "
+                                 f"posted or discarded")
+        peer, native = prepared.peer, entry.native
+        try:
+            self._check_open()
+            self._check_peer(peer)
+        except TransportError:
+            self._release_native(native, peer)
+            raise
         try:
             status = self._agent.transfer(native)
         except _DISCONNECTED as exc:
-            native.release()
+            self._release_native(native, peer)
             raise PeerUnreachable(peer, f"disconnected ({exc})") from exc
         except _NIXL_ERRORS as exc:
-            native.release()
+            self._release_native(native, peer)
             raise TransportError(f"NIXL failed to post a WRITE to {peer!r}: {exc}") from exc
         if status == "ERR":
-            native.release()
+            self._release_native(native, peer)
             raise TransportError(f"NIXL failed to post a WRITE to {peer!r} (status ERR)")
         self._stats.transfers_posted += 1
-        self._stats.descriptors_posted += len(plan.local)
-        self._stats.bytes_posted += plan.total_bytes
-        handle = TransferHandle(self._name, next(self._serials))
+        self._stats.descriptors_posted += entry.descriptors
+        self._stats.bytes_posted += entry.total_bytes
+        handle = TransferHandle(self._name, prepared.serial)
         self._posted[handle] = _Posted(native, peer, _NIXL_STATE[status])
         return handle
+
+    def discard(self, prepared: PreparedWrite) -> None:
+        entry = self._prepared.pop(prepared, None)
+        if entry is not None:
+            self._release_native(entry.native, prepared.peer)
 
     def state(self, handle: TransferHandle) -> TransferState:
         posted = self._lookup(handle)
@@ -316,6 +351,8 @@ class NixlTransport:
         """Abort/release handles, deregister memory, drop peers; the agent is then freed."""
         if self._closed:
             return
+        for prepared in list(self._prepared):
+            self.discard(prepared)
         for handle in list(self._posted):
             try:
                 self.release(handle)
@@ -349,6 +386,16 @@ class NixlTransport:
         if posted is None:
             raise TransportError(f"{handle} was not issued by {self._name!r} or was released")
         return posted
+
+    def _release_native(self, native: Any, peer: str) -> None:
+        """Free a request never posted (or refused at its post)."""
+        if self._agent is None:
+            return
+        try:
+            self._agent.release_xfer_handle(native)
+        except _NIXL_ERRORS as exc:
+            _log.warning("NIXL agent %s: freeing a WRITE to %s never posted: %s", self._name,
+                         peer, exc)
 
     def _xfer_descs(self, placed: Sequence[Placed], kind: MemoryKind) -> Any:
         descs = self._agent.get_xfer_descs(list(placed), kind.value)

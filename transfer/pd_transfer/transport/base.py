@@ -232,8 +232,9 @@ class Transport(Protocol):
 
     def post(self, prepared: PreparedWrite) -> TransferHandle:
         """Post a prepared WRITE; the ticket is spent whether or not this raises.
-        Raises PeerUnreachable (the peer is gone or was removed since), TransportError
-        (an unknown or spent ticket, or the backend refused)."""
+        Raises PeerUnreachable (the peer's process is gone), TransportError (a ticket this
+        transport did not issue, or one posted or discarded already, which includes every
+        ticket to a peer removed or reloaded since; or the backend refused)."""
         ...
 
     def discard(self, prepared: PreparedWrite) -> None:

@@ -575,13 +575,11 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         else:
             move = self._prepare_scatter(transfer, writer, region, layers, pages)
             self.metrics.scatter_launched("notification")
+        move.launch(None if self._stream is None else self._stream.stream)
         if self._stream is not None:
-            move.launch(self._stream.stream)
             part.scattered = self._stream.record()
-            part.stamps[Stamp.SCATTER_QUEUED] = self.clock()
-        else:
-            move.launch()
-            part.stamps[Stamp.SCATTER_QUEUED] = self.clock()
+        part.stamps[Stamp.SCATTER_QUEUED] = self.clock()
+        if self._stream is None:  # CPU: the copy ran in the launch
             self._landed(transfer, writer, part)
 
     @staticmethod

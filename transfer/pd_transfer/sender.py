@@ -418,9 +418,9 @@ class PrefillSender(Endpoint[SendTransfer]):
         if not move.compiled:  # a new kernel compiles on the worker, not in the engine's step
             self.staging.free(region)
             return
-        whole = LayerRange(max(stage.start, plan.layers.start), min(stage.stop, plan.layers.stop))
-        note, local, remote, regions = self._staged_write(transfer, stream, 0, whole, pages, 1,
-                                                          pregrant, region.offset_bytes, size)
+        note, local, remote, regions = self._staged_write(transfer, stream, 0, plan.layers,
+                                                          pages, 1, pregrant,
+                                                          region.offset_bytes, size)
         try:
             self._writes[transfer.room, stream.peer] = _PreparedShare(
                 region, pregrant, self.transport.prepare_write(stream.peer, local, remote,

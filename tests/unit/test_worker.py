@@ -6,6 +6,8 @@ Unit tests over the loopback transport: no NIXL, no GPU.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 
 import pytest
@@ -16,6 +18,7 @@ from pd_transfer.worker import Worker
 from tests.transfer_harness import Cluster
 
 pytestmark = pytest.mark.timeout(60)
+PR_GET_TIMERSLACK = 30  # <linux/prctl.h>
 
 
 def test_a_command_does_not_wait_for_the_idle_sleep() -> None:
@@ -93,3 +96,26 @@ def test_poll_interval_follows_what_the_requests_are_doing(pregrant: bool) -> No
     assert receiver.poll_interval_s() == intervals.moving_s
     cluster.run(lambda: cluster.finished(request.room))
     assert sender.poll_interval_s() is None and receiver.poll_interval_s() is None
+
+
+def _own_timer_slack_ns() -> int:
+    """The calling thread's timer slack."""
+    return int(ctypes.CDLL(None).prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="Linux only: the kernel's per-thread timer slack")
+def test_a_worker_given_a_timer_slack_sets_it_on_its_own_thread_only() -> None:
+    """``timer_slack_ns`` (``pd-transfer bench transfer --timer-slack-ns``) is the kernel's
+    slack for the worker thread's timed waits; the other threads keep theirs."""
+    cluster = Cluster()
+    sender = cluster.senders[0]
+    mine = _own_timer_slack_ns()
+    worker = Worker(sender, "test-slack", timer_slack_ns=1000).start()
+    try:
+        assert sender.submit(_own_timer_slack_ns).result(timeout=5.0) == 1000
+        assert _own_timer_slack_ns() == mine
+    finally:
+        worker.stop(close=False)
+    with pytest.raises(ValueError, match="must be positive"):
+        Worker(sender, timer_slack_ns=0)

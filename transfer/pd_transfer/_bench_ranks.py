@@ -49,7 +49,7 @@ from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.sender import PrefillSender
 from pd_transfer.staging import staged_chunk_bytes
 from pd_transfer.transport.base import TransferState
-from pd_transfer.transport.nixl import NixlTransport
+from pd_transfer.transport.nixl import NixlConfig, NixlTransport
 from pd_transfer.worker import Worker
 
 __all__ = ["BenchGroup", "GroupSpec", "compute_pair_bytes"]
@@ -80,6 +80,9 @@ class GroupSpec:
     pregrant_share: float | None = None  # decode's ring share for pre-grants (None: the
     #                                      receiver's default, 0: none)
     ready_events: bool = False  # cuda: each part carries an event, as an engine's does
+    progress_thread: bool = False  # each rank's NIXL agent runs its progress thread
+    timer_slack_ns: int | None = None  # the workers' timer slack (None: the kernel's default)
+    engine_busy: bool = False  # cuda: the engine thread launches kernels up to the start
 
     def geometry(self) -> GeometryDoc:
         return GeometryDoc(num_layers=self.layers, total_kv_heads=self.kv_heads,
@@ -176,7 +179,8 @@ class _Rank:
                           DTYPES[spec.dtype])
         self.pool = KVPool.allocate(layout, self.device)
         self.kv = spec.geometry().kv_geometry()
-        transport = NixlTransport(f"bench-{role}-{tp_rank}-{uuid.uuid4().hex[:8]}")
+        transport = NixlTransport(f"bench-{role}-{tp_rank}-{uuid.uuid4().hex[:8]}",
+                                  NixlConfig(progress_thread=spec.progress_thread))
         identity = RankIdentity(f"bench-{role}", self.coord, parallelism, spec.geometry())
         timeouts = Timeouts(transfer_s=spec.timeout_s, kv_lease_s=2 * spec.timeout_s,
                             bootstrap_s=spec.timeout_s, stall_s=spec.timeout_s / 2,
@@ -194,8 +198,10 @@ class _Rank:
                                            ring_bytes=spec.ring_bytes, timeouts=timeouts,
                                            phases=self.phases, poll=poll,
                                            pregrant_share=spec.pregrant_share)
+        self._forward = torch.zeros(1 << 16, device=self.device)  # engine_busy's kernels
         self.server = BootstrapServer(self.endpoint.document, auth)
-        self.worker = Worker(self.endpoint, name=f"bench-{role}-{tp_rank}").start()
+        self.worker = Worker(self.endpoint, name=f"bench-{role}-{tp_rank}",
+                             timer_slack_ns=spec.timer_slack_ns).start()
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -227,14 +233,16 @@ class _Rank:
         if command == "send":  # prefill: (start_at, rooms)
             assert isinstance(endpoint, PrefillSender)
             live = [r for r in args[1] if (s := endpoint.poll(r)) is not None and not s.finished]
-            _spin_until(args[0])
+            self._engine_until(args[0])
             for room in live:
                 event = record_ready_event(self.device) if self.spec.ready_events else None
                 endpoint.send_part(room, last=True, ready_event=event)
             return len(live)
         if command == "raw":  # prefill: (start_at, num_tokens, count)
             assert isinstance(endpoint, PrefillSender)
-            return endpoint.submit(lambda: self._raw_writes(*args)).result(START_TIMEOUT_S)
+            raw = endpoint.submit(lambda: self._raw_writes(*args))
+            self._engine_until(args[0])
+            return raw.result(START_TIMEOUT_S)
         if command == "wait":  # (rooms, verify: [(pages, num_tokens, seed)] | None)
             return self._wait(args[0], args[1])
         if command == "stats":
@@ -244,6 +252,16 @@ class _Rank:
                     "rejected": endpoint.metrics.snapshot().rejected_by_reason,
                     "debug_counts": endpoint.debug_counts()}
         raise ValueError(f"unknown command {command!r}")
+
+    def _engine_until(self, instant: float) -> None:
+        """The engine's thread up to the common start: idle (a spin), or with
+        ``engine_busy`` launching a stand-in of its forward pass, a small kernel back to
+        back on its stream, as an engine's thread does until it calls ``send_part``."""
+        if not self.spec.engine_busy:
+            _spin_until(instant)
+            return
+        while time.monotonic() < instant:
+            self._forward.add_(1)
 
     def _wait(self, rooms: list[str], verify: list[tuple[list[int], int, int]] | None
               ) -> list[dict[str, Any]]:

@@ -113,6 +113,16 @@ def _add_transfer_parser(kinds: argparse._SubParsersAction[argparse.ArgumentPars
                    help="cuda: give each part a CUDA event recorded at send_part, as the "
                         "engine connectors do (default: none; send_part then marks the "
                         "default stream)")
+    p.add_argument("--progress-thread", action="store_true",
+                   help="run each rank's NIXL agent with its progress thread (default: "
+                        "none; the workers' polls progress the agent)")
+    p.add_argument("--timer-slack-ns", type=int, default=None,
+                   help="the rank workers' timer slack in ns (Linux; default: the "
+                        "kernel's, 50 µs)")
+    p.add_argument("--engine-busy", action="store_true",
+                   help="cuda: each prefill rank's engine thread launches a small kernel back to "
+                        "back up to the common start instant, a stand-in for the forward pass "
+                        "an engine runs until it calls send_part (default: it waits idle)")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--chart", type=Path, default=None, help="write the PNG of phases here")
     p.set_defaults(handler=_run_transfer)
@@ -146,7 +156,12 @@ def _run_transfer(args: argparse.Namespace) -> int:
     )
     if args.pregrant_share is not None:
         settings = replace(settings, pregrant_share=args.pregrant_share)
-    settings = replace(settings, ready_events=args.ready_events)
+    settings = replace(settings, ready_events=args.ready_events,
+                       progress_thread=args.progress_thread,
+                       timer_slack_ns=args.timer_slack_ns, engine_busy=args.engine_busy)
+    if settings.engine_busy and not gpu:
+        print("--engine-busy needs --device cuda (it launches CUDA kernels)", file=sys.stderr)
+        return 2
     unknown = set(settings.paths) - {"raw", "staged", "contiguous"}
     if unknown:
         print(f"unknown paths {sorted(unknown)}", file=sys.stderr)
@@ -157,7 +172,10 @@ def _run_transfer(args: argparse.Namespace) -> int:
           f"{settings.waves} waves of {settings.concurrency}, worker poll caps (µs) "
           f"{settings.poll_us or 'endpoint default'}, pre-grant share "
           f"{'receiver default' if settings.pregrant_share is None else settings.pregrant_share}"
-          f", ready events {'on' if settings.ready_events else 'off'}, UCX_TLS "
+          f", ready events {'on' if settings.ready_events else 'off'}, NIXL progress "
+          f"thread {'on' if settings.progress_thread else 'off'}, worker timer slack "
+          f"{settings.timer_slack_ns or 'kernel default'}, engine thread "
+          f"{'busy' if settings.engine_busy else 'idle'} up to the start, UCX_TLS "
           f"{os.environ.get('UCX_TLS', '(UCX default)')}")
     json_path = args.json
     report = run_transfer_bench(settings, checkpoint=None if json_path is None

@@ -83,6 +83,9 @@ class TransferBenchSettings:
     pregrant_share: float | None = None  # decode's ring share for pre-grants (None: the
     #                                      receiver's default, 0: none)
     ready_events: bool = False  # cuda: each part carries a ready event, as an engine's does
+    progress_thread: bool = False  # each rank's NIXL agent runs its progress thread
+    timer_slack_ns: int | None = None  # the rank workers' timer slack (None: the kernel's)
+    engine_busy: bool = False  # cuda: engine threads launch a stand-in forward up to the start
 
 
 def _contiguous_possible(settings: TransferBenchSettings, combo: Combo) -> bool:
@@ -125,7 +128,9 @@ def _group_spec(settings: TransferBenchSettings, combo: Combo) -> GroupSpec:
 
     return replace(base, staging_bytes=room(max(per_prefill), settings.staging_mib),
                    ring_bytes=room(max(per_decode), settings.ring_mib), poll_us=settings.poll_us,
-                   pregrant_share=settings.pregrant_share, ready_events=settings.ready_events)
+                   pregrant_share=settings.pregrant_share, ready_events=settings.ready_events,
+                   progress_thread=settings.progress_thread,
+                   timer_slack_ns=settings.timer_slack_ns, engine_busy=settings.engine_busy)
 
 
 class _Runner:
@@ -196,8 +201,10 @@ class _Runner:
         start = time.monotonic() + START_AHEAD_S
         answers = self.group.ask("prefill", "raw", start, num_tokens, count)
         done = [t for a in answers.values() for t in a["done"]]
+        posted = [t for a in answers.values() for t in a["posted"]]
         return {"start": start, "latency_s": max(done) - start,
-                "bytes": sum(a["bytes"] for a in answers.values())}
+                "bytes": sum(a["bytes"] for a in answers.values()),
+                "posted_s": [t - start for t in posted], "done_s": [t - start for t in done]}
 
     def close(self) -> None:
         self.group.close()
@@ -258,14 +265,16 @@ def run_transfer_bench(settings: TransferBenchSettings, log: Callable[[str], Non
                     one = _summary(single[path], payload, wave=False)
                     many = _summary(multi[path], payload, wave=True)
                     entry: dict[str, Any] = {"one_in_flight": one, "in_flight": many}
+                    entry["requests"] = [r[0] for r in single[path]]
                     if path != "raw":
-                        entry["requests"] = [r[0] for r in single[path]]
                         entry["wave_requests"] = multi[path][len(multi[path]) // 2]
                     row["paths"][path] = entry
                 report["results"].append(row)
                 log(_format_row(row, settings.concurrency))
                 if checkpoint is not None:
                     checkpoint(report)
+            report.setdefault("prefill_stats", {})[combo.name] = {
+                str(rank): stats for rank, stats in runner.group.ask("prefill", "stats").items()}
         finally:
             runner.close()
     return report

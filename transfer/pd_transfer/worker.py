@@ -17,14 +17,33 @@ a notification, a gather's or scatter's event) would otherwise cost up to a whol
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 import threading
 from typing import Protocol
 
-__all__ = ["Steppable", "Worker"]
+__all__ = ["Steppable", "Worker", "set_thread_timer_slack"]
 
 _log = logging.getLogger("pd_transfer")
 MIN_IDLE_SLEEP_S = 50e-6
+_PR_SET_TIMERSLACK = 29  # <linux/prctl.h>
+
+
+def set_thread_timer_slack(slack_ns: int) -> bool:
+    """Set the calling thread's timer slack (Linux ``prctl(PR_SET_TIMERSLACK)``): how late
+    the kernel may end its timed waits to batch wake-ups (default 50 µs, which turns a
+    20 µs poll into ~70 µs). False where the platform has no such setting."""
+    if slack_ns <= 0:
+        raise ValueError(f"timer slack must be positive (ns), got {slack_ns}")
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(slack_ns), 0, 0, 0) != 0:
+        _log.warning("prctl(PR_SET_TIMERSLACK, %d) failed: errno %d", slack_ns,
+                     ctypes.get_errno())
+        return False
+    return True
 
 
 class Steppable(Protocol):
@@ -50,10 +69,14 @@ class Worker:
     """Runs ``endpoint.step()`` on a daemon thread until ``stop``."""
 
     def __init__(
-        self, endpoint: Steppable, name: str = "pd-transfer", max_idle_sleep_s: float = 0.001
+        self, endpoint: Steppable, name: str = "pd-transfer", max_idle_sleep_s: float = 0.001,
+        *, timer_slack_ns: int | None = None,
     ) -> None:
+        if timer_slack_ns is not None and timer_slack_ns <= 0:
+            raise ValueError(f"timer_slack_ns must be positive, got {timer_slack_ns}")
         self.endpoint = endpoint
         self.max_idle_sleep_s = max_idle_sleep_s
+        self.timer_slack_ns = timer_slack_ns
         self.loop_errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -80,6 +103,8 @@ class Worker:
     def _run(self) -> None:
         sleep_s = 0.0
         wakeup = self.endpoint.wakeup
+        if self.timer_slack_ns is not None:
+            set_thread_timer_slack(self.timer_slack_ns)
         try:
             self.endpoint.thread_started()
         except Exception:  # the loop still runs: its requests fail or time out, not hang

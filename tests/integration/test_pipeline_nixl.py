@@ -255,6 +255,7 @@ def test_staged_part_is_written_while_the_engine_stream_runs_later_work(
         if busy:  # (the warm-up compiled the kernel: the worker compiles, never send_part)
             wait_armed(prefill, 2)
         before = engine_gathers(prefill)
+        writes = prefill.sender.transport.stats.transfers_posted
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record()
         if busy:
@@ -265,14 +266,19 @@ def test_staged_part_is_written_while_the_engine_stream_runs_later_work(
         still_busy = not torch.cuda.default_stream().query()
         torch.cuda.synchronize()
         assert prefill.wait_finished(room) == "Succeeded"
+        # One WRITE per decode rank, whichever of the poster and the worker posted it.
+        assert prefill.sender.transport.stats.transfers_posted - writes == 2
         return result, still_busy
 
     # The first staged transfer compiles the staging kernels and maps the peer's memory.
     warm, _ = send("warm-up", busy=False)
     assert warm["states"] == ["Succeeded", "Succeeded"], warm
+    posted_early = prefill.sender.poster.posted if prefill.sender.poster is not None else 0
     result, still_busy = send("busy-engine-stream", busy=True)
     assert result["states"] == ["Succeeded", "Succeeded"], result
     assert still_busy, "the part waited for later work on the engine's stream"
+    assert prefill.sender.poster is not None  # on by default with CUDA's engine gathers
+    print(f"WRITEs posted by the poster: {prefill.sender.poster.posted - posted_early} of 2")
     assert_decode_holds_prefill_kv(prefill, decode, "busy-engine-stream")
 
 

@@ -28,8 +28,7 @@ if [ -z "${6:-}" ]; then
     tests/unit/test_staging.py tests/integration/test_pipeline_nixl.py 2>&1 | tail -4 \
     | tee -a "$log"
   python3 -m pytest -q -p no:cacheprovider --noconftest -o addopts="" \
-    tests/unit/test_engine_gathers.py tests/unit/test_prepared_scatters.py \
-    tests/unit/test_early_posts.py 2>&1 | tail -2 \
+    tests/unit/test_engine_gathers.py tests/unit/test_prepared_scatters.py 2>&1 | tail -2 \
     | tee -a "$log"
   staged_selftests /tmp "selftest_gpu_${gpu}_$name" "$log"
 fi

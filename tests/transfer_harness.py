@@ -83,7 +83,6 @@ class Cluster:
     per_layer: bool = False  # vLLM-shaped per-layer tensors (always unless nhd/separate)
     pregrant_share: float | None = PREGRANT_SHARE  # 0: none; None: the receiver default
     engine_gathers: bool = False  # send_part gathers pre-granted requests (CPU: a test mode)
-    early_posts: bool = False  # ... and a poster thread posts their WRITEs (test_early_posts)
     clock: ManualClock = field(default_factory=ManualClock)
     senders: list[PrefillSender] = field(default_factory=list)
     receivers: list[DecodeReceiver] = field(default_factory=list)
@@ -103,8 +102,7 @@ class Cluster:
             self.senders.append(PrefillSender(
                 transport, pool, RankIdentity("p0", coord, self.prefill_par, self.geometry),
                 auth=TEST_AUTH, staging_bytes=self.staging_bytes, timeouts=self.timeouts,
-                clock=self.clock, engine_thread_gathers=self.engine_gathers,
-                early_posts=self.early_posts))
+                clock=self.clock, engine_thread_gathers=self.engine_gathers))
         for tp in range(self.decode_tp):
             coord = RankCoord(0, tp)
             transport = self.fabric.create(f"decode-0-{tp}")

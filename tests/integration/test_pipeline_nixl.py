@@ -266,19 +266,15 @@ def test_staged_part_is_written_while_the_engine_stream_runs_later_work(
         still_busy = not torch.cuda.default_stream().query()
         torch.cuda.synchronize()
         assert prefill.wait_finished(room) == "Succeeded"
-        # One WRITE per decode rank, whichever of the poster and the worker posted it.
-        assert prefill.sender.transport.stats.transfers_posted - writes == 2
+        assert prefill.sender.transport.stats.transfers_posted - writes == 2  # one per rank
         return result, still_busy
 
     # The first staged transfer compiles the staging kernels and maps the peer's memory.
     warm, _ = send("warm-up", busy=False)
     assert warm["states"] == ["Succeeded", "Succeeded"], warm
-    posted_early = prefill.sender.poster.posted if prefill.sender.poster is not None else 0
     result, still_busy = send("busy-engine-stream", busy=True)
     assert result["states"] == ["Succeeded", "Succeeded"], result
     assert still_busy, "the part waited for later work on the engine's stream"
-    assert prefill.sender.poster is not None  # on by default with CUDA's engine gathers
-    print(f"WRITEs posted by the poster: {prefill.sender.poster.posted - posted_early} of 2")
     assert_decode_holds_prefill_kv(prefill, decode, "busy-engine-stream")
 
 

@@ -250,9 +250,7 @@ class _Rank:
             return {"writes_posted": stats.transfers_posted,
                     "descriptors": stats.descriptors_posted,
                     "rejected": endpoint.metrics.snapshot().rejected_by_reason,
-                    "debug_counts": endpoint.debug_counts(),
-                    "posted_by_poster": (endpoint.poster.posted if isinstance(
-                        endpoint, PrefillSender) and endpoint.poster is not None else 0)}
+                    "debug_counts": endpoint.debug_counts()}
         raise ValueError(f"unknown command {command!r}")
 
     def _engine_until(self, instant: float) -> None:

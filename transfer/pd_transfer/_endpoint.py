@@ -211,9 +211,6 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         self.poll_intervals = poll if poll is not None else (
             CUDA_POLL if pool.device.type == "cuda" else None)
         self.wakeup = threading.Event()  # set by submit: the worker starts a command at once
-        # Held through each step: a helper thread that must use the transport or a request's
-        # state (prefill's WritePoster) takes it between the worker's steps.
-        self.step_lock = threading.Lock()
         self.peers: dict[str, RankDocument] = {}
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue()
@@ -310,10 +307,6 @@ class Endpoint(abc.ABC, Generic[TransferT]):
 
     def step(self) -> bool:
         """One round: commands, messages, transfer progress, deadlines. True if it did work."""
-        with self.step_lock:
-            return self._step()
-
-    def _step(self) -> bool:
         busy = False
         while True:
             try:

@@ -30,14 +30,10 @@ whose pages are all registered and whose engine has given no part yet makes the 
 staging space aside for that decode rank's whole share and prepare its gather (``_arm``:
 page and layer ids on the device, arguments checked). The engine's ``send_part`` of the
 whole request (``last=True``, every page, every layer of this stage) then launches those
-gathers itself, on the staging stream after a device-side wait for its ready event, and hands
-the WRITE the worker prepared when it set the space aside (``Transport.prepare_write``: the
-sealed StagedPart, the descriptors and NIXL's request; the post is then one backend call) to
-the sender's ``WritePoster`` (poster.py), whose thread posts it the moment the gather has run.
-The worker finds part 0 gathered and pre-granted and adopts the posted WRITE (or, if it gets
-there first, posts it itself: each is posted once). A Withdraw or the request's end after
-the poster's post is handled as for a WRITE in flight: no Withdrawn, the handle released.
-Why: the engine's
+gathers itself, on the staging stream after a device-side wait for its ready event, and the
+worker finds part 0 gathered and pre-granted: it only posts the WRITE, which it prepared when
+it set the space aside (``Transport.prepare_write``: the sealed StagedPart, the descriptors
+and NIXL's request; the post is then one backend call). Why: the engine's
 thread launches kernels back to back, while the worker's first CUDA call after a wait costs
 several times a hot launch, and host polling of the ready event is gone. Any other part
 gives the space back (``_disarm``), as do a Withdraw, the request's end and a resize of this
@@ -99,7 +95,6 @@ from pd_transfer.plan import (
     compute_stage_layers,
     compute_transfer_topology,
 )
-from pd_transfer.poster import PostTicket, TicketState, WritePoster
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.coverage import Coverage, CoverageError
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Role, State
@@ -163,19 +158,16 @@ class _EarlyGather:
 
     region: Region
     move: PreparedMove
-    ticket: PostTicket | None  # its WRITE, for the poster once the gather ran
 
 
 @dataclass(frozen=True, eq=False)
 class _PreparedShare:
     """The WRITE of an armed share (``_arm``): from ``region`` into the ``grant`` (the
-    pre-grant), with the StagedPart of the whole share as its notification; ``ticket``: the
-    same WRITE as the poster holds it (None without a poster)."""
+    pre-grant), with the StagedPart of the whole share as its notification."""
 
     region: Region
     grant: wire.Grant
     write: PreparedWrite
-    ticket: PostTicket | None
 
 
 @dataclass(frozen=True)
@@ -269,14 +261,11 @@ class PrefillSender(Endpoint[SendTransfer]):
                  metrics: TransferMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  phases: PhaseLog | None = None, poll: PollIntervals | None = None,
-                 engine_thread_gathers: bool | None = None,
-                 early_posts: bool = True) -> None:
+                 engine_thread_gathers: bool | None = None) -> None:
         """``engine_thread_gathers``: whether ``send_part`` launches the gathers set aside
         for it (module docstring); default: on CUDA, where the engine's thread launches
         kernels back to back and the worker's first launch after a wait costs several
-        times more. On CPU the gather would run on the engine's thread, so tests only.
-        ``early_posts``: with those gathers, a ``WritePoster`` thread posts their prepared
-        WRITEs as soon as they ran (poster.py); off, the worker posts them."""
+        times more. On CPU the gather would run on the engine's thread, so tests only."""
         super().__init__(transport, pool, identity, auth=auth, timeouts=timeouts,
                          metrics=metrics, clock=clock, phases=phases, poll=poll)
         self.engine_thread_gathers = (pool.device.type == "cuda" if engine_thread_gathers
@@ -305,9 +294,6 @@ class PrefillSender(Endpoint[SendTransfer]):
         self.alloc_requests_sent = 0  # first sends only (docs/failure-modes.md #1 counts these)
         self.pregrants_taken = 0  # parts 0 written into their RequestKV's pre-grant instead
         self.prepared_writes_posted = 0  # parts 0 posted with the WRITE prepared at _arm
-        self.poster = (WritePoster(self.transport.post, self.step_lock, clock, pool.device,
-                                   f"{transport.agent_name}-poster")
-                       if self.engine_thread_gathers and early_posts else None)
 
     # Engine API ----------------------------------------------------------------------------
 
@@ -356,12 +342,6 @@ class PrefillSender(Endpoint[SendTransfer]):
         buffer then stays in force)."""
         return self._request_resize(new_bytes, deadline_s)
 
-    def close(self) -> None:
-        """Stop the poster (after what it holds), then close as every endpoint does."""
-        if self.poster is not None:
-            self.poster.close()
-        super().close()
-
     def debug_counts(self) -> dict[str, int]:
         """Sizes of every per-request structure (docs/failure-modes.md #11 tests compare to
         baseline)."""
@@ -406,9 +386,6 @@ class PrefillSender(Endpoint[SendTransfer]):
                                "transfer worker gathers the part", room)
                 return {}
             at = self.clock()
-        if self.poster is not None:
-            self.poster.submit(event, [early.ticket for early in armed.gathers.values()
-                                       if early.ticket is not None])
         self.metrics.gathers_launched("engine", len(armed.gathers))
         return {peer: _Gathered(early.region, early.move.nbytes, event, at)
                 for peer, early in armed.gathers.items()}
@@ -444,19 +421,16 @@ class PrefillSender(Endpoint[SendTransfer]):
         note, local, remote, regions = self._staged_write(transfer, stream, 0, plan.layers,
                                                           pages, 1, pregrant,
                                                           region.offset_bytes, size)
-        ticket = None
         try:
-            write = self.transport.prepare_write(stream.peer, local, remote, regions, note)
+            self._writes[transfer.room, stream.peer] = _PreparedShare(
+                region, pregrant, self.transport.prepare_write(stream.peer, local, remote,
+                                                               regions, note))
         except TransportError as exc:  # the part's own post meets it again and handles it
             _log.debug("room %s: no WRITE prepared for %s: %s", transfer.room, stream.peer, exc)
-        else:
-            ticket = PostTicket(write) if self.poster is not None else None
-            self._writes[transfer.room, stream.peer] = _PreparedShare(region, pregrant, write,
-                                                                       ticket)
         with self._armed_lock:
             armed = self._armed.setdefault(transfer.room, _Armed(
                 transfer.total_pages, stage, {}))
-            armed.gathers[stream.peer] = _EarlyGather(region, move, ticket)
+            armed.gathers[stream.peer] = _EarlyGather(region, move)
 
     def _disarm(self, room: str | None = None, peer: str | None = None) -> None:
         """Take back what the engine's thread has not taken: ``room``'s gathers (only
@@ -478,26 +452,10 @@ class PrefillSender(Endpoint[SendTransfer]):
             self._discard_write(name, gone)
 
     def _discard_write(self, room: str, peer: str) -> None:
-        """Free the WRITE prepared for ``room``'s share to ``peer``, if one is held: taken
-        back from the poster, or, if the poster posted it, aborted."""
+        """Free the WRITE prepared for ``room``'s share to ``peer``, if one is held."""
         held = self._writes.pop((room, peer), None)
-        if held is None:
-            return
-        ticket = held.ticket
-        if ticket is None or ticket.take():
+        if held is not None:
             self.transport.discard(held.write)
-        elif ticket.state is TicketState.POSTED and ticket.handle is not None:
-            try:
-                self.transport.release(ticket.handle)
-            except TransportError as exc:
-                _log.warning("room %s: releasing a WRITE posted early: %s", room, exc)
-
-    def _posted_early(self, room: str, peer: str) -> bool:
-        """The poster posted the WRITE of ``room``'s share to ``peer`` (the worker has not
-        taken its handle yet)."""
-        held = self._writes.get((room, peer))
-        return (held is not None and held.ticket is not None
-                and held.ticket.state is TicketState.POSTED)
 
     # Commands (worker thread) -------------------------------------------------------------
 
@@ -727,15 +685,11 @@ class PrefillSender(Endpoint[SendTransfer]):
 
     def _on_withdraw(self, transfer: SendTransfer, stream: _Stream) -> None:
         """Decode wants the pre-grant back (a resize): give it unless its WRITE is posted."""
-        if self._posted_early(transfer.room, stream.peer):
-            return  # the poster posted it: its StagedPart is on its way
         out = stream.out.get(0)
         if stream.pregrant is not None:
             stream.pregrant = None
             self._disarm(transfer.room, stream.peer)  # gathered early or not, part 0 asks
-            self._discard_write(transfer.room, stream.peer)  # (launched: not for the poster)
         elif out is not None and out.pregranted and out.state is PartState.AWAITING_GRANT:
-            self._discard_write(transfer.room, stream.peer)
             out.grant, out.pregranted = None, False
             out.stamps.pop(Stamp.GRANTED, None)
             out.alloc_sent_at = self.clock()
@@ -923,20 +877,17 @@ class PrefillSender(Endpoint[SendTransfer]):
             gathered.enqueued_at)
         self.part_machine.apply(out, PartEvent.READY)
         self.part_machine.apply(out, PartEvent.GATHER)
-        written = self._posted_early(transfer.room, stream.peer)
-        if not self._use_pregrant(stream, out, written=written):
+        if not self._use_pregrant(stream, out):
             self._ask_grant(transfer, stream, out)
 
-    def _use_pregrant(self, stream: _Stream, out: _OutPart, *, written: bool = False) -> bool:
+    def _use_pregrant(self, stream: _Stream, out: _OutPart) -> bool:
         """Part 0 takes its stream's pre-grant (its first ``size_bytes``) if it fits and its
-        ring is in force, or whatever the ring now if the poster already ``written`` into it
-        (decode keeps a pre-grant being written through a resize); otherwise it asks, and its
-        AllocRequest gives the pre-grant back."""
+        ring is in force; otherwise it asks, and its AllocRequest gives the pre-grant back."""
         if out.index != 0 or stream.pregrant is None:
             return False
         pregrant, stream.pregrant = stream.pregrant, None
-        if not written and (out.size_bytes > pregrant.size_bytes or (
-                pregrant.ring_version != self._peer_document(stream).ring_version)):
+        if out.size_bytes > pregrant.size_bytes or (
+                pregrant.ring_version != self._peer_document(stream).ring_version):
             return False  # its ring was re-registered since
         out.grant = pregrant.model_copy(update={"size_bytes": out.size_bytes})
         out.pregranted = True
@@ -1000,9 +951,6 @@ class PrefillSender(Endpoint[SendTransfer]):
         grant, staging = out.grant, out.region
         if grant is None or staging is None or not self._gathered(out):
             return False
-        if out.index == 0 and self._posted_early(transfer.room, stream.peer):
-            self._adopt_early_post(transfer, stream, out)  # whatever the ring in force now
-            return True
         document = self._peer_document(stream)
         ring = document.ring
         assert ring is not None  # checked when the stream opened
@@ -1017,14 +965,10 @@ class PrefillSender(Endpoint[SendTransfer]):
         if held is not None and held.region is staging and held.grant == grant:
             write = held.write  # the same bytes into the same region, the same StagedPart
             self.prepared_writes_posted += 1
-            ticket = held.ticket
-            if ticket is None or ticket.take():
-                self._post(transfer, stream, out, lambda: self.transport.post(write), 1)
-            else:  # the poster failed to post it: its error is the post's
-                self._post(transfer, stream, out, ticket.result, 1)
+            self._post(transfer, stream, out, lambda: self.transport.post(write), 1)
             return True
         if held is not None:
-            self._discard_write(transfer.room, stream.peer)
+            self.transport.discard(held.write)
         note, local, remote, regions = self._staged_write(
             transfer, stream, out.index, out.layers, out.pages, out.final, grant,
             staging.offset_bytes, out.size_bytes)
@@ -1032,16 +976,6 @@ class PrefillSender(Endpoint[SendTransfer]):
                    lambda: self.transport.write(stream.peer, local, remote, regions, note),
                    len(local))
         return True
-
-    def _adopt_early_post(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> None:
-        """Part 0's WRITE, which the poster posted: its handle becomes the part's."""
-        held = self._writes.pop((transfer.room, stream.peer))
-        ticket = held.ticket
-        assert ticket is not None and held.region is out.region
-        self.prepared_writes_posted += 1
-        self._post(transfer, stream, out, ticket.result, 1)
-        out.stamps[Stamp.GATHERED] = min(out.stamps[Stamp.GATHERED], ticket.gathered_at)
-        out.stamps[Stamp.POSTED] = ticket.posted_at
 
     def _staged_write(  # noqa: PLR0917 - private; a part's fields, as both callers hold them
         self, transfer: SendTransfer, stream: _Stream, index: int, layers: LayerRange,
@@ -1195,9 +1129,8 @@ class PrefillSender(Endpoint[SendTransfer]):
         self._transfers.pop(transfer.room, None)
         for stream in transfer.streams.values():
             part0 = stream.out.get(0)
-            unwritten = (stream.pregrant is not None or (
+            unwritten = stream.pregrant is not None or (
                 part0 is not None and part0.pregranted and part0.state is PartState.AWAITING_GRANT)
-                ) and not self._posted_early(transfer.room, stream.peer)
             if unwritten and stream.peer in self.peers:  # decode may free it before its grace
                 self.send(stream.peer, wire.Withdrawn(room=transfer.room,
                                                       sender_id=stream.plan.sender_id))

@@ -4,11 +4,12 @@
 # registry): `pd-transfer bench transfer --ready-events`, TP 1 -> 1, 1K tokens, 20 staged
 # requests at 1 in flight, with every call of benchmarks/handoff/sitecustomize.py recorded in
 # the rank processes; then benchmarks/handoff_table.py's timeline. TREE: the transfer/
-# directory to measure (default this checkout's). Writes OUT_DIR/handoff_gpu_<gpu>/ (the
-# bench JSON and the records) and OUT_DIR/handoff_gpu_<gpu>.txt (the table).
-# Usage: benchmarks/handoff_gpu.sh OUT_DIR WHEELS [TREE] [EXTRA_BENCH_ARGS]
+# directory to measure (default this checkout's); EXTRA_BENCH_ARGS: more bench options (e.g.
+# --engine-busy); SUFFIX names the run. Writes OUT_DIR/handoff_gpu_<gpu>[_SUFFIX]/ (the bench
+# JSON and the records) and OUT_DIR/handoff_gpu_<gpu>[_SUFFIX].txt (the table).
+# Usage: benchmarks/handoff_gpu.sh OUT_DIR WHEELS [TREE] [EXTRA_BENCH_ARGS] [SUFFIX]
 set -o pipefail
-out=${1:?usage: handoff_gpu.sh OUT_DIR WHEELS [TREE] [EXTRA_BENCH_ARGS]}
+out=${1:?usage: handoff_gpu.sh OUT_DIR WHEELS [TREE] [EXTRA_BENCH_ARGS] [SUFFIX]}
 wheels=${2:?WHEELS}
 tree=$(realpath "${3:-transfer}")
 extra=${4:-}

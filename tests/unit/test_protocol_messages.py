@@ -12,6 +12,7 @@ import pytest
 
 from pd_transfer.errors import RemoteProtocolError
 from pd_transfer.protocol.messages import (
+    MAX_DEPTH,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Abort,
@@ -128,6 +129,13 @@ REJECTED: list[tuple[str, bytes, str]] = [
     ("2000 nested arrays", b"[" * 2000, "too_deep"),
     ("nested objects in a field", b'{"v":2,"type":"release","room":"r","x":' + b'{"a":' * 500
      + b"1" + b"}" * 500 + b"}", "too_deep"),
+    # The boundary the bracket count guards (fewer opening brackets than MAX_DEPTH + 1
+    # cannot nest deeper, so such payloads skip the scan): depth 5 is refused before parsing,
+    # depth 4 is parsed and refused by the schema (no field "x").
+    ("depth MAX_DEPTH + 1, no other bracket", b'{"v":5,"type":"release","room":"r","x":'
+     + b"[" * MAX_DEPTH + b"1" + b"]" * MAX_DEPTH + b"}", "too_deep"),
+    ("depth MAX_DEPTH", b'{"v":5,"type":"release","room":"r","x":' + b"[" * (MAX_DEPTH - 1)
+     + b"1" + b"]" * (MAX_DEPTH - 1) + b"}", "invalid_body"),
     ("version as a float", json.dumps({"v": 2.0, "type": "release", "room": "r"}).encode(),
      "unsupported_version"),
     ("duplicate type key (last would win)",

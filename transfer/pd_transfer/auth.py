@@ -23,6 +23,7 @@ Pure: no I/O except reading the key file (``PeerAuth.from_file``).
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import logging
@@ -235,6 +236,7 @@ def outgoing_body(frame: bytes) -> bytes:
     return frame[FRAME_OVERHEAD:] if frame.startswith(FRAME_MAGIC) else frame
 
 
+@functools.lru_cache(maxsize=4096)  # one per (purpose, version, peer pair): a few per peer
 def _context(purpose: Purpose, version: int, sender: str, receiver: str) -> bytes:
     fields = (purpose.value.encode(), str(version).encode(), sender.encode(), receiver.encode())
     return _DOMAIN + b"".join(struct.pack(">I", len(field)) + field for field in fields)

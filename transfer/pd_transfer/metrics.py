@@ -16,6 +16,7 @@ from collections import Counter as _Tally
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -26,6 +27,7 @@ from pd_transfer.ring import StagingRing
 __all__ = ["RecentFailure", "RingWatermark", "TransferMetrics", "TransferSnapshot"]
 
 RECENT_FAILURES = 32
+_Labelled = TypeVar("_Labelled", Counter, Gauge)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,17 @@ class TransferMetrics:
         self._rejected_by_reason: _Tally[str] = _Tally()
         self._refused_transitions: _Tally[str] = _Tally()
         self._recent: deque[RecentFailure] = deque(maxlen=RECENT_FAILURES)
+        self._children: dict[tuple[Counter | Gauge, tuple[str, ...]], Counter | Gauge] = {}
+
+    def _child(self, metric: _Labelled, *values: str) -> _Labelled:
+        """``metric.labels(*values)``, looked up once: prometheus-client checks the values
+        and takes a lock on every ``labels`` call, and these run on every part's path. The
+        label sets are bounded (module docstring), so is this table."""
+        key = (metric, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child  # type: ignore[return-value]  # stored under its own metric
 
     def attach_ring(self, ring: StagingRing) -> None:
         """Export ``ring``'s occupancy as gauges read at scrape time (a resize attaches the
@@ -197,17 +210,17 @@ class TransferMetrics:
         self._pending = count
 
     def request_started(self) -> None:
-        self.live.labels(self.role.value).inc()
+        self._child(self.live, self.role.value).inc()
         with self._lock:
             self._live += 1
 
     def request_finished(
         self, room: str, reason: FailureReason | None, detail: str, duration_s: float
     ) -> None:
-        self.live.labels(self.role.value).dec()
+        self._child(self.live, self.role.value).dec()
         self.duration.observe(duration_s)
         result = "succeeded" if reason is None else "failed"
-        self.requests.labels(self.role.value, result).inc()
+        self._child(self.requests, self.role.value, result).inc()
         with self._lock:
             self._live -= 1
             if reason is None:
@@ -216,7 +229,7 @@ class TransferMetrics:
             self._failed += 1
             self._failures_by_reason[reason.value] += 1
             self._recent.append(RecentFailure(room, reason.value, detail[:512], time.time()))
-        self.failures.labels(reason.value).inc()
+        self._child(self.failures, reason.value).inc()
 
     def message_rejected(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
@@ -231,22 +244,22 @@ class TransferMetrics:
 
     def pregrant(self, outcome: str) -> None:
         """A pre-grant was granted, used, or returned (receiver.py's module docstring)."""
-        self.pregrants.labels(outcome).inc()
+        self._child(self.pregrants, outcome).inc()
 
     def gathers_launched(self, thread: str, count: int) -> None:
         """``count`` staged gathers launched on the engine's or the worker's thread."""
-        self.gathers.labels(thread).inc(count)
+        self._child(self.gathers, thread).inc(count)
 
     def scatter_launched(self, prepared: str) -> None:
         """A staged scatter launched, prepared at the ``grant`` or at the ``notification``."""
-        self.scatters.labels(prepared).inc()
+        self._child(self.scatters, prepared).inc()
 
     def write_posted(self, path: str, descriptors: int) -> None:
-        self.writes_posted.labels(path).inc()
-        self.descriptors.labels(path).inc(descriptors)
+        self._child(self.writes_posted, path).inc()
+        self._child(self.descriptors, path).inc(descriptors)
 
     def bytes_moved(self, path: str, nbytes: int) -> None:
-        self.bytes.labels(path).inc(nbytes)
+        self._child(self.bytes, path).inc(nbytes)
         with self._lock:
             self._bytes += nbytes
 

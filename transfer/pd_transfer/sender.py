@@ -889,7 +889,8 @@ class PrefillSender(Endpoint[SendTransfer]):
         if out.size_bytes > pregrant.size_bytes or (
                 pregrant.ring_version != self._peer_document(stream).ring_version):
             return False  # its ring was re-registered since
-        out.grant = pregrant.model_copy(update={"size_bytes": out.size_bytes})
+        out.grant = (pregrant if pregrant.size_bytes == out.size_bytes  # the whole share
+                     else pregrant.model_copy(update={"size_bytes": out.size_bytes}))
         out.pregranted = True
         self.pregrants_taken += 1
         out.stamps[Stamp.PREGRANT_TAKEN] = out.stamps[Stamp.GRANTED] = self.clock()

@@ -159,6 +159,10 @@ def _run_transfer(args: argparse.Namespace) -> int:
     settings = replace(settings, ready_events=args.ready_events,
                        progress_thread=args.progress_thread,
                        timer_slack_ns=args.timer_slack_ns, engine_busy=args.engine_busy)
+    if settings.timer_slack_ns is not None and settings.timer_slack_ns <= 0:
+        print(f"--timer-slack-ns must be positive, got {settings.timer_slack_ns}",
+              file=sys.stderr)
+        return 2
     if settings.engine_busy and not gpu:
         print("--engine-busy needs --device cuda (it launches CUDA kernels)", file=sys.stderr)
         return 2

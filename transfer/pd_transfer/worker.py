@@ -13,6 +13,9 @@ GPU finishes can only be polled: the endpoint caps the sleep while its requests 
 (``Endpoint.poll_interval_s``: on CUDA ~20 µs while a part is in flight, 200 µs while a
 request waits for its peer; on CPU no cap), since every wait of a step on the way (a grant,
 a notification, a gather's or scatter's event) would otherwise cost up to a whole sleep.
+The kernel ends such a wait up to its timer slack late (50 µs by default); ``timer_slack_ns``
+sets the worker thread's own (Linux), which benchmarks compare (benchmarks/README.md,
+"Settings of the rank processes").
 """
 
 from __future__ import annotations

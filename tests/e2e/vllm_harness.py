@@ -481,6 +481,11 @@ class VllmServer:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
 
+    def log_lines_naming(self, text: str, lines: int = 8) -> str:
+        """The last `lines` lines of the log that contain `text` (a room, a request id)."""
+        found = [line for line in self.log_text().splitlines() if text in line]
+        return "\n".join(found[-lines:]) or f"(no line of {self.log_path.name} names {text})"
+
     def __enter__(self) -> VllmServer:
         self.start()
         return self
@@ -980,9 +985,18 @@ def pd_transfer_request(prompt: Sequence[int], max_tokens: int, *, room: str,
         first = pool.submit(complete, prefill_server, prompt, 1,
                             {"pd_transfer": {"room": room, "decode": decode}},
                             timeout_s=timeout_s)
-        result = complete(decode_server, prompt, max_tokens,
-                          {"pd_transfer": {"room": room, "prefill": prefill}}, stream=stream,
-                          timeout_s=timeout_s)
+        try:
+            result = complete(decode_server, prompt, max_tokens,
+                              {"pd_transfer": {"room": room, "prefill": prefill}},
+                              stream=stream, timeout_s=timeout_s)
+        except RuntimeError as exc:
+            # The HTTP answer says only "Internal server error"; the ranks' log lines for the
+            # room say why (a failed load is logged with its reason), in the test's report.
+            raise RuntimeError(
+                f"{exc}\nroom {room} in {decode_server.role}'s log:\n"
+                f"{decode_server.log_lines_naming(room)}\n"
+                f"in {prefill_server.role}'s log:\n{prefill_server.log_lines_naming(room)}"
+            ) from exc
         if prefill_must_answer:
             first.result()
     return result

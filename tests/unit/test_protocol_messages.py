@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import TypeAdapter
 
 from pd_transfer.errors import RemoteProtocolError
 from pd_transfer.protocol.messages import (
@@ -140,6 +141,13 @@ REJECTED: list[tuple[str, bytes, str]] = [
      "unsupported_version"),
     ("duplicate type key (last would win)",
      b'{"v":2,"type":"grant","type":"release","room":"r"}', "duplicate_key"),
+    # Of the current version and valid but for the repeat: the schema alone would take the
+    # last value (test_the_schema_alone_takes_a_repeated_key_s_last_value).
+    ("duplicate room key of a valid grant", b'{"v":5,"type":"grant","room":"r","room":"s",'
+     b'"part":0,"sender_id":0,"ring_offset":0,"size_bytes":64,"ring_version":1}',
+     "duplicate_key"),
+    ("a valid grant's key twice, same value", encode_message(EVERY_TYPE[3])[:-1]
+     + b',"size_bytes":4096}', "duplicate_key"),
     ("NUL in the room id", _raw(type="release", room="r\u0000x"), "invalid_body"),
     ("newline in the room id", _raw(type="release", room="r\nx"), "invalid_body"),
     ("layer_stop of 2**64", _raw(type="staged_part", room="r", part=0, sender_id=0,
@@ -162,6 +170,25 @@ def test_malformed_or_hostile_payload_is_rejected_with_its_reason(
     with pytest.raises(RemoteProtocolError) as caught:
         decode_message(payload)
     assert caught.value.reason == reason
+
+
+def test_the_schema_alone_takes_a_repeated_key_s_last_value() -> None:
+    """Why decode_message checks repeats itself: pydantic keeps the last of a repeated key,
+    so a peer could show a logger one room and the state machine another."""
+    payload = next(p for name, p, _ in REJECTED if name == "duplicate room key of a valid grant")
+    parsed = TypeAdapter(Message).validate_json(payload)
+    assert isinstance(parsed, Grant) and parsed.room == "s"
+
+
+@pytest.mark.parametrize("message", EVERY_TYPE, ids=lambda m: m.type + (
+    ", pre-granted" if getattr(m, "pregrant_bytes", None) else ""))
+def test_a_valid_payload_in_another_form_decodes_the_same(message: Message) -> None:
+    """Whitespace and another key order (a peer with another JSON writer) are valid JSON of
+    the same message: they decode to it, though not in the form encode_message writes."""
+    envelope = json.loads(encode_message(message))
+    reordered = json.dumps(dict(reversed(envelope.items())), indent=1).encode()
+    assert reordered != encode_message(message)
+    assert decode_message(reordered) == message
 
 
 def test_largest_wire_integer_is_accepted() -> None:

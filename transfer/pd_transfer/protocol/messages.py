@@ -323,6 +323,9 @@ def _decode(payload: bytes) -> Message:
         depth = _nesting_depth(payload)
         if depth > MAX_DEPTH:
             raise RemoteProtocolError("too_deep", f"nesting depth {depth}, at most {MAX_DEPTH}")
+    canonical = _canonical(payload)
+    if canonical is not None:
+        return canonical
     try:
         envelope = json.loads(payload, object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -342,6 +345,18 @@ def _decode(payload: bytes) -> Message:
         raise RemoteProtocolError(
             "invalid_body", f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
         ) from exc
+
+
+def _canonical(payload: bytes) -> Message | None:
+    """The message if ``payload`` is exactly what ``encode_message`` writes for it (what
+    every peer of this version sends), else None. That form has each key once and the
+    version this side speaks, so the schema's check is the whole check; the slower path
+    (a second parse with a key hook) is left for anything else, whose error it names."""
+    try:
+        message = _ADAPTER.validate_json(payload)
+    except ValidationError:
+        return None
+    return message if message.model_dump_json().encode() == payload else None
 
 
 _BRACKETS: Final = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')

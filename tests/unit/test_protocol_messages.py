@@ -191,6 +191,16 @@ def test_a_valid_payload_in_another_form_decodes_the_same(message: Message) -> N
     assert decode_message(reordered) == message
 
 
+def test_a_request_of_scattered_pages_decodes_to_itself() -> None:
+    """64 single-page runs (a fragmented block table): far more brackets than MAX_DEPTH, at
+    the depth of every RequestKV."""
+    runs = compute_runs(list(range(0, 256, 4)))
+    assert len(runs) == 64
+    message = RequestKV(room="r", decode_pp_rank=0, decode_tp_rank=1, dst_page_runs=runs,
+                        num_tokens=1024, path="staged", ring_version=1)
+    assert decode_message(encode_message(message)) == message
+
+
 def test_largest_wire_integer_is_accepted() -> None:
     """2**63 - 1 is the largest offset a 64-bit signed address can take; it still decodes."""
     wire = _raw(**{**GRANT, "ring_offset": (1 << 63) - 1})

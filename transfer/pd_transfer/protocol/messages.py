@@ -317,15 +317,18 @@ def _decode(payload: bytes) -> Message:
         raise RemoteProtocolError(
             "too_large", f"{len(payload)} bytes, the limit is {MAX_MESSAGE_BYTES}"
         )
-    # Each level opens a bracket, so a payload with at most MAX_DEPTH of them (every message
-    # but a long RequestKV) cannot nest deeper: the scan, the costliest step, is skipped.
+    # The schema's parser (pydantic-core's, in Rust) refuses nesting past its own limit with
+    # a ValidationError, so a payload of any depth may try this first; no message of the
+    # schema nests deeper than MAX_DEPTH.
+    canonical = _canonical(payload)
+    if canonical is not None:
+        return canonical
+    # Each level opens a bracket, so a payload with at most MAX_DEPTH of them cannot nest
+    # deeper: the scan is skipped. The json module below is recursive.
     if payload.count(b"{") + payload.count(b"[") > MAX_DEPTH:
         depth = _nesting_depth(payload)
         if depth > MAX_DEPTH:
             raise RemoteProtocolError("too_deep", f"nesting depth {depth}, at most {MAX_DEPTH}")
-    canonical = _canonical(payload)
-    if canonical is not None:
-        return canonical
     try:
         envelope = json.loads(payload, object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -239,3 +239,18 @@ def test_mla_transfer_plan_has_one_part() -> None:
         (0, 0), (1, 1), (0, 2), (1, 3),
     ]
     assert {p.bytes_per_token for p in topology.plans} == {4608}
+
+
+def test_a_topology_is_computed_once_per_geometry_and_parallelism() -> None:
+    """Decode plans every request with it: the same triple is the same (frozen) object, and a
+    geometry that differs in any field (here attention alone) gets its own."""
+    mha = KVGeometry(num_layers=4, total_kv_heads=1, head_dim=576, element_size_bytes=2)
+    mla = KVGeometry(num_layers=4, total_kv_heads=1, head_dim=576, element_size_bytes=2,
+                     attention=Attention.MLA)
+    first = compute_transfer_topology(mha, Parallelism(tp=2), Parallelism(tp=4))
+    again = compute_transfer_topology(KVGeometry(4, 1, 576, 2), Parallelism(2), Parallelism(4))
+    assert again is first
+    other = compute_transfer_topology(mla, Parallelism(tp=2), Parallelism(tp=4))
+    assert {p.num_parts for p in first.plans} == {2} and {p.num_parts for p in other.plans} == {1}
+    with pytest.raises(AttributeError):
+        first.plans = ()  # type: ignore[misc]

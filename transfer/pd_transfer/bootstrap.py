@@ -153,10 +153,8 @@ class GeometryDoc(_Doc):
         return 1 if self.packing == "per_head" or self.attention == "MLA" else 2
 
     def kv_geometry(self) -> KVGeometry:
-        element = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-        return KVGeometry(
-            self.num_layers, self.total_kv_heads, self.head_dim, element, Attention(self.attention)
-        )
+        return KVGeometry(self.num_layers, self.total_kv_heads, self.head_dim,
+                          DTYPES[self.dtype].itemsize, Attention(self.attention))
 
 
 _BaseRow = Annotated[

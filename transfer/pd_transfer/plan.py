@@ -30,6 +30,7 @@ a prefill stage sends to a decode stage the intersection of their layer ranges.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 from pd_transfer.errors import PlanError
@@ -393,6 +394,9 @@ class TransferTopology:
         return max(counts.values())
 
 
+# A process meets a few (geometry, prefill, decode) triples, and decode asks for each
+# request's: every part of a topology is frozen, so one object serves them all.
+@functools.lru_cache(maxsize=64)
 def compute_transfer_topology(
     geometry: KVGeometry, prefill: Parallelism, decode: Parallelism
 ) -> TransferTopology:

@@ -284,7 +284,6 @@ class PrefillSender(Endpoint[SendTransfer]):
         self._stage_layers = compute_stage_layers(
             identity.geometry.num_layers, identity.parallelism.pp, identity.coord.pp_rank
         )
-        self._topologies: dict[Parallelism, TransferTopology] = {}
         self._early: dict[str, list[tuple[str, wire.RequestKV, float]]] = {}
         # Parts whose AllocRequest this step sent, gathered at its end (_enqueue_gathers).
         self._gathers: list[tuple[SendTransfer, _Stream, _OutPart, range]] = []
@@ -1219,12 +1218,8 @@ class PrefillSender(Endpoint[SendTransfer]):
         self.staging_version += 1
 
     def _topology(self, decode: Parallelism) -> TransferTopology:
-        topology = self._topologies.get(decode)
-        if topology is None:
-            topology = compute_transfer_topology(
-                self.identity.geometry.kv_geometry(), self.identity.parallelism, decode)
-            self._topologies[decode] = topology
-        return topology
+        return compute_transfer_topology(self.identity.geometry.kv_geometry(),
+                                         self.identity.parallelism, decode)
 
 
 def _span(layers: LayerRange) -> str:

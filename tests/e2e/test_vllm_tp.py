@@ -128,11 +128,11 @@ def _request(pair: Pair, prompt: list[int], room: str) -> tuple[list[int], str]:
     decode rank 1 never handled its notification, and its stall watchdog failed the request
     45 s later (StalledWriter). NIXL's UCX backend is known to drop the notification of a
     WRITE whose operations were still in progress when it was posted (ai-dynamo/nixl#688,
-    open); whether that is this case is not established. The protocol has no
-    re-notification, so such a request fails; it is retried here once under a new room,
-    with a warning that carries both sides' rejected-message counts (a notification decode
-    refused is counted; one that never arrived is not), and every check below holds for
-    the retry."""
+    open). Since then a writer whose Release does not follow its WRITEs sends their
+    notifications again (sender.py's ``_renotify``), which recovers a lost one. A request
+    that still fails StalledWriter is retried here once under a new room, with a warning
+    that carries both sides' rejected-message counts (a notification decode refused is
+    counted; one that never arrived is not), and every check below holds for the retry."""
     try:
         return _complete_once(pair, prompt, room), room
     except RuntimeError as exc:

@@ -100,19 +100,15 @@ def _flow(message: str) -> str:
 
 
 DROP_OUTCOMES: dict[str, tuple[set[State], set[FailureReason | None]]] = {
-    # (states seen over both sides, reasons seen): re-sent messages recover; a lost
-    # notification or Release fails within its deadline with the reason that says so.
+    # (states seen over both sides, reasons seen): re-sent messages recover, a WRITE's lost
+    # notification too (the writer sends it again when no Release follows); a lost Release
+    # fails the prefill side within its deadline with the reason that says so.
     "request_kv": (SUCCEEDED, {None}),
     "alloc_request": (SUCCEEDED, {None}),
     "grant": (SUCCEEDED, {None}),
-    "staged_part": ({State.FAILED}, {FailureReason.STALLED_WRITER,
-                                     FailureReason.ABORTED_BY_PEER}),
-    # A pre-granted region has no stall watchdog (its writer may still be computing the KV):
-    # its lost notification ends at the transfer deadline, as a direct path's does.
-    "staged_part, pre-granted": ({State.FAILED}, {FailureReason.TRANSFER_TIMEOUT,
-                                                  FailureReason.ABORTED_BY_PEER}),
-    "part_done": ({State.FAILED}, {FailureReason.TRANSFER_TIMEOUT,
-                                   FailureReason.ABORTED_BY_PEER}),
+    "staged_part": (SUCCEEDED, {None}),
+    "staged_part, pre-granted": (SUCCEEDED, {None}),
+    "part_done": (SUCCEEDED, {None}),
     "release": ({State.SUCCEEDED, State.FAILED}, {None, FailureReason.TRANSFER_TIMEOUT}),
 }
 # Every message of each flow, with pre-grants (a one-part request then sends no
@@ -147,6 +143,28 @@ def test_a_dropped_message_recovers_or_fails_with_its_reason_within_the_deadline
     cluster.start(after)
     cluster.run(lambda: cluster.finished(after.room))
     assert cluster.states(after.room) == SUCCEEDED and cluster.verified(after)
+
+
+def test_a_lost_notification_is_sent_again_and_the_request_completes_bit_exact() -> None:
+    """docs/failure-modes.md #3: the last of three parts lands without its notification (its
+    data is in decode's ring). With every part written and no Release after a quarter of the
+    stall watchdog's time, the writer sends all three notifications again, once: decode
+    scatters the missing part and counts the other two as duplicates, before its watchdog."""
+    cluster = Cluster(mode="staged", pregrant_share=0.0)
+    rule = cluster.fabric.inject(FaultRule(
+        FaultAction.DROP, lambda e: message_type(e) == "staged_part" and b'"part":2' in e.payload))
+    request = cluster.new_request(num_tokens=24)  # 6 pages
+    cluster.start(request, send=False)
+    sender, receiver = cluster.senders[0], cluster.receivers[0]
+    sender.send_part(request.room, pages=range(0, 2))
+    sender.send_part(request.room, pages=range(2, 4))
+    sender.send_part(request.room, pages=range(4, 6), last=True)
+    rounds = cluster.run(lambda: cluster.finished(request.room))
+    assert rule.applied == 1
+    assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+    assert sender.metrics.renotified._value.get() == 3
+    assert receiver.metrics.rejected.labels("duplicate")._value.get() == 2
+    assert rounds * cluster.tick_s < receiver.timeouts.stall_s
 
 
 @pytest.mark.parametrize(("message", "pregrant"), FLOWS)
@@ -281,6 +299,31 @@ def test_a_stalled_writer_is_failed_by_the_watchdog_and_the_ring_is_not_pinned()
     cluster.run(lambda: cluster.finished(after.room))
     assert cluster.states(after.room) == SUCCEEDED and cluster.verified(after)
     _assert_clean_after_grace(cluster)
+
+
+def test_a_notification_of_another_room_leaves_a_quarantined_region_held() -> None:
+    """docs/failure-modes.md #3, #16: a written part's notification sent again after decode
+    finished its room may name a ring region that a failed room of the same writer holds in
+    quarantine since: only that room's own late write may release it."""
+    cluster = Cluster(mode="staged", ring_bytes=4096, pregrant_share=0.0)
+    cluster.fabric.inject(FaultRule(FaultAction.DELAY, of_type("staged_part"), delay_s=30.0))
+    stuck = cluster.new_request(num_tokens=8)
+    cluster.start(stuck)
+    cluster.run(lambda: cluster.finished(stuck.room))
+    sender, receiver = cluster.senders[0], cluster.receivers[0]
+    assert receiver.ring.quarantined_regions == 1
+    held = receiver._quarantine[0]
+    stale = StagedPart(room="finished-room", part=0, sender_id=0,
+                       ring_offset=held.region.offset_bytes, size_bytes=held.region.size_bytes,
+                       layer_start=0, layer_stop=2, page_start=0, page_count=2,
+                       ring_version=held.ring_version)
+    assert held.matches(sender.transport.agent_name, stale.ring_offset, stale.size_bytes,
+                        stale.ring_version)  # all but the room
+    sender.transport.send_message(receiver.transport.agent_name, seal_as(
+        sender.transport.agent_name, receiver.transport.agent_name, stale))
+    cluster.step()
+    assert receiver.ring.quarantined_regions == 1
+    assert receiver.metrics.snapshot().rejected_by_reason == {"unknown_room": 1}
 
 
 def test_an_exception_inside_one_request_fails_only_that_request() -> None:

@@ -362,8 +362,12 @@ class Endpoint(abc.ABC, Generic[TransferT]):
 
     def send(self, peer: str, message: Message) -> bool:
         """Send a control message; on PeerUnreachable prune the peer. Never blocks long."""
+        return self.send_sealed(peer, self.seal(peer, message))
+
+    def send_sealed(self, peer: str, frame: bytes) -> bool:
+        """``send`` of a message sealed already (``seal``): a WRITE's notification again."""
         try:
-            self.transport.send_message(peer, self.seal(peer, message))
+            self.transport.send_message(peer, frame)
         except PeerUnreachable as exc:
             self.prune_peer(peer, str(exc))
             return False

@@ -129,6 +129,11 @@ class TransferMetrics:
             "prepared: grant (with a pre-grant, for the writer's whole share) or "
             "notification (when the StagedPart arrived)", ["prepared"], registry=r,
         )
+        self.renotified = Counter(
+            "pd_transfer_notifications_resent", "Notifications of written parts sent again "
+            "as messages because decode's Release did not follow the WRITEs (a notification "
+            "lost on the way, or a slow decode)", registry=r,
+        )
         self._ring: StagingRing | None = None
         self._ring_gauges = False
         self._staging_bytes = 0
@@ -253,6 +258,10 @@ class TransferMetrics:
     def scatter_launched(self, prepared: str) -> None:
         """A staged scatter launched, prepared at the ``grant`` or at the ``notification``."""
         self._child(self.scatters, prepared).inc()
+
+    def notifications_resent(self, count: int) -> None:
+        """``count`` notifications of written parts sent again (sender.py's ``_renotify``)."""
+        self.renotified.inc(count)
 
     def write_posted(self, path: str, descriptors: int) -> None:
         self._child(self.writes_posted, path).inc()

@@ -430,8 +430,10 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
     def _on_unknown_room(self, peer: str, message: wire.Message) -> None:
         if isinstance(message, wire.StagedPart):  # a late write into a quarantined region?
             for entry in self._quarantine:
-                if entry.matches(peer, message.ring_offset, message.size_bytes,
-                                 message.ring_version):
+                # Its own room only: a written part's notification sent again (the writer
+                # heard no Release) may name a region that another room holds since.
+                if entry.region.owner == message.room and entry.matches(
+                        peer, message.ring_offset, message.size_bytes, message.ring_version):
                     self._drop_quarantined(entry)
                     break
         if isinstance(message, wire.Withdrawn):  # a failed request's pre-grant, unwritten

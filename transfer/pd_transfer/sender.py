@@ -14,7 +14,10 @@ every decode rank it serves has sent RequestKV, the last part was given, every W
 DONE and every decode rank sent ``Release`` (it scattered everything). Deadlines: no
 RequestKV within ``kv_lease_s`` → LeaseExpired (the KV hold has a lease, docs/failure-modes.md #18);
 ``transfer_s`` from the first RequestKV → TransferTimeout; an AllocRequest is re-sent every
-``grant_s`` and after ``grant_retries`` unanswered re-sends → GrantTimeout.
+``grant_s`` and after ``grant_retries`` unanswered re-sends → GrantTimeout. A stream whose
+parts are all written but whose Release has not come within ``max(grant_s, stall_s / 4)``
+sends the parts' notifications again as messages, at most ``grant_retries`` rounds
+(``_renotify``: a WRITE's notification can be lost while its data landed).
 
 Pre-grants (protocol v5): a staged RequestKV may carry ring bytes already granted to part 0,
 checked when the stream opens (exactly the writer's whole share, inside the peer's ring, or
@@ -168,6 +171,7 @@ class _PreparedShare:
     region: Region
     grant: wire.Grant
     write: PreparedWrite
+    note: bytes  # its sealed StagedPart
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,7 @@ class _OutPart(Part):
     alloc_sent_at: float = 0.0
     retries: int = 0
     handle: TransferHandle | None = None
+    note: bytes | None = None  # the sealed notification its WRITE carries
     stamps: dict[str, float] = field(default_factory=dict)  # Stamp -> clock (phases.py)
 
 
@@ -222,6 +227,10 @@ class _Stream:
     final_sent: bool = False
     released: bool = False
     out: dict[int, _OutPart] = field(default_factory=dict)
+    # The sealed notifications of the parts written, until decode's Release (``_renotify``).
+    written: dict[int, bytes] = field(default_factory=dict)
+    written_at: float = 0.0  # the last WRITE's DONE, or the last re-send
+    renotified: int = 0  # rounds of re-sent notifications
 
 
 class SendTransfer(Transfer):
@@ -423,7 +432,7 @@ class PrefillSender(Endpoint[SendTransfer]):
         try:
             self._writes[transfer.room, stream.peer] = _PreparedShare(
                 region, pregrant, self.transport.prepare_write(stream.peer, local, remote,
-                                                               regions, note))
+                                                               regions, note), note)
         except TransportError as exc:  # the part's own post meets it again and handles it
             _log.debug("room %s: no WRITE prepared for %s: %s", transfer.room, stream.peer, exc)
         with self._armed_lock:
@@ -572,6 +581,7 @@ class PrefillSender(Endpoint[SendTransfer]):
                     self.reject("sender_mismatch", f"Withdraw for sender {message.sender_id}")
             elif isinstance(message, wire.Release):
                 stream.released = True
+                stream.written.clear()
                 self._check_complete(transfer)
             elif isinstance(message, wire.Abort):
                 self._fail(transfer, FailureReason.ABORTED_BY_PEER,
@@ -833,7 +843,7 @@ class PrefillSender(Endpoint[SendTransfer]):
                              page_count=len(out.pages), final_parts=out.final)
         regions = [r.to_region() for r in stream.document.kv_regions]
         out.size_bytes = sum(length for _, length in local)
-        sealed = self.seal(stream.peer, note)
+        sealed = out.note = self.seal(stream.peer, note)
         self._post(transfer, stream, out,
                    lambda: self.transport.write(stream.peer, local, remote, regions, sealed),
                    len(local))
@@ -964,6 +974,7 @@ class PrefillSender(Endpoint[SendTransfer]):
         held = self._writes.pop((transfer.room, stream.peer), None) if out.index == 0 else None
         if held is not None and held.region is staging and held.grant == grant:
             write = held.write  # the same bytes into the same region, the same StagedPart
+            out.note = held.note
             self.prepared_writes_posted += 1
             self._post(transfer, stream, out, lambda: self.transport.post(write), 1)
             return True
@@ -972,6 +983,7 @@ class PrefillSender(Endpoint[SendTransfer]):
         note, local, remote, regions = self._staged_write(
             transfer, stream, out.index, out.layers, out.pages, out.final, grant,
             staging.offset_bytes, out.size_bytes)
+        out.note = note
         self._post(transfer, stream, out,
                    lambda: self.transport.write(stream.peer, local, remote, regions, note),
                    len(local))
@@ -1034,6 +1046,8 @@ class PrefillSender(Endpoint[SendTransfer]):
         if out.region is not None:
             self.staging.free(out.region)
         transfer.bytes += out.size_bytes
+        if out.note is not None:
+            stream.written[out.index], stream.written_at = out.note, self.clock()
         self.metrics.bytes_moved(stream.path, out.size_bytes)
         self.part_machine.apply(out, PartEvent.DONE)
         out.stamps[Stamp.WRITTEN] = self.clock()
@@ -1111,6 +1125,31 @@ class PrefillSender(Endpoint[SendTransfer]):
                     return
                 out.alloc_sent_at = now
                 self.send(stream.peer, self._alloc_request(transfer, stream, out))
+            self._renotify(transfer, stream, now)
+
+    def _renotify(self, transfer: SendTransfer, stream: _Stream, now: float) -> None:
+        """Send the notifications of ``stream``'s written parts again, as messages, when
+        every part is written and decode's Release has not come within a quarter of the
+        stall watchdog's time (at least ``grant_s``): a WRITE's data can land while its
+        notification is lost (NIXL's UCX backend drops one in a known case), and decode
+        would wait for it until its watchdog failed the request. Decode counts a copy of a
+        notification it had as a duplicate and acts on a missing one; a slow decode's
+        Release (a scatter still running) usually comes first. At most ``grant_retries``
+        rounds."""
+        wait_s = max(self.timeouts.grant_s, self.timeouts.stall_s / 4)
+        if (stream.released or not stream.written or stream.out or not transfer.last_given
+                or stream.next_spec < len(transfer.specs) or now - stream.written_at < wait_s
+                or stream.renotified >= self.timeouts.grant_retries):
+            return
+        stream.renotified += 1
+        stream.written_at = now
+        _log.info("room %s: no Release from %s %.1f s after its last WRITE; sending the "
+                  "notifications of parts %s again (round %d)", transfer.room, stream.peer,
+                  wait_s, sorted(stream.written), stream.renotified)
+        self.metrics.notifications_resent(len(stream.written))
+        for note in list(stream.written.values()):
+            if not self.send_sealed(stream.peer, note):
+                return
 
     def _check_complete(self, transfer: SendTransfer) -> None:
         if transfer.lifecycle.state is not State.TRANSFERRING or transfer.expected is None:

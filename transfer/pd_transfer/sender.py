@@ -843,10 +843,10 @@ class PrefillSender(Endpoint[SendTransfer]):
                              page_count=len(out.pages), final_parts=out.final)
         regions = [r.to_region() for r in stream.document.kv_regions]
         out.size_bytes = sum(length for _, length in local)
-        sealed = out.note = self.seal(stream.peer, note)
+        sealed = self.seal(stream.peer, note)
         self._post(transfer, stream, out,
                    lambda: self.transport.write(stream.peer, local, remote, regions, sealed),
-                   len(local))
+                   len(local), sealed)
 
     def _stage_part(self, transfer: SendTransfer, stream: _Stream, out: _OutPart) -> bool:
         if self._resize is not None:
@@ -974,19 +974,17 @@ class PrefillSender(Endpoint[SendTransfer]):
         held = self._writes.pop((transfer.room, stream.peer), None) if out.index == 0 else None
         if held is not None and held.region is staging and held.grant == grant:
             write = held.write  # the same bytes into the same region, the same StagedPart
-            out.note = held.note
             self.prepared_writes_posted += 1
-            self._post(transfer, stream, out, lambda: self.transport.post(write), 1)
+            self._post(transfer, stream, out, lambda: self.transport.post(write), 1, held.note)
             return True
         if held is not None:
             self.transport.discard(held.write)
         note, local, remote, regions = self._staged_write(
             transfer, stream, out.index, out.layers, out.pages, out.final, grant,
             staging.offset_bytes, out.size_bytes)
-        out.note = note
         self._post(transfer, stream, out,
                    lambda: self.transport.write(stream.peer, local, remote, regions, note),
-                   len(local))
+                   len(local), note)
         return True
 
     def _staged_write(  # noqa: PLR0917 - private; a part's fields, as both callers hold them
@@ -1011,9 +1009,13 @@ class PrefillSender(Endpoint[SendTransfer]):
         remote = [(granted.base_address, grant.size_bytes)]
         return self.seal(stream.peer, note), local, remote, [granted]
 
-    def _post(self, transfer: SendTransfer, stream: _Stream, out: _OutPart,
-              post: Callable[[], TransferHandle], descriptors: int) -> None:
-        """Post ``out``'s WRITE (``post``: the transport call) and account for it."""
+    def _post(  # noqa: PLR0917 - private; the part, its transport call and what it carries
+        self, transfer: SendTransfer, stream: _Stream, out: _OutPart,
+        post: Callable[[], TransferHandle], descriptors: int, note: bytes,
+    ) -> None:
+        """Post ``out``'s WRITE (``post``: the transport call, its notification the sealed
+        ``note``, kept for ``_renotify``) and account for it."""
+        out.note = note
         try:
             out.handle = post()
         except PeerUnreachable as exc:

@@ -6,7 +6,9 @@ reads PREFIX_{before,after}_{1..ROUNDS}.json (as `benchmarks/ab_transfer_gpu.sh`
 them) and prints, per TP combination and length: raw and staged ms at 1 in flight and
 staged GB/s at 8 in flight (each round, before → after), then the median request's
 given → gather enqueued, pickup, post, post → notification and scatter, the scatter split
-at its launch (ms, round 1).
+at its launch (ms, round 1); then, for the wave of 8 in flight the JSON keeps (each round,
+before → after), how many requests' critical parts decode pre-granted and the longest grant
+wait among them.
 """
 
 from __future__ import annotations
@@ -80,6 +82,28 @@ def main(prefix: str, rounds: int) -> None:
                             _median_phase(requests, name))
             cells.append(f"{pair[0]:.2f} → {pair[1]:.2f}")
         print(f"| {key} | " + " | ".join(cells) + " |")
+    print()
+    print("| TP (KV heads) | tokens | wave: pre-granted before → after | wave: longest grant "
+          "wait ms before → after |")
+    print("|---|---:|---:|---:|")
+    for key in keys:
+        waves = {(side, r): runs[side, r][key]["paths"]["staged"]["wave_requests"]
+                 for side in ("before", "after") for r in range(1, rounds + 1)}
+        granted = " ; ".join(f"{_pregranted(waves['before', r])} → "
+                             f"{_pregranted(waves['after', r])}" for r in range(1, rounds + 1))
+        wait = " ; ".join(f"{_longest_grant_wait(waves['before', r]):.2f} → "
+                          f"{_longest_grant_wait(waves['after', r]):.2f}"
+                          for r in range(1, rounds + 1))
+        print(f"| {key} | {granted} | {wait} |")
+
+
+def _pregranted(requests: list[dict[str, Any]]) -> str:
+    held = sum("pregranted" in r["phases"]["stamps_s"]["decode"] for r in requests)
+    return f"{held}/{len(requests)}"
+
+
+def _longest_grant_wait(requests: list[dict[str, Any]]) -> float:
+    return max(float(r["phases"]["split_s"]["grant wait"]) for r in requests) * 1e3
 
 
 if __name__ == "__main__":

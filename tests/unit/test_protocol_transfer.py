@@ -538,27 +538,70 @@ def _pregranted_rooms(receiver: DecodeReceiver) -> list[str]:
             for p in w.parts.values() if p.pregranted and p.state is PartState.GRANTED]
 
 
-def test_pre_grants_hold_at_most_their_share_of_the_ring_and_the_rest_ask() -> None:
-    """1 → 1, 8 tokens: a writer's share is 2 layers × 2 pages × 4 tokens × 2 heads × 4 dims ×
-    2 bytes × (K, V) = 512 bytes. Half of a 4096-byte ring holds 4 of them; the 5th and 6th
-    request ask with an AllocRequest. Every request lands bit-exact."""
-    cluster = Cluster(mode="staged", ring_bytes=4096)
-    sender, receiver = cluster.senders[0], cluster.receivers[0]
-    requests = [cluster.new_request(num_tokens=8) for _ in range(6)]
+def _asked_while_computing(cluster: Cluster, count: int) -> list[Request]:
+    """``count`` 8-token requests whose decode asked (RequestKV) while no part was given."""
+    requests = [cluster.new_request(num_tokens=8) for _ in range(count)]
     for request in requests:
         cluster.start(request, send=False)
+    receiver = cluster.receivers[0]
     cluster.run(lambda: all(receiver.poll(r.room).state is State.TRANSFERRING  # type: ignore[union-attr]
                             for r in requests))
-    assert _pregranted_rooms(receiver) == [r.room for r in requests[:4]]
-    assert receiver.ring.used_bytes == 4 * 512
+    return requests
+
+
+def _send_all_and_verify(cluster: Cluster, requests: list[Request]) -> None:
     for request in requests:
-        sender.send_part(request.room, last=True)
+        cluster.senders[0].send_part(request.room, last=True)
     cluster.run(lambda: all(cluster.finished(r.room) for r in requests))
     for request in requests:
         assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+
+
+def test_pre_grants_hold_at_most_their_share_of_the_ring_and_the_rest_ask() -> None:
+    """1 → 1, 8 tokens: a writer's share is 2 layers × 2 pages × 4 tokens × 2 heads × 4 dims ×
+    2 bytes × (K, V) = 512 bytes. A share of 0.5 of a 4096-byte ring holds 4 of them; the 5th
+    and 6th request ask with an AllocRequest. Every request lands bit-exact."""
+    cluster = Cluster(mode="staged", ring_bytes=4096, pregrant_share=0.5)
+    sender, receiver = cluster.senders[0], cluster.receivers[0]
+    requests = _asked_while_computing(cluster, 6)
+    assert _pregranted_rooms(receiver) == [r.room for r in requests[:4]]
+    assert receiver.ring.used_bytes == 4 * 512
+    _send_all_and_verify(cluster, requests)
     assert (sender.pregrants_taken, sender.alloc_requests_sent) == (4, 2)
     assert [int(receiver.metrics.pregrants.labels(o)._value.get())
             for o in ("granted", "used", "returned")] == [4, 4, 0]
+
+
+@pytest.mark.parametrize("engine_gathers", [False, True], ids=["worker", "engine gathers"])
+def test_a_part_that_finds_the_ring_full_of_pre_grants_is_granted_the_latest_one(
+    engine_gathers: bool,
+) -> None:
+    """Pre-grants may fill the ring, but never keep it from a part that is moving. 1 → 1, 8
+    tokens: 8 shares of 512 bytes fill a 4096-byte ring. A 9th request gets no pre-grant; its
+    part asks, finds no room and queues. Decode asks the latest pre-grant back (Withdraw);
+    its writer, still computing, gives it (Withdrawn; with gathers on the engine's thread,
+    the staging set aside for it too), and the 9th is granted the space. That writer asks
+    with an AllocRequest once its KV is ready. Every request lands bit-exact, and the 7
+    other pre-grants are never asked for."""
+    cluster = Cluster(mode="staged", ring_bytes=4096, pregrant_share=1.0,
+                      engine_gathers=engine_gathers)
+    sender, receiver = cluster.senders[0], cluster.receivers[0]
+    computing = _asked_while_computing(cluster, 8)
+    assert _pregranted_rooms(receiver) == [r.room for r in computing]
+    assert receiver.ring.used_bytes == 4096
+    moving = cluster.new_request(num_tokens=8)
+    cluster.start(moving)
+    cluster.run(lambda: cluster.finished(moving.room))
+    assert cluster.states(moving.room) == SUCCEEDED and cluster.verified(moving)
+    assert _pregranted_rooms(receiver) == [r.room for r in computing[:7]]
+    _send_all_and_verify(cluster, computing)
+    assert (sender.pregrants_taken, sender.alloc_requests_sent) == (7, 2)
+    assert [int(receiver.metrics.pregrants.labels(o)._value.get())
+            for o in ("granted", "used", "returned", "reclaimed")] == [8, 7, 1, 1]
+    assert receiver.ring.used_bytes == 0
+    assert sender.debug_counts()["staging_regions"] == 0
+    assert int(sender.metrics.gathers.labels("engine")._value.get()) == (
+        7 if engine_gathers else 0)
 
 
 def test_a_pre_granted_request_aborted_before_its_part_frees_the_ring_without_the_grace() -> None:

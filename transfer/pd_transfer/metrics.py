@@ -116,7 +116,8 @@ class TransferMetrics:
         )
         self.pregrants = Counter(
             "pd_transfer_pregrants", "Decode ring regions granted with a RequestKV (granted), "
-            "written by their part 0 (used), given back unwritten (returned)", ["outcome"],
+            "written by their part 0 (used), given back unwritten (returned), asked back for a "
+            "queued part that did not fit (reclaimed)", ["outcome"],
             registry=r,
         )
         self.gathers = Counter(

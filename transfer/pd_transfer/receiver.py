@@ -24,9 +24,13 @@ or ``quarantine_grace_s`` passed; everything else is freed at once.
 
 Pre-grants (protocol v5): a staged writer's RequestKV carries a region for its part 0 as large
 as the writer's whole share of the request, granted at once when no allocation is queued and
-live pre-grants stay within ``pregrant_share`` of the ring (requests whose KV is still being
-computed never pin the ring for parts already moving), so the first part skips the
-AllocRequest / Grant round trip (by default on CUDA only: ``PREGRANT_SHARE``). It is a
+live pre-grants stay within ``pregrant_share`` of the ring, so the first part skips the
+AllocRequest / Grant round trip (by default on CUDA only, up to the whole ring:
+``PREGRANT_SHARE``). Requests whose KV is still being computed never keep the ring from parts
+already moving: when the queued part at the head does not fit, decode asks unwritten
+pre-grants back, the latest granted first, until they and the largest free extent could hold
+it (``Withdraw``, re-sent every ``grant_s``; ``pd_transfer_pregrants_total{outcome=
+reclaimed}``); a writer that has posted its WRITE keeps its region. It is a
 Granted part like any other (freed when scattered, quarantined when its request fails while
 the writer lives) except that: its StagedPart may
 be smaller than the region, whose tail is freed when it lands; no stall watchdog runs on it
@@ -95,11 +99,11 @@ from pd_transfer.transport.base import RegisteredRegion, Transport
 __all__ = ["PREGRANT_SHARE", "DecodeReceiver"]
 
 _log = logging.getLogger("pd_transfer")
-#: The share of the ring live pre-grants may hold on CUDA (module docstring); the rest always
-#: serves AllocRequests. On CPU pre-grants are off by default: a CPU transfer's copies take
-#: milliseconds, beside which the grant round trip is small, and a pre-grant would pin ring
-#: space while the writer computes.
-PREGRANT_SHARE = 0.5
+#: The share of the ring live pre-grants may hold on CUDA (module docstring): all of it, since
+#: a queued part that does not fit takes unwritten pre-grants back. A smaller share keeps the
+#: rest for AllocRequests without that round trip. On CPU pre-grants are off by default: a CPU
+#: transfer's copies take milliseconds, beside which the grant round trip is small.
+PREGRANT_SHARE = 1.0
 
 
 @dataclass(kw_only=True, eq=False)
@@ -354,6 +358,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             transfer, writer))
         self.metrics.pregrant("granted")
         return region
+
 
     def _pregranted_bytes(self) -> int:
         """Ring bytes held by live pre-grants (only ever a writer's part 0)."""
@@ -722,16 +727,20 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         """A resize drains the ring: ask each writer holding an unwritten pre-grant to give
         it back (``Withdraw``, again every ``grant_s`` until it lands or returns)."""
         now = self.clock()
-        for transfer in list(self._transfers.values()):
-            for writer in transfer.writers.values():
-                part = writer.parts.get(0)
-                if part is None or not part.pregranted or part.state is not PartState.GRANTED:
-                    continue
-                if part.withdraw_sent_at is None or (
-                        now - part.withdraw_sent_at >= self.timeouts.grant_s):
-                    part.withdraw_sent_at = now
-                    self.send(writer.peer, wire.Withdraw(room=transfer.room,
-                                                         sender_id=writer.plan.sender_id))
+        for transfer, writer, part in self._live_pregrants():
+            self._withdraw(transfer, writer, part, now)
+
+    def _withdraw(self, transfer: ReceiveTransfer, writer: _Writer, part: _InPart,
+                  now: float) -> bool:
+        """Ask ``writer`` for its pre-grant back, unless asked within ``grant_s``; True if
+        asked now for the first time."""
+        sent = part.withdraw_sent_at
+        if sent is not None and now - sent < self.timeouts.grant_s:
+            return False
+        part.withdraw_sent_at = now
+        self.send(writer.peer, wire.Withdraw(room=transfer.room,
+                                             sender_id=writer.plan.sender_id))
+        return sent is None
 
     def _serve_queue(self) -> bool:
         """Grant queued allocations in arrival order while the ring has room (FIFO: a big
@@ -749,6 +758,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                 served = True
                 continue
             if region is None:
+                self._reclaim_pregrants(queued.part.size_bytes)
                 break
             self._queue.popleft()
             with self.guard(self._failer(queued.transfer)):
@@ -756,6 +766,31 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             served = True
         self.metrics.set_pending_allocations(len(self._queue))
         return served
+
+    def _reclaim_pregrants(self, needed_bytes: int) -> None:
+        """A queued part does not fit: ask for unwritten pre-grants back (``Withdraw``, the
+        latest granted first, again every ``grant_s``) until they and the largest free
+        extent could hold ``needed_bytes`` (module docstring). A writer whose WRITE is
+        posted keeps its region; its StagedPart frees it when it lands."""
+        now = self.clock()
+        reclaimable = self.ring.largest_free_extent_bytes
+        latest_first = sorted(reversed(self._live_pregrants()),  # ties: the later request
+                              key=lambda held: -held[2].granted_at)
+        for transfer, writer, part in latest_first:
+            if reclaimable >= needed_bytes:
+                return
+            assert part.region is not None
+            reclaimable += part.region.size_bytes
+            if self._withdraw(transfer, writer, part, now):
+                self.metrics.pregrant("reclaimed")
+
+    def _live_pregrants(self) -> list[tuple[ReceiveTransfer, _Writer, _InPart]]:
+        """Every pre-grant a writer may still WRITE into (only ever a writer's part 0)."""
+        return [(transfer, writer, part)
+                for transfer in self._transfers.values()
+                for writer in transfer.writers.values()
+                if (part := writer.parts.get(0)) is not None and part.pregranted
+                and part.state is PartState.GRANTED and part.region is not None]
 
     def _check_deadlines(self, now: float) -> None:
         for entry in [e for e in self._quarantine if e.expiry <= now]:

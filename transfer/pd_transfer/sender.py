@@ -23,10 +23,10 @@ Pre-grants (protocol v5): a staged RequestKV may carry ring bytes already grante
 checked when the stream opens (exactly the writer's whole share, inside the peer's ring, or
 the request fails ProtocolViolation). Part 0 writes into them without an AllocRequest when
 its ring version is in force; otherwise its AllocRequest gives them back. A ``Withdraw``
-(decode resizing) is answered with ``Withdrawn`` unless the WRITE is posted (a part that took
-the pre-grant but has not posted then asks with an AllocRequest), and a request that fails
-holding an unwritten pre-grant sends ``Withdrawn`` so decode frees it without waiting out its
-quarantine.
+(decode resizing, or taking the region for a queued part) is answered with ``Withdrawn``
+unless the WRITE is posted (a part that took the pre-grant but has not posted then asks with
+an AllocRequest), and a request that fails holding an unwritten pre-grant sends ``Withdrawn``
+so decode frees it without waiting out its quarantine.
 
 Gathers on the engine's thread: a staged RequestKV that brings a pre-grant for a request
 whose pages are all registered and whose engine has given no part yet makes the worker set
@@ -693,7 +693,8 @@ class PrefillSender(Endpoint[SendTransfer]):
                           size_bytes=message.pregrant_bytes, ring_version=message.ring_version)
 
     def _on_withdraw(self, transfer: SendTransfer, stream: _Stream) -> None:
-        """Decode wants the pre-grant back (a resize): give it unless its WRITE is posted."""
+        """Decode wants the pre-grant back (a resize, or a queued part needs the space): give
+        it unless its WRITE is posted."""
         out = stream.out.get(0)
         if stream.pregrant is not None:
             stream.pregrant = None

@@ -253,8 +253,8 @@ class Watermark(_Message):
 
 class Withdraw(_Message):
     """Decode wants writer ``sender_id``'s pre-grant for ``room`` back (a resize drains the
-    ring). The writer answers ``Withdrawn`` if it has not written it, else its StagedPart
-    comes."""
+    ring, or a queued part needs the space). The writer answers ``Withdrawn`` if it has not
+    written it, else its StagedPart comes."""
 
     type: Literal["withdraw"] = "withdraw"
     room: Room

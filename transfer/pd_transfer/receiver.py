@@ -588,33 +588,6 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         part.stamps[Stamp.SCATTER_QUEUED] = self.clock()
         if self._stream is None:  # CPU: the copy ran in the launch
             self._landed(transfer, writer, part)
-        elif self._only_scatters_left(transfer):
-            self._wait_for_scatters(transfer, part)
-
-    def _only_scatters_left(self, transfer: ReceiveTransfer) -> bool:
-        """Every part of ``transfer`` is notified, only its scatters run, and no other
-        request has a part, a pre-grant or a queued allocation: waiting for the scatters on
-        this thread delays no one's message."""
-        others = (other for other in self._transfers.values() if other is not transfer)
-        if self._queue or any(w.parts for other in others for w in other.writers.values()):
-            return False
-        for writer in transfer.writers.values():
-            landing = writer.in_state(PartState.ARRIVED, PartState.SCATTERING)
-            if writer.final is None or len(writer.parts) != writer.final or (
-                    sorted(p.index for p in landing) != list(range(writer.final))):
-                return False
-        return True
-
-    def _wait_for_scatters(self, transfer: ReceiveTransfer, last: _InPart) -> None:
-        """Wait in the driver (off the GIL) for ``last``'s scatter, the latest on the staging
-        stream, and land every part whose scatter is done: the request completes now rather
-        than on a later poll of its events. Bounded by the scatters' device time."""
-        assert last.scattered is not None
-        last.scattered.synchronize()
-        for writer in transfer.writers.values():
-            for part in writer.in_state(PartState.SCATTERING):
-                if part.scattered is not None and part.scattered.query():  # type: ignore[no-untyped-call]
-                    self._landed(transfer, writer, part)
 
     @staticmethod
     def _share_ranges(transfer: ReceiveTransfer, writer: _Writer) -> tuple[range, range]:

@@ -29,6 +29,7 @@ decode rank never saw a written part's notification is retried once, with a warn
 from __future__ import annotations
 
 import math
+import time
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -132,7 +133,10 @@ def _request(pair: Pair, prompt: list[int], room: str) -> tuple[list[int], str]:
     notifications again (sender.py's ``_renotify``), which recovers a lost one. A request
     that still fails StalledWriter is retried here once under a new room, with a warning
     that carries both sides' rejected-message counts (a notification decode refused is
-    counted; one that never arrived is not), and every check below holds for the retry."""
+    counted; one that never arrived is not) and the prefill's account of where each
+    unwritten part stopped, and every check below holds for the retry. A later CI run
+    failed so with the last part's WRITE never seen complete on prefill (its bytes lacked
+    that part): not a lost notification, and not recovered by sending it again."""
     try:
         return _complete_once(pair, prompt, room), room
     except RuntimeError as exc:
@@ -140,8 +144,21 @@ def _request(pair: Pair, prompt: list[int], room: str) -> tuple[list[int], str]:
             raise
         warnings.warn(LostNotification(
             f"{room}: {exc}\nrejected messages: decode {_rejected(pair.decode)}, prefill "
-            f"{_rejected(pair.prefill)}; retried as {room}-again"), stacklevel=1)
+            f"{_rejected(pair.prefill)}\nprefill's account: {_prefill_account(pair, room)}"
+            f"\nretried as {room}-again"), stacklevel=1)
     return _complete_once(pair, prompt, f"{room}-again"), f"{room}-again"
+
+
+def _prefill_account(pair: Pair, room: str, timeout_s: float = 15.0) -> str:
+    """The prefill rank's log line for ``room``'s failure, which says where each unwritten
+    part stopped (sender.py's ``_log_unwritten``). The prefill fails on decode's Abort,
+    moments after decode answered, so its line is awaited for up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = pair.prefill.server.log_lines_naming(f"room {room} failed")
+        if not lines.startswith("(no line") or time.monotonic() >= deadline:
+            return lines
+        time.sleep(0.5)
 
 
 def _complete_once(pair: Pair, prompt: list[int], room: str) -> list[int]:

@@ -7,6 +7,8 @@ nor a GPU. Each test names the failure mode in docs/failure-modes.md it guards.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -528,6 +530,31 @@ def test_10k_requests_with_failures_and_aborts_leave_every_map_at_baseline() -> 
     assert cluster.receivers[0].ring.used_bytes == 0
     assert outcomes["ok"] > 10000 and outcomes["Aborted"] >= 2000
     assert sum(outcomes.values()) == 2 * 10000
+
+
+def test_a_write_that_never_completes_fails_on_decode_and_prefill_logs_where_it_stopped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A WRITE whose completion never comes (held by the fabric) leaves decode's region
+    granted but unwritten: decode fails StalledWriter, prefill fails on its Abort and logs
+    the part it never saw written, with the WRITE still pending: the line a StalledWriter on
+    decode is read against."""
+    cluster = Cluster(mode="staged", pregrant_share=0.0)
+    cluster.fabric.inject(FaultRule(FaultAction.DELAY, lambda e: e.kind == "transfer",
+                                    delay_s=1000.0))
+    request = cluster.new_request(num_tokens=8)
+    with caplog.at_level("WARNING", logger="pd_transfer"):
+        cluster.start(request)
+        cluster.run(lambda: cluster.finished(request.room))
+    assert cluster.reasons(request.room) == {FailureReason.STALLED_WRITER,
+                                             FailureReason.ABORTED_BY_PEER}
+    decode = cluster.receivers[0].transport.agent_name
+    lines = [r.getMessage() for r in caplog.records if "parts unwritten" in r.getMessage()]
+    assert len(lines) == 1
+    assert re.fullmatch(
+        rf"room {request.room} failed \(AbortedByPeer\) with parts unwritten: to {decode}: "
+        r"part 0 Writing, given \d+\.\d s ago, posted \d+\.\d s ago, the WRITE pending",
+        lines[0]), lines[0]
 
 
 # Pre-grants (protocol v5: receiver.py's module docstring) ---------------------------------

@@ -116,7 +116,7 @@ class _InPart(Part):
     scattered: torch.cuda.Event | None = None  # CUDA: fires when its scatter has finished
     pregranted: bool = False  # its region went out with the RequestKV (module docstring)
     prepared: PreparedMove | None = None  # a pre-grant's scatter of the whole share
-    withdraw_sent_at: float | None = None  # a resize asked for the pre-grant back
+    withdraw_sent_at: float | None = None  # asked for the pre-grant back (resize, queued part)
     stamps: dict[str, float] = field(default_factory=dict)  # Stamp -> clock (phases.py)
 
 
@@ -358,7 +358,6 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             transfer, writer))
         self.metrics.pregrant("granted")
         return region
-
 
     def _pregranted_bytes(self) -> int:
         """Ring bytes held by live pre-grants (only ever a writer's part 0)."""

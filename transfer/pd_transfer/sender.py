@@ -1169,6 +1169,8 @@ class PrefillSender(Endpoint[SendTransfer]):
     def _release(self, transfer: SendTransfer) -> None:
         """Terminal: abort WRITEs in flight, free staging, forget the request. Runs once."""
         self._transfers.pop(transfer.room, None)
+        if transfer.lifecycle.state is State.FAILED:
+            self._log_unwritten(transfer)
         for stream in transfer.streams.values():
             part0 = stream.out.get(0)
             unwritten = stream.pregrant is not None or (
@@ -1190,6 +1192,36 @@ class PrefillSender(Endpoint[SendTransfer]):
         with self._armed_lock:
             self._armed.pop(transfer.room, None)
             self.staging.free_owner(transfer.room)
+
+    def _log_unwritten(self, transfer: SendTransfer) -> None:
+        """Where each part a failed request left unwritten stopped: the line a decode rank's
+        failure of the same room (a StalledWriter, say) is read against."""
+        now = self.clock()
+        left = [f"to {stream.peer}: part {out.index} {self._where(out, now)}"
+                for stream in transfer.streams.values() for out in stream.out.values()]
+        if left:
+            reason = transfer.lifecycle.reason
+            _log.warning("room %s failed (%s) with parts unwritten: %s", transfer.room,
+                         reason.value if reason is not None else "no reason", "; ".join(left))
+
+    def _where(self, out: _OutPart, now: float) -> str:
+        """``out``'s state, with how long ago it was given and what it waits for."""
+        where = [out.state.value, _ago("given", out.stamps.get(Stamp.GIVEN), now)]
+        if out.state is PartState.AWAITING_GRANT:
+            if out.grant is None:
+                where.append("no grant")
+            else:
+                where.append(f"{'pre-' if out.pregranted else ''}granted {out.grant.size_bytes}"
+                             f" bytes at {out.grant.ring_offset} of ring version "
+                             f"{out.grant.ring_version}")
+            where.append("gathered" if Stamp.GATHERED in out.stamps else "gather pending")
+        elif out.state is PartState.WRITING and out.handle is not None:
+            try:
+                write = self.transport.state(out.handle).value
+            except TransportError as exc:
+                write = f"unknown ({exc})"
+            where.append(f"{_ago('posted', out.stamps.get(Stamp.POSTED), now)}, the WRITE {write}")
+        return ", ".join(where)
 
     def _on_peer_lost(self, peer: str, detail: str) -> None:
         for transfer in list(self._transfers.values()):
@@ -1266,3 +1298,7 @@ class PrefillSender(Endpoint[SendTransfer]):
 
 def _span(layers: LayerRange) -> str:
     return f"[{layers.start}, {layers.stop})"
+
+
+def _ago(step: str, at: float | None, now: float) -> str:
+    return step if at is None else f"{step} {now - at:.1f} s ago"

@@ -360,14 +360,17 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         return region
 
     def _pregranted_bytes(self) -> int:
-        """Ring bytes held by live pre-grants (only ever a writer's part 0)."""
-        held = 0
-        for transfer in self._transfers.values():
-            for writer in transfer.writers.values():
-                part = writer.parts.get(0)
-                if part is not None and part.pregranted and part.region is not None:
-                    held += part.region.size_bytes
-        return held
+        """Ring bytes held by pre-grants, written or not (the scatter may still read them)."""
+        return sum(part.region.size_bytes for _, _, part in self._pregrants()
+                   if part.region is not None)
+
+    def _pregrants(self) -> list[tuple[ReceiveTransfer, _Writer, _InPart]]:
+        """Every pre-granted part still holding its region (only ever a writer's part 0)."""
+        return [(transfer, writer, part)
+                for transfer in self._transfers.values()
+                for writer in transfer.writers.values()
+                if (part := writer.parts.get(0)) is not None and part.pregranted
+                and part.region is not None]
 
     def _writer_share(self, transfer: ReceiveTransfer, writer: _Writer) -> int:
         """Staged bytes of ``writer``'s whole share of the request: no part is larger."""
@@ -784,12 +787,8 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                 self.metrics.pregrant("reclaimed")
 
     def _live_pregrants(self) -> list[tuple[ReceiveTransfer, _Writer, _InPart]]:
-        """Every pre-grant a writer may still WRITE into (only ever a writer's part 0)."""
-        return [(transfer, writer, part)
-                for transfer in self._transfers.values()
-                for writer in transfer.writers.values()
-                if (part := writer.parts.get(0)) is not None and part.pregranted
-                and part.state is PartState.GRANTED and part.region is not None]
+        """Every pre-grant a writer may still WRITE into."""
+        return [held for held in self._pregrants() if held[2].state is PartState.GRANTED]
 
     def _check_deadlines(self, now: float) -> None:
         for entry in [e for e in self._quarantine if e.expiry <= now]:

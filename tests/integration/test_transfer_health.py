@@ -179,6 +179,7 @@ def test_reports_aggregate_and_a_failing_decode_pod_turns_health_false(
                        else None, timeout_s=STALE_AFTER_S)  # within the report's freshness
     assert healthy["reason"] == "GrantTimeout"
     assert failing in healthy["message"]
+    # Already False: the operator writes the pods' gates before the status that reports them.
     assert gate(cluster, failing)["status"] == "False"
     assert gate(cluster, failing)["reason"] == "TransferFailing"
     assert gate(cluster, f"{NAME}-decode-0")["status"] == "True"

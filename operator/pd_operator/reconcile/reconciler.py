@@ -392,8 +392,15 @@ class Reconciler:
         self, parsed: _Parsed, status: PDDeploymentStatus, gates: Sequence[GateChange] = (),
         rollout: RolloutStep | None = None,
     ) -> None:
-        """Write the status if it changed, then the rollout's TransferAgent writes, then the
-        pods' gates, then the Events."""
+        """Write the pods' gates, then the status if it changed, then the rollout's
+        TransferAgent writes, then the Events.
+
+        Gates go first: they take a failing pod out of its Service's endpoints, and a status
+        that reads "TransferHealthy False" must find that already done."""
+        namespace = parsed.body["metadata"]["namespace"]
+        for change in gates:
+            self.kube.patch_pod_condition(namespace, change.pod, change.condition)
+            STATUS_WRITES.labels(kind="Pod").inc()
         events: list[EventSpec] = []
         wire = status.to_wire()
         if wire != parsed.body.get("status"):
@@ -403,10 +410,6 @@ class Reconciler:
         if rollout is not None:
             self.rollouts.execute(rollout)
             events += [(e.type.value, e.reason.value, e.message) for e in rollout.decision.events]
-        namespace = parsed.body["metadata"]["namespace"]
-        for change in gates:
-            self.kube.patch_pod_condition(namespace, change.pod, change.condition)
-            STATUS_WRITES.labels(kind="Pod").inc()
         events += gate_events(gates)
         now = self.clock()
         for event_type, reason, message in events:

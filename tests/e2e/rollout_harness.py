@@ -267,11 +267,12 @@ class LiveFleet:
             {"spec": {"transfer": {"staging": staging}}})
 
     def wait_phase(self, phase: str, to: int | None = None, timeout_s: float = 120) -> Obj:
-        def probe() -> Obj | None:
-            r = self.rollout()
-            ok = r.get("phase") == phase and (to is None or r.get("toDecodePoolMiB") == to)
-            return r if ok else None
-        return dict(wait_for(f"stagingRollout {phase} (to {to})", probe, timeout_s))
+        def reached(r: Obj) -> bool:
+            return r.get("phase") == phase and (to is None or r.get("toDecodePoolMiB") == to)
+
+        # The rollout status itself is returned, so a timeout shows the last one seen.
+        return dict(wait_for(f"stagingRollout {phase} (to {to})", self.rollout, timeout_s,
+                             until=reached))
 
     # -- background threads -----------------------------------------------------------------
 

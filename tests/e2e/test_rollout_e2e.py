@@ -133,9 +133,9 @@ def test_a_size_that_hurts_rolls_back_and_traffic_recovers(fleet: LiveFleet) -> 
         assert "rolled back" in warnings["StagingRolledBack"]
         # The others never took the size that hurt: the rollout stopped at the first batch.
         assert all(HURTING not in seen for pod, seen in fleet.specs_seen.items() if pod != bad)
-        window = wait_for("traffic served again without failures", lambda: (
-            w if (w := fleet.log.window(recovered_from + 2, time.monotonic()))["served"] >= 10
-            and w["failed"] == 0 else None), 60)
+        window = wait_for("traffic served again without failures",
+                          lambda: fleet.log.window(recovered_from + 2, time.monotonic()), 60,
+                          until=lambda w: w["served"] >= 10 and w["failed"] == 0)
         print(f"after the rollback: {window}")
     finally:
         fault.done.set()

@@ -25,6 +25,7 @@ from tests.e2e.vllm_harness import (
     VllmServer,
     complete,
     free_ports,
+    greedy_disagreement,
     pd_transfer_complete,
     pd_transfer_pair,
     prompt_ids,
@@ -83,12 +84,21 @@ PROMPTS = [prompt_ids(n, seed=n) for n in LENGTHS] + [
 
 
 def test_pd_completions_are_token_identical_to_one_vllm(deployment: Deployment) -> None:
-    expected = [complete(deployment.single, p, MAX_TOKENS).token_ids for p in PROMPTS]
-    assert all(len(tokens) == MAX_TOKENS for tokens in expected)
+    """Several requests in flight through P/D give the single instance's greedy tokens, one
+    request at a time. Where the reference's top two tokens are tied (`TIE_LOGPROB_GAP`),
+    the batch decides which one greedy takes, in one server as in two; a P/D completion that
+    took the other one agrees up to there (`greedy_disagreement`), and nothing else is
+    excused."""
+    expected = [complete(deployment.single, p, MAX_TOKENS, top_logprobs=2) for p in PROMPTS]
+    assert all(len(e.token_ids) == MAX_TOKENS for e in expected)
     with ThreadPoolExecutor(max_workers=4) as pool:  # several requests in flight
         got = list(pool.map(lambda p: deployment.pd(p).token_ids, PROMPTS))
-    mismatched = [len(p) for p, e, g in zip(PROMPTS, expected, got, strict=True) if e != g]
-    assert mismatched == [], f"prompt lengths whose P/D tokens differ: {mismatched}"
+    identical = sum(e.token_ids == g for e, g in zip(expected, got, strict=True))
+    disagreeing = {len(p): why for p, e, g in zip(PROMPTS, expected, got, strict=True)
+                   if (why := greedy_disagreement(e, g)) is not None}
+    assert disagreeing == {}, f"prompt lengths whose P/D tokens differ: {disagreeing}"
+    # Ties are rare: most completions must match token for token.
+    assert identical >= len(PROMPTS) - 2, f"only {identical} of {len(PROMPTS)} identical"
 
 
 def test_the_router_serves_token_identical_completions(deployment: Deployment) -> None:

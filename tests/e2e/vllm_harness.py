@@ -65,6 +65,7 @@ __all__ = [
     "complete",
     "cpu_binding",
     "free_ports",
+    "greedy_disagreement",
     "nixl_kv_transfer_config",
     "nixl_pd_complete",
     "nixl_server_pair",
@@ -538,10 +539,41 @@ class CompletionResult:
     ttft_s: float | None
     latency_s: float
     finish_reason: str | None = None
+    # Per generated token, its `top_logprobs` most likely tokens' logprobs (asked for only).
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+# One bf16 step of the tiny models' logits (|logit| < 8 here): two tokens whose logprobs
+# are this close are tied up to rounding, and which one greedy picks depends on the
+# accumulation order of vLLM's CPU kernels, i.e. on which requests share the batch.
+# Measured: a prompt whose reference had an exact tie at its 7th token got the runner-up
+# from a single vLLM server with 3 other requests in flight.
+TIE_LOGPROB_GAP = 1 / 64
+
+
+def greedy_disagreement(reference: CompletionResult, got: Sequence[int]) -> str | None:
+    """Why `got` is not what greedy decoding gives for `reference`'s prompt, or None.
+
+    Identical tokens agree. So does a first difference where the reference's top two
+    tokens are tied (within `TIE_LOGPROB_GAP`) and `got` took the other one: from there the
+    two continuations are different prompts, so nothing after it is compared. Any other
+    difference is a disagreement. `reference` must carry `top_logprobs` (>= 2)."""
+    assert reference.top_logprobs is not None, "the reference needs top_logprobs"
+    for step, (want, have) in enumerate(zip(reference.token_ids, got, strict=True)):
+        if want == have:
+            continue
+        ranked = sorted(reference.top_logprobs[step].items(), key=lambda kv: -kv[1])
+        tied = {token for token, logprob in ranked if ranked[0][1] - logprob <= TIE_LOGPROB_GAP}
+        if have in tied:
+            return None
+        return (f"token {step}: {have} where greedy gives {want} (top logprobs "
+                f"{dict(ranked)}; got {list(got)}, expected {reference.token_ids})")
+    return None
 
 
 def _request_body(prompt: Sequence[int], max_tokens: int, *, stream: bool,
-                  kv_transfer_params: Mapping[str, Any] | None) -> dict[str, Any]:
+                  kv_transfer_params: Mapping[str, Any] | None,
+                  top_logprobs: int = 0) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": SERVED_MODEL_NAME,
         "prompt": list(prompt),
@@ -556,7 +588,19 @@ def _request_body(prompt: Sequence[int], max_tokens: int, *, stream: bool,
     }
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = dict(kv_transfer_params)
+    if top_logprobs:
+        # Named "token_id:<id>": without a tokenizer vLLM cannot name them otherwise.
+        body["logprobs"] = top_logprobs
+        body["return_tokens_as_token_ids"] = True
     return body
+
+
+def _top_logprobs(choice: Mapping[str, Any]) -> list[dict[int, float]] | None:
+    logprobs = choice.get("logprobs")
+    if not logprobs:
+        return None
+    return [{int(name.removeprefix("token_id:")): float(value) for name, value in step.items()}
+            for step in logprobs["top_logprobs"]]
 
 
 class Server(Protocol):
@@ -583,10 +627,12 @@ class HttpTarget:
 
 def complete(server: Server, prompt: Sequence[int], max_tokens: int,
              kv_transfer_params: Mapping[str, Any] | None = None, *, stream: bool = False,
-             timeout_s: float = 120.0) -> CompletionResult:
-    """POST /v1/completions with token ids; greedy. See `CompletionResult`."""
+             timeout_s: float = 120.0, top_logprobs: int = 0) -> CompletionResult:
+    """POST /v1/completions with token ids; greedy. See `CompletionResult`.
+    `top_logprobs`: ask for that many most likely tokens per generated token."""
     body = json.dumps(_request_body(prompt, max_tokens, stream=stream,
-                                    kv_transfer_params=kv_transfer_params)).encode()
+                                    kv_transfer_params=kv_transfer_params,
+                                    top_logprobs=top_logprobs)).encode()
     connection = http.client.HTTPConnection(server.host, server.port, timeout=timeout_s)
     try:
         connection.connect()
@@ -604,7 +650,8 @@ def complete(server: Server, prompt: Sequence[int], max_tokens: int,
             return CompletionResult(token_ids=list(choice.get("token_ids") or []),
                                     kv_transfer_params=payload.get("kv_transfer_params"),
                                     ttft_s=None, latency_s=latency,
-                                    finish_reason=choice.get("finish_reason"))
+                                    finish_reason=choice.get("finish_reason"),
+                                    top_logprobs=_top_logprobs(choice))
         return _read_stream(response, started)
     finally:
         connection.close()

@@ -47,7 +47,10 @@ pytestmark = pytest.mark.e2e
 MODEL = ModelSpec(layers=4, kv_heads=2, hidden=256, heads=4)
 BATCH_TOKENS = 256
 MAX_TOKENS = 6
-TRANSFER_S = 4.0
+# Decode's transfer deadline runs from its RequestKV, so it also covers the prefill
+# engine's queue: at 12 requests in flight on a slow 2-core host, 4 s failed plain
+# requests (6 answered 500 in one run; 4 TransferTimeouts in the next).
+TRANSFER_S = 8.0
 LEASE_S = 6.0
 TIMEOUTS = {"transfer_seconds": TRANSFER_S, "kv_lease_seconds": LEASE_S,
             "bootstrap_seconds": 2.0, "grant_seconds": 1.0}

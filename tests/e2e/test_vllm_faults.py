@@ -75,7 +75,12 @@ class Fleet:
                                    timeout_s=timeout_s, prefill_must_answer=prefill_must_answer)
 
     def expected(self, prompt: list[int]) -> list[int]:
-        return complete(self.single, prompt, MAX_TOKENS).token_ids
+        return self.reference(prompt).token_ids
+
+    def reference(self, prompt: list[int]) -> CompletionResult:
+        """The single instance's greedy completion, with its top two tokens' logprobs per
+        step (what `greedy_disagreement` reads)."""
+        return complete(self.single, prompt, MAX_TOKENS, top_logprobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -254,8 +259,7 @@ def test_200_requests_with_faults_all_end_and_leave_nothing_held(fleet: Fleet) -
     prompts = {n: prompt_ids(n, seed=300 + n) for n in (1, 40, 257, 700)}
     # Several requests share each batch here: a tie in greedy's choice may go either way
     # (`greedy_disagreement`), so the references carry their top two tokens' logprobs.
-    expected = {n: complete(fleet.single, p, MAX_TOKENS, top_logprobs=2)
-                for n, p in prompts.items()}
+    expected = {n: fleet.reference(p) for n, p in prompts.items()}
 
     def agrees(length: int, got: list[int]) -> str:
         return "identical" if greedy_disagreement(expected[length], got) is None else "DIFFERENT"

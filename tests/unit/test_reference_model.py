@@ -129,6 +129,33 @@ def test_chunked_prefill_in_layer_groups_equals_one_shot() -> None:
                      start_pos=0)(range(1, 2))
 
 
+def test_bf16_kv_under_float32_compute_is_the_float32_kv_rounded_once() -> None:
+    """kv_dtype bf16 with float32 compute (the reference engine on CPU): the pools are bf16
+    and hold the float32 model's first-layer K/V rounded to bf16 (a second method: the same
+    weights without kv_dtype, cast afterwards); later layers attend over the rounded values,
+    so decode from a copied pool gives bit-identical logits, close to the dense forward."""
+    model = ReferenceModel(CONFIG, kv_dtype=torch.bfloat16)
+    (pool,) = model.allocate_pools(16, PAGE)
+    assert pool.k.dtype == torch.bfloat16 and pool.layout.dtype == torch.bfloat16
+    ids = tokens()
+    model.prefill(ids[:NUM_TOKENS], pools=(pool,), page_table=PAGE_TABLE)
+    wide = ReferenceModel(CONFIG)
+    (wide_pool,) = wide.allocate_pools(16, PAGE)
+    wide.prefill(ids[:NUM_TOKENS], pools=(wide_pool,), page_table=PAGE_TABLE)
+    used = slots(NUM_TOKENS)
+    assert torch.equal(pool.k[0, used], wide_pool.k[0, used].to(torch.bfloat16))
+    assert torch.equal(pool.layer_v(0)[used], wide_pool.layer_v(0)[used].to(torch.bfloat16))
+    _, dense_k, _ = model.dense_forward(ids[:NUM_TOKENS])
+    assert dense_k[2].dtype == torch.bfloat16
+    torch.testing.assert_close(pool.k[2, used], dense_k[2], rtol=0, atol=1e-2)
+    transferred = KVPool(pool.layout, pool.k.clone(), None if pool.v is None else pool.v.clone())
+    on_prefill = model.decode_step(int(ids[NUM_TOKENS]), NUM_TOKENS, pools=(pool,),
+                                   page_table=PAGE_TABLE)
+    on_decode = model.decode_step(int(ids[NUM_TOKENS]), NUM_TOKENS, pools=(transferred,),
+                                  page_table=PAGE_TABLE)
+    assert on_decode.dtype == torch.float32 and torch.equal(on_decode, on_prefill)
+
+
 def test_graphed_forward_refuses_a_cpu_model() -> None:
     with pytest.raises(ValueError, match="CUDA"):
         GraphedChunkForward(ReferenceModel(CONFIG), 4, pools=ReferenceModel(CONFIG)

@@ -19,6 +19,13 @@ Integration points an engine must offer the transfer module (see ``PIPELINE.md``
 4. Decode reading the transferred pool (``decode_step``): the same logits as prefill-side
    computation proves the transferred bytes are the ones attention needs.
 
+The model computes in ``dtype`` and stores its KV in ``kv_dtype`` (default: ``dtype``), as
+engines that keep an fp8 or bf16 cache under a wider compute do. Attention always reads K
+and V at the pool's precision, fresh or from the pool, so a chunk computes the same whether
+its context was computed here or arrived by transfer. A CPU without bf16 matrix units runs
+bf16 matmuls tens of times slower than float32; the reference engine therefore computes in
+float32 on CPU and keeps the KV at the deployment's ``kvDtype``.
+
 Tensor parallelism is emulated in one process: with ``tp_size`` ranks, rank ``r`` owns
 query heads ``[r * num_heads / tp, (r + 1) * num_heads / tp)`` and the KV heads
 ``plan.compute_local_heads`` gives it; it writes and reads only its own pool (``pools[r]``),
@@ -94,6 +101,7 @@ class ReferenceModel:
         seed: int = 0,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         if tp_size <= 0 or config.num_heads % tp_size:
             raise ValueError(
@@ -106,6 +114,7 @@ class ReferenceModel:
         self.tp_size = tp_size
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         gen = torch.Generator(device=self.device).manual_seed(seed)
 
         def weight(rows: int, cols: int) -> torch.Tensor:
@@ -160,7 +169,7 @@ class ReferenceModel:
             page_size=page_size,
             kv_heads=self.local_kv_heads(tp_rank).count,
             head_dim=self.config.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
         )
 
     def allocate_pools(
@@ -248,7 +257,8 @@ class ReferenceModel:
         """Reference without any pool: a plain causal forward over dense per-layer K/V.
 
         Returns ``[n, vocab]`` logits and, per layer, K and V ``[n, num_kv_heads,
-        head_dim]`` (every head, token order): what the paged paths must agree with.
+        head_dim]`` (every head, token order, ``kv_dtype``): what the paged paths must agree
+        with.
         """
         cfg = self.config
         hidden = self.embed(token_ids)
@@ -261,9 +271,10 @@ class ReferenceModel:
             q = _rope((x @ layer.wq).view(n, cfg.num_heads, cfg.head_dim), cos, sin)
             k = _rope((x @ layer.wk).view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = (x @ layer.wv).view(n, cfg.num_kv_heads, cfg.head_dim)
+            k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
             keys.append(k)
             values.append(v)
-            out = _attention(q, k, v, start_pos=0)
+            out = _attention(q, k.to(self.dtype), v.to(self.dtype), start_pos=0)
             hidden = hidden + out.reshape(n, -1) @ layer.wo
             hidden = hidden + self._mlp(layer, hidden)
         return self.logits(hidden), tuple(keys), tuple(values)
@@ -302,13 +313,15 @@ class ReferenceModel:
             q = _rope((x @ layer.wq[:, q_cols]).view(n, qh.count, d), cos, sin)
             k = _rope((x @ layer.wk[:, kv_cols]).view(n, kvh.count, d), cos, sin)
             v = (x @ layer.wv[:, kv_cols]).view(n, kvh.count, d)
-            pool.layer_k(index).index_copy_(0, new_slots, k)
-            pool.layer_v(index).index_copy_(0, new_slots, v)
+            k_stored, v_stored = k.to(self.kv_dtype), v.to(self.kv_dtype)
+            pool.layer_k(index).index_copy_(0, new_slots, k_stored)
+            pool.layer_v(index).index_copy_(0, new_slots, v_stored)
             if start_pos:
                 # Earlier tokens come from the pool: earlier chunks, or transferred KV.
                 old = slots[:start_pos]
-                k = torch.cat((pool.layer_k(index).index_select(0, old), k))
-                v = torch.cat((pool.layer_v(index).index_select(0, old), v))
+                k_stored = torch.cat((pool.layer_k(index).index_select(0, old), k_stored))
+                v_stored = torch.cat((pool.layer_v(index).index_select(0, old), v_stored))
+            k, v = k_stored.to(self.dtype), v_stored.to(self.dtype)
             out = _attention(q, k, v, start_pos=start_pos)
             attn_out = attn_out + out.reshape(n, -1) @ layer.wo[q_cols, :]
         hidden = hidden + attn_out

@@ -23,8 +23,8 @@ The model computes in ``dtype`` and stores its KV in ``kv_dtype`` (default: ``dt
 engines that keep an fp8 or bf16 cache under a wider compute do. Attention always reads K
 and V at the pool's precision, fresh or from the pool, so a chunk computes the same whether
 its context was computed here or arrived by transfer. A CPU without bf16 matrix units runs
-bf16 matmuls tens of times slower than float32; the reference engine therefore computes in
-float32 on CPU and keeps the KV at the deployment's ``kvDtype``.
+bf16 matmuls on a slow path (``benchmarks/reference_compute_cpu.py``); the reference engine
+therefore computes in float32 and keeps the KV at the deployment's ``kvDtype``.
 
 Tensor parallelism is emulated in one process: with ``tp_size`` ranks, rank ``r`` owns
 query heads ``[r * num_heads / tp, (r + 1) * num_heads / tp)`` and the KV heads

@@ -206,7 +206,8 @@ class EngineService:
                 num_heads=heads, num_kv_heads=config.model.num_kv_heads,
                 head_dim=config.model.head_dim,
                 intermediate_size=2 * heads * config.model.head_dim)
-            # float32 compute: bf16 matmuls on a CPU without bf16 units run ~40x slower.
+            # float32 compute: a CPU without bf16 units runs bf16 matmuls on a slow path
+            # (docs/testbed.md).
             self.model = ReferenceModel(model_config, tp_size=tp, seed=options.seed,
                                         dtype=torch.float32, kv_dtype=dtype)
             pools = self.model.allocate_pools(options.num_pages, options.page_size)

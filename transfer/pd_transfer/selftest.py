@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pd_contract.transferagent import AgentStaging, Role
 from pd_transfer._endpoint import RankIdentity, Timeouts
 from pd_transfer._paths import PathMode, choose_path
 from pd_transfer.auth import PeerAuth
@@ -133,12 +134,14 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
                         bootstrap_s=config.timeout_s, grant_s=1.0, stall_s=config.timeout_s / 2,
                         quarantine_grace_s=config.timeout_s)
     endpoint: PrefillSender | DecodeReceiver
+    sizes = AgentStaging(decode_pool_mib=config.decode_pool_mib,
+                         prefill_buffer_mib=config.prefill_buffer_mib)
     if role == "prefill":
         endpoint = PrefillSender(transport, pool, identity, auth=auth, timeouts=timeouts,
-                                 staging_bytes=config.prefill_buffer_mib << 20)
+                                 staging_bytes=sizes.bytes_for(Role.PREFILL))
     else:
         endpoint = DecodeReceiver(transport, pool, identity, auth=auth, timeouts=timeouts,
-                                  ring_bytes=config.decode_pool_mib << 20, mode=config.mode)
+                                  ring_bytes=sizes.bytes_for(Role.DECODE), mode=config.mode)
     server = BootstrapServer(endpoint.document, auth)
     worker = Worker(endpoint, name=f"pd-transfer-{role}-{pp_rank}-{tp_rank}").start()
     conn.send(("ready", server.address))

@@ -39,7 +39,7 @@ from typing import Any, Final, Literal
 import torch
 
 from pd_contract.config import TransferConfig
-from pd_contract.transferagent import AgentStaging, PeerTransport
+from pd_contract.transferagent import AgentStaging, PeerTransport, Role
 from pd_transfer._endpoint import RankIdentity, ResizeResult, Timeouts
 from pd_transfer.agent.report import Connections, connections_of
 from pd_transfer.agent.reporter import join_resizes
@@ -241,14 +241,15 @@ class EngineService:
         identity = RankIdentity(options.instance, RankCoord(0, rank), Parallelism(options.tp),
                                 self.geometry)
         endpoint: PrefillSender | DecodeReceiver
+        sizes = options.config.staging.sizes
         if self.role == "prefill":
             endpoint = PrefillSender(transport, pool, identity, auth=options.auth,
                                      timeouts=self.timeouts,
-                                     staging_bytes=options.config.staging.prefill_buffer_mib << 20)
+                                     staging_bytes=sizes.bytes_for(Role.PREFILL))
         else:
             endpoint = DecodeReceiver(transport, pool, identity, auth=options.auth,
                                       timeouts=self.timeouts,
-                                      ring_bytes=options.config.staging.decode_pool_mib << 20)
+                                      ring_bytes=sizes.bytes_for(Role.DECODE))
         server = BootstrapServer(endpoint.document, options.auth, options.host,
                                  options.config.network.bootstrap_port + rank)
         worker = Worker(endpoint, f"pd-transfer-{self.role}-{rank}",
@@ -296,9 +297,9 @@ class EngineService:
         futures: list[Future[ResizeResult]] = []
         for r in self.ranks:
             if isinstance(r.endpoint, DecodeReceiver):
-                futures.append(r.endpoint.resize_ring(staging.decode_pool_mib << 20, deadline))
+                futures.append(r.endpoint.resize_ring(staging.bytes_for(Role.DECODE), deadline))
             else:
-                futures.append(r.endpoint.resize_buffer(staging.prefill_buffer_mib << 20,
+                futures.append(r.endpoint.resize_buffer(staging.bytes_for(Role.PREFILL),
                                                         deadline))
         return join_resizes(futures)
 

@@ -1,5 +1,6 @@
 """The in-pod agent without NIXL or an API server: identity, report building, the reporter's
-rate limiting / transitions / backoff (in-process fake API, manual clock), the UCX probe."""
+rate limiting / transitions / backoff (in-process fake API, manual clock), its staging resizes
+(and that they agree with the operator's rollout planner), the UCX probe."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from typing import Any
 
 import pytest
 
-from pd_contract.transferagent import AgentEndpoints, AgentStaging, PeerAgents, PeerTransport
+from pd_contract.transferagent import (
+    AgentEndpoints,
+    AgentStaging,
+    PeerAgents,
+    PeerTransport,
+    Role,
+)
+from pd_operator.rollout.planner import PodRollout
 from pd_transfer.agent.errors import IdentityError, PermanentAPIError, RetryableAPIError
 from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.report import (
@@ -606,6 +614,49 @@ def test_a_spec_that_moves_only_the_other_roles_size_is_confirmed_at_once(
     assert reporter.tick()
     assert asked == [AgentStaging.model_validate(obj["spec"]["staging"])]
     assert api.status_writes[-1]["resizing"] is True
+
+
+# The sizes a spec may ask of a pod running 8/8 MiB: neither, either or both changed.
+SPEC_SIZES = [AgentStaging(decode_pool_mib=d, prefill_buffer_mib=p)
+              for d, p in ((8, 8), (16, 8), (8, 16), (16, 16))]
+
+
+@pytest.mark.parametrize(("role", "resized"), [("decode", [False, True, False, True]),
+                                               ("prefill", [False, False, True, True])])
+def test_the_agent_resizes_exactly_the_pods_the_rollout_planner_counts_as_resizing(
+        role: str, resized: list[bool]) -> None:
+    """The pod's agent (which resizes or only confirms a spec) and the operator's rollout
+    planner (which batches, analyses and counts under maxUnavailable only resizing pods) must
+    agree on which size a role allocates: decode the ring, prefill the buffer (`resized`,
+    worked out by hand). Guards against the two sides drifting apart: the planner would count
+    a merely confirming pod against maxUnavailable, or wait on a pod that resizes as if it
+    would confirm at once."""
+    in_force = make_facts().staging
+    for spec_size, expected in zip(SPEC_SIZES, resized, strict=True):
+        api, source, clock = FakeAPI(), Source(), Clock()
+        asked: list[AgentStaging] = []
+
+        def resizer(staging: AgentStaging, asked: list[AgentStaging] = asked) -> Future[int]:
+            asked.append(staging)
+            return Future()
+
+        facts = make_facts()
+        facts = replace(facts, identity=replace(facts.identity, role=role))
+        reporter = Reporter(facts, source, api, ReporterTuning(report_interval_s=5.0),
+                            clock=clock, wall=lambda: NOW, rng=random.Random(0),
+                            resizer=resizer)
+        assert reporter.tick()
+        obj = copy.deepcopy(next(iter(api.objects.values())))
+        obj["spec"]["staging"] = spec_size.to_wire()
+        obj["metadata"]["generation"] = 2
+        clock.now += 1
+        reporter.notify_spec(obj)
+        reporter.tick()
+        agent_resizes = asked == [spec_size]
+        pod = PodRollout(name="p", role=Role(role), uid="u", spec=spec_size,
+                                 reported=in_force)
+        assert (agent_resizes, pod.is_resizing) == (expected, expected), spec_size
+        assert api.status_writes[-1]["resizing"] is expected
 
 
 def test_join_resizes_gives_the_rings_version_or_the_first_ranks_error() -> None:

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from pd_operator.api import Role
 from pd_operator.api.spec import TransferHealthPolicy
-from pd_operator.rollout import observe_pod
+from pd_operator.rollout.planner import observe_pod
 from pd_operator.status import ReportState, observe_fleet
 from tests.kube_factories import make_agent, make_pod
 

@@ -275,8 +275,9 @@ def test_grow_then_shrink_rolls_out_one_pod_at_a_time(
     """Grow, then shrink the decode pool over 2 prefill + 2 decode pods with maxUnavailable 1:
     each rollout completes, every agent runs the new size, never two resizing at once, and
     the steps are announced as Events. Once complete, nothing more is written. The prefill
-    pods, whose buffer never changes, are never a batch (issue 12 item 8), yet take each new
-    spec in the safe order: after the decode rings grew, before they shrink."""
+    pods, whose buffer never changes, are never a batch (a rollout skips pods whose size in
+    force does not change), yet take each new spec in the safe order: after the decode
+    rings grew, before they shrink."""
     fleet = harness_factory()
     first = fleet.wait_phase("Idle", to=OLD)
     assert first["summary"] == "4096MiB"

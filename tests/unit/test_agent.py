@@ -569,11 +569,12 @@ def test_spec_watch_resumes_from_the_last_version_and_relists_after_410() -> Non
                                              ("prefill", "decodePoolMiB")])
 def test_a_spec_that_moves_only_the_other_roles_size_is_confirmed_at_once(
         role: str, field: str) -> None:
-    """Guards issue 12 item 8 (docs/failure-modes.md #30): a spec change that leaves the
-    size this pod allocates as it is (a decode pod's ring is decodePoolMiB, a prefill pod's
-    buffer prefillBufferMiB) is confirmed by the very next report, never through the
-    resizer, never `resizing: true`, so the rollout need not walk the pod through a resize;
-    and the status never says the new sizes before the pod has taken them."""
+    """Lets a rollout skip pods whose size does not change, and guards
+    docs/failure-modes.md #30: a spec change that leaves the size this pod allocates as it
+    is (a decode pod's ring is decodePoolMiB, a prefill pod's buffer prefillBufferMiB) is
+    confirmed by the very next report, never through the resizer, never `resizing: true`,
+    so the rollout need not walk the pod through a resize; and the status never says the
+    new sizes before the pod has taken them."""
     api, source, clock = FakeAPI(), Source(), Clock()
     asked: list[AgentStaging] = []
 

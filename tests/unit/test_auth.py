@@ -294,7 +294,7 @@ def _assert_finishes_bit_exactly(cluster: Cluster, request: Request) -> None:
 
 
 def test_a_ring_update_naming_another_agent_changes_no_transport_state() -> None:
-    """docs/failure-modes.md #26 (issue item 2): an authenticated decode peer sends a
+    """docs/failure-modes.md #26: an authenticated decode peer sends a
     RingUpdate carrying the victim's metadata; before, the sender loaded it (evicting or
     re-registering the victim) and only then compared names. Now nothing changes: the
     victim's connection and request finish bit-exactly."""
@@ -326,7 +326,7 @@ def test_a_second_document_for_a_connected_agent_replaces_nothing() -> None:
 
 
 def test_a_document_naming_another_agents_metadata_changes_no_transport_state() -> None:
-    """docs/failure-modes.md #26 (issue item 2): a document for a new agent whose metadata
+    """docs/failure-modes.md #26: a document for a new agent whose metadata
     names a connected victim. Before, ``_connect`` loaded it (replacing the victim's entry)
     and then removed the victim; now it is refused before the transport sees it."""
     cluster, request, mallory, victim = _victim_in_flight()

@@ -116,7 +116,7 @@ def test_window_counts_only_grow_whatever_the_readings(names: list[str]) -> None
 
 
 def test_a_spec_asking_for_staging_sizes_is_refused_and_never_reported_in_force() -> None:
-    """Guards the issue's STAGING column showing a size no pod confirmed: this agent has no
+    """Guards against a STAGING column showing a size no pod confirmed: this agent has no
     staging pool, so it says so in lastError, reports no staging in force and does not move
     observedGeneration to the spec it cannot apply."""
     run = Run(VLLM_0_32_0, "decode")

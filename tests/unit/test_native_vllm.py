@@ -91,7 +91,7 @@ def test_a_decode_agent_started_after_its_engine_counts_only_what_it_saw() -> No
 
 
 def test_decode_with_other_kv_heads_than_its_prefill_is_unhealthy_with_the_reason() -> None:
-    """Guards the issue's fleet that looks Ready and serves nothing: every request fails with
+    """Guards against a fleet that looks Ready and serves nothing: every request fails with
     HTTP 500 ('compatibility hash mismatch') while /health stays 200; only
     vllm:nixl_num_failed_transfers_total grows (6 after 3 requests: a failed handshake is
     counted per handshake, and each request tried two)."""

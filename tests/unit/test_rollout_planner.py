@@ -540,7 +540,7 @@ def test_a_stopped_rollout_is_read_back_from_its_fields_never_its_message() -> N
 
 
 def test_decode_pool_only_rollout_skips_prefill_pods() -> None:
-    """A decodePoolMiB-only rollout (issue 12 item 8; docs/failure-modes.md #25) walks only
+    """A decodePoolMiB-only rollout (docs/failure-modes.md #25) walks only
     the decode pods through write → in force → analysisSeconds; the prefill pods, whose buffer
     does not change, get their spec in one write that is neither a batch (no
     StagingBatchResizing event) nor analysed, and the rollout completes on the next reconcile.
@@ -592,8 +592,8 @@ def test_prefill_buffer_only_rollout_skips_decode_pods() -> None:
 
 
 def test_unchanged_pods_count_only_once_their_reports_confirm_the_target() -> None:
-    """Guards docs/failure-modes.md #30 (issue 12 item 8): a pod whose size in force does not
-    change is written without a batch, but it is neither updated nor lets the rollout
+    """Guards docs/failure-modes.md #30 for the pods a rollout skips: a pod whose size in
+    force does not change is written without a batch, but it is neither updated nor lets the rollout
     complete, and in a shrink no decode ring shrinks, until its own report says the target;
     a pod that never confirms fails like one that never resizes (NOT_APPLIED at 2 × 60 +
     120 = 240 s), and is rolled back. Prefill pods here report on time but never take a

@@ -134,7 +134,7 @@ def test_remaining_findings_are_exactly_the_accepted_ones(
 
 
 def test_llama_70b_fixed_findings_stay_fixed(scan: dict[str, dict[str, set[str]]]) -> None:
-    """The fixes of issue 12, per resource: seccomp (CKV_K8S_31), capabilities dropped
+    """The engine pods' lock-down, per resource: seccomp (CKV_K8S_31), capabilities dropped
     (CKV_K8S_28/37), a NetworkPolicy per pod (CKV2_K8S_6), and no unused token (CKV_K8S_38:
     only the pods whose agent or router uses it mount it)."""
     failed = scan["llama-70b.yaml"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_operator.devcluster.vllm_env import KUBERNETES_REQUIREMENT, NIXL_REQUIREMENT
+from pd_devcluster.vllm_env import KUBERNETES_REQUIREMENT, NIXL_REQUIREMENT
 from pd_transfer.vllm.versions import SUPPORTED_VLLM_VERSIONS
 from tests.factories import example_pdd
 from tests.unit.test_api_crd import EXAMPLES

@@ -41,7 +41,7 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from pd_operator.devcluster import (
+from pd_devcluster import (
     ControlPlaneHandle,
     Ports,
     service_account_kubeconfig,

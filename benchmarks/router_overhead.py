@@ -12,7 +12,7 @@ Two measurements in one run:
   read is the stand-in one, and this shows it against end-to-end latency.
 
 Run: `.venv/bin/python benchmarks/router_overhead.py [--requests 400] [--repeats 6]`.
-Needs the vLLM virtualenv for the second part (`python -m pd_operator.devcluster.vllm_env`).
+Needs the vLLM virtualenv for the second part (`python -m pd_devcluster.vllm_env`).
 Writes `benchmarks/results/router_overhead-<time>.json` and prints both tables.
 """
 
@@ -36,7 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pd_operator.devcluster.vllm_env import require_vllm_env  # noqa: E402
+from pd_devcluster.vllm_env import require_vllm_env  # noqa: E402
 from pd_transfer.router import PolicyName, Router, RouterSettings  # noqa: E402
 from tests.e2e.vllm_harness import (  # noqa: E402
     HttpTarget,

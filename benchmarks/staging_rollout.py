@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pd_operator.devcluster import Ports, start_control_plane  # noqa: E402
+from pd_devcluster import Ports, start_control_plane  # noqa: E402
 from tests.e2e.rollout_harness import LiveFleet, live_fleet  # noqa: E402
 
 START, GROWN, SHRUNK = (8, 8), (16, 8), (4, 8)

@@ -1,6 +1,6 @@
 """vLLM prefill/decode on CPU (not a test): TTFT of one vLLM instance against P/D setups.
 
-Real vLLM servers (CPU backend, the vLLM virtualenv of `pd_operator.devcluster.vllm_env`),
+Real vLLM servers (CPU backend, the vLLM virtualenv of `pd_devcluster.vllm_env`),
 the tiny dummy-weight Llama of `tests/e2e/vllm_harness.py`, token-id prompts of each
 `--lengths` (default 16, 128, 512, 1024, 1500), `--repeats` different prompts per length
 (prefix caching off), greedy, `--max-tokens` tokens each. Per setup and length: TTFT p50/p99
@@ -23,7 +23,7 @@ stop on `ctx.stack`) and returns `complete(prompt_ids) -> Sample`. `--connector 
 a name from `SETUPS` or `package.module:function` with that signature.
 
 Run: `.venv/bin/python benchmarks/vllm_pd_cpu.py [--repeats 5] [--setups single,nixl,pd_transfer]
-[--connector NAME]`. Needs the vLLM virtualenv (`python -m pd_operator.devcluster.vllm_env`).
+[--connector NAME]`. Needs the vLLM virtualenv (`python -m pd_devcluster.vllm_env`).
 Writes `benchmarks/results/vllm_pd_cpu-<time>.json` and prints a table.
 """
 
@@ -50,7 +50,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pd_operator.devcluster.vllm_env import VllmEnv, require_vllm_env  # noqa: E402
+from pd_devcluster.vllm_env import VllmEnv, require_vllm_env  # noqa: E402
 from pd_transfer.router import PolicyName, Router, RouterSettings  # noqa: E402
 from tests.e2e.vllm_harness import (  # noqa: E402
     ModelSpec,

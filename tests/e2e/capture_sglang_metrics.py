@@ -12,7 +12,7 @@ SGLang's disaggregation code calls them (`disaggregation/prefill.py`, `decode.py
 `observability/req_time_stats.py`); their values are this script's (`SCENARIOS`).
 
 How to run it, from the repository's root (SGLang's package imports torch and transformers; the
-cached vLLM virtualenv, built by `python -m pd_operator.devcluster.vllm_env`, has both in CPU
+cached vLLM virtualenv, built by `python -m pd_devcluster.vllm_env`, has both in CPU
 builds):
 
     pip download sglang==0.5.23 --no-deps -d SGL && unzip -q SGL/sglang-0.5.23-*.whl -d SGL/pkg

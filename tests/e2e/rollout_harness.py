@@ -44,9 +44,9 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from pd_operator.devcluster import ControlPlaneHandle, service_account_kubeconfig
-from pd_operator.devcluster.kubelet import FakeKubelet
-from pd_operator.devcluster.processes import (
+from pd_devcluster import ControlPlaneHandle, service_account_kubeconfig
+from pd_devcluster.kubelet import FakeKubelet
+from pd_devcluster.processes import (
     ProcessRecord,
     is_running,
     spawn_daemon,

@@ -31,9 +31,9 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from pd_contract.transferagent import TransferAgentStatus
+from pd_devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.build import Capabilities
 from pd_operator.build.names import agent_service_account
-from pd_operator.devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.kube import KubeClient
 from pd_operator.reconcile import Reconciler
 from tests.e2e.vllm_harness import (

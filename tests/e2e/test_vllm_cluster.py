@@ -47,8 +47,8 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from pd_operator.devcluster import ControlPlaneHandle
-from pd_operator.devcluster.kubelet import FakeKubelet
+from pd_devcluster import ControlPlaneHandle
+from pd_devcluster.kubelet import FakeKubelet
 from tests.e2e.rollout_harness import OperatorProcess
 from tests.e2e.vllm_harness import (
     HttpTarget,

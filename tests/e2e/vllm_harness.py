@@ -6,7 +6,7 @@
   which gives a TP-2 server other weights than a TP-1 one), and greedy decoding is
   deterministic: two servers give the same token ids for the same prompt.
 - `VllmServer` starts `python -m vllm.entrypoints.openai.api_server` from the cached vLLM
-  virtualenv (`pd_operator.devcluster.vllm_env`) in its own process group, waits for
+  virtualenv (`pd_devcluster.vllm_env`) in its own process group, waits for
   `/health`, and stops it (SIGTERM, then SIGKILL). `start_servers` starts several at once
   (vLLM's ~90 s startup is mostly CPU-light waiting, so parallel startup pays).
 - `complete` sends token ids to `/v1/completions` and returns the generated token ids
@@ -46,8 +46,8 @@ from typing import Any, Protocol
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_operator.devcluster.kubelet import ENGINE_NICENESS
-from pd_operator.devcluster.vllm_env import VllmEnv, find_vllm_env, vllm_env_dir
+from pd_devcluster.kubelet import ENGINE_NICENESS
+from pd_devcluster.vllm_env import VllmEnv, find_vllm_env, vllm_env_dir
 
 __all__ = [
     "NIXL_PREFILL_PARAMS",
@@ -286,7 +286,7 @@ def vllm_env_or_skip() -> VllmEnv:
     if env is not None:
         return env
     reason = (f"vLLM virtualenv not built ({vllm_env_dir()} missing or incomplete); build it "
-              "with `python -m pd_operator.devcluster.vllm_env` (1-2 min, ~4 GB)")
+              "with `python -m pd_devcluster.vllm_env` (1-2 min, ~4 GB)")
     if os.environ.get(REQUIRE_VLLM_ENV):
         pytest.fail(f"{REQUIRE_VLLM_ENV} is set but {reason}", pytrace=False)
     pytest.skip(reason)

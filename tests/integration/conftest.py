@@ -9,7 +9,7 @@ kube-controller-manager), in the manner of envtest.
 Any test that uses `control_plane` (directly or through the other two) is marked `apiserver`
 automatically. The toolchain is built once per machine; if it is missing, it is built right
 after collection, outside any test's timeout (5-9 minutes; CI runs
-`pd-operator dev-cluster build` beforehand so that never happens there).
+`pd-dev cluster build` beforehand so that never happens there).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client as k8s
 
-from pd_operator.devcluster import (
+from pd_devcluster import (
     ControlPlaneHandle,
     Ports,
     ToolchainMissingError,

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
+from pd_devcluster import ControlPlaneHandle
 from pd_operator.api import PDDeployment, PDDeploymentSpec
-from pd_operator.devcluster import ControlPlaneHandle
 from tests.factories import example_pdd, make_pdd_body
 from tests.unit.test_api_crd import EXAMPLES, drop_empty
 

@@ -22,21 +22,21 @@ import celpy
 import pytest
 from kubernetes import client as k8s
 
-from pd_operator.api import RULES
-from pd_operator.api.rules import NAME_RULES, name_violations
-from pd_operator.devcluster import ControlPlaneHandle, Ports, apply_crds, find_toolchain
-from pd_operator.devcluster.cel_apiserver import (
+from pd_devcluster import ControlPlaneHandle, Ports, apply_crds, find_toolchain
+from pd_devcluster.cel_apiserver import (
     CEL_APISERVER_NAME,
     build_cel_apiserver_argv,
     ensure_cel_apiserver,
     find_cel_apiserver,
     read_build_record,
 )
-from pd_operator.devcluster.cluster import _http_ok, _wait_for
-from pd_operator.devcluster.components import LOOPBACK, build_etcd_argv
-from pd_operator.devcluster.errors import ToolchainMissingError
-from pd_operator.devcluster.pki import ensure_pki
-from pd_operator.devcluster.processes import spawn_daemon, stop_process
+from pd_devcluster.cluster import _http_ok, _wait_for
+from pd_devcluster.components import LOOPBACK, build_etcd_argv
+from pd_devcluster.errors import ToolchainMissingError
+from pd_devcluster.pki import ensure_pki
+from pd_devcluster.processes import spawn_daemon, stop_process
+from pd_operator.api import RULES
+from pd_operator.api.rules import NAME_RULES, name_violations
 from tests.cel_functions import KUBERNETES_FUNCTIONS
 from tests.factories import example_pdd, make_pdd_body, make_spec_dict
 from tests.integration.conftest import CRDS_DIR

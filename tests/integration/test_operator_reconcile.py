@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from kopf.testing import KopfRunner
 
+from pd_devcluster import ControlPlaneHandle
 from pd_operator import settings
 from pd_operator.api import PDDeploymentStatus
 from pd_operator.build.names import LABEL_TEMPLATE_HASH
-from pd_operator.devcluster import ControlPlaneHandle
 from pd_operator.kube import KubeClient
 from pd_operator.metrics import RECONCILES, api_writes_total
 from pd_operator.reconcile import Reconciler

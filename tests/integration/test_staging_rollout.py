@@ -25,8 +25,8 @@ from kopf.testing import KopfRunner
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from pd_devcluster import ControlPlaneHandle
 from pd_operator.build.names import agent_service_account
-from pd_operator.devcluster import ControlPlaneHandle
 from pd_operator.rollout.planner import ANNOTATION_WRITTEN_AT
 from tests.integration.cluster import NAME, Cluster
 from tests.integration.test_transfer_health import (

@@ -21,9 +21,9 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
+from pd_devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator import settings
 from pd_operator.build.names import TRANSFER_READY_CONDITION, agent_service_account
-from pd_operator.devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.workqueue import QueueTuning
 from tests.integration.cluster import NAME, Cluster, example_body
 from tests.integration.operator_runner import kopf_runner

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from pd_operator.devcluster import ControlPlaneHandle
+from pd_devcluster import ControlPlaneHandle
 from pd_operator.kube import SECRETS
 from tests.integration.cluster import NAME, Cluster, example_body
 from tests.integration.test_operator_reconcile import run_operator, successes

@@ -1,7 +1,7 @@
 """The Helm chart `charts/pd-operator`: lint, render, validate against Kubernetes' own schemas,
 least-privilege RBAC, the values schema, and CRDs in sync with the API models.
 
-Needs the helm binary of the dev-cluster toolchain (`pd-operator dev-cluster build` fetches it;
+Needs the helm binary of the dev-cluster toolchain (`pd-dev cluster build` fetches it;
 CI runs that before the tests). Without it these tests fail and say how to get it: a skipped
 chart test would let a broken chart through. No API server is involved.
 """
@@ -19,10 +19,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pd_devcluster import ToolchainMissingError, helm_path
 from pd_operator.api import crd
 from pd_operator.build.rbac import build_role
 from pd_operator.cli import build_parser
-from pd_operator.devcluster import ToolchainMissingError, helm_path
 from tests.factories import make_pdd
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

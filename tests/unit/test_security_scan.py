@@ -2,7 +2,7 @@
 
 Every finding is either fixed or listed in ACCEPTED with the reason it stays; a new finding,
 or an accepted one that disappears, fails the test so the list stays true. checkov lives in
-its own virtualenv in the dev-cluster cache (`pd-operator dev-cluster build` installs it);
+its own virtualenv in the dev-cluster cache (`pd-dev cluster build` installs it);
 without it these tests fail and say how to get it.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pd_devcluster import ToolchainMissingError, checkov_path, helm_path
 from pd_operator.api import parse_pdd
 from pd_operator.build import Capabilities, build_children
-from pd_operator.devcluster import ToolchainMissingError, checkov_path, helm_path
 from tests.factories import example_pdd
 from tests.unit.test_api_crd import EXAMPLES
 from tests.unit.test_chart import CHART, RELEASE, RELEASE_NAMESPACE

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from pd_contract.transferagent import Role
+from pd_devcluster.kubelet import write_secret_volume
 from pd_operator.build.meta import desired_hash
 from pd_operator.build.pod import build_pod_template
 from pd_operator.build.secret import (
@@ -22,7 +23,6 @@ from pd_operator.build.secret import (
     key_file_text,
     read_transfer_keys,
 )
-from pd_operator.devcluster.kubelet import write_secret_volume
 from pd_operator.kube import KindRef
 from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
 from tests.unit.test_build_children import OWNER, labels, tiny

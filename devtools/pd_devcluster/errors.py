@@ -1,7 +1,7 @@
 """Errors of the local development control plane.
 
     DevClusterError            anything that stops `dev-cluster` from doing its job;
-     └── ToolchainMissingError the binaries are not built yet (run `pd-operator dev-cluster build`)
+     └── ToolchainMissingError the binaries are not built yet (run `pd-dev cluster build`)
 
 Every message says what went wrong and what to do about it, so the CLI prints it as is
 and exits non-zero instead of showing a traceback.

@@ -1,4 +1,4 @@
-"""`pd-operator demo`: argparse wiring for the one-command local demo (dev tooling)."""
+"""`pd-dev demo`: argparse wiring for the one-command local demo (dev tooling)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pd_operator.devcluster.demo import run_demo
-from pd_operator.devcluster.errors import DevClusterError
-from pd_operator.devcluster.paths import default_state_dir
+from pd_devcluster.demo import run_demo
+from pd_devcluster.errors import DevClusterError
+from pd_devcluster.paths import default_state_dir
+
+__all__ = ["add_parser"]
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -1,9 +1,9 @@
-"""`pd-operator demo`: the whole product on this machine, in one command (dev tooling).
+"""`pd-dev demo`: the whole product on this machine, in one command (dev tooling).
 
 Builds the toolchain and the vLLM virtualenv if needed (at the same time: one is compile
 bound, the other download bound), starts (or reuses) the local control plane with the CRDs
 generated from the models, runs the operator and the fake kubelet (`kubelet.py`) against it
-as recorded daemons (so `pd-operator dev-cluster down` stops them with the rest), applies
+as recorded daemons (so `pd-dev cluster down` stops them with the rest), applies
 the examples and waits until the operator has written their status. Two run for real:
 
 - `examples/local-reference.yaml`: four reference-engine pods as local processes, their
@@ -36,8 +36,7 @@ from typing import Any
 import kubernetes.client as k8s
 import yaml
 
-from pd_operator.api import crd as crd_gen
-from pd_operator.devcluster.cluster import (
+from pd_devcluster.cluster import (
     ControlPlaneHandle,
     apply_crds,
     load_handle,
@@ -45,11 +44,12 @@ from pd_operator.devcluster.cluster import (
     service_account_kubeconfig,
     start_control_plane,
 )
-from pd_operator.devcluster.components import Ports
-from pd_operator.devcluster.errors import DevClusterError
-from pd_operator.devcluster.processes import is_running, spawn_daemon
-from pd_operator.devcluster.toolchain import ensure_toolchain
-from pd_operator.devcluster.vllm_env import ensure_vllm_env
+from pd_devcluster.components import Ports
+from pd_devcluster.errors import DevClusterError
+from pd_devcluster.processes import is_running, spawn_daemon
+from pd_devcluster.toolchain import ensure_toolchain
+from pd_devcluster.vllm_env import ensure_vllm_env
+from pd_operator.api import crd as crd_gen
 
 OPERATOR_PROCESS = "pd-operator"
 KUBELET_PROCESS = "dev-kubelet"
@@ -130,11 +130,15 @@ def _ensure_daemon(handle: ControlPlaneHandle, name: str, argv: list[str],
     return updated
 
 
+def kubelet_argv(state_dir: Path) -> list[str]:
+    """The fake kubelet's command line: `pd-dev cluster kubelet` in this interpreter."""
+    return [sys.executable, "-m", "pd_devcluster", "cluster", "kubelet",
+            "--state-dir", str(state_dir)]
+
+
 def ensure_kubelet(handle: ControlPlaneHandle) -> ControlPlaneHandle:
     """The fake kubelet: runs `pd-transfer engine` pods as local processes (dev tooling)."""
-    argv = [sys.executable, "-m", "pd_operator", "dev-cluster", "kubelet",
-            "--state-dir", str(handle.state_dir)]
-    return _ensure_daemon(handle, KUBELET_PROCESS, argv,
+    return _ensure_daemon(handle, KUBELET_PROCESS, kubelet_argv(handle.state_dir),
                           dict(os.environ, KUBECONFIG=str(handle.kubeconfig_path)))
 
 
@@ -352,11 +356,11 @@ def run_demo(state_dir: Path, examples_dir: Path, namespace: str, timeout_s: flo
         "starts their pods as local processes (reference engines; vLLM's CPU backend from "
         "the cached vLLM virtualenv, and the router).\n"
         "The other examples need GPUs and a real kubelet, so their pods stay Pending.\n"
-        f'Use it:   eval "$({sys.argv[0]} dev-cluster env)"; kubectl describe pdd -n {namespace}\n'
+        f'Use it:   eval "$({sys.argv[0]} cluster env)"; kubectl describe pdd -n {namespace}\n'
         f"Roll a new staging pool size out to the live vLLM engines (no restart):\n"
         f"          kubectl patch pdd {VLLM_EXAMPLE} -n {namespace} --type merge -p "
         """'{"spec":{"transfer":{"staging":{"decodePoolMiB":32}}}}'\n"""
         f"          kubectl get pdd -n {namespace} -w\n"
-        f"Stop it:  {sys.argv[0]} dev-cluster down   (stops the operator too)"
+        f"Stop it:  {sys.argv[0]} cluster down   (stops the operator too)"
     )
     return 0

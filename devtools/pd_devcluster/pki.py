@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from pd_operator.devcluster.errors import DevClusterError
+from pd_devcluster.errors import DevClusterError
 
 __all__ = ["ADMIN_USER", "CONTROLLER_MANAGER_USER", "Pki", "ensure_pki", "render_token_file"]
 

@@ -30,11 +30,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from pd_operator.devcluster.components import LOOPBACK
-from pd_operator.devcluster.errors import DevClusterError, ToolchainMissingError
-from pd_operator.devcluster.paths import bin_dir, cache_dir, logs_dir
-from pd_operator.devcluster.pki import Pki
-from pd_operator.devcluster.toolchain import (
+from pd_devcluster.components import LOOPBACK
+from pd_devcluster.errors import DevClusterError, ToolchainMissingError
+from pd_devcluster.paths import bin_dir, cache_dir, logs_dir
+from pd_devcluster.pki import Pki
+from pd_devcluster.toolchain import (
     BuildProgress,
     _install_binary,
     build_lock,
@@ -108,7 +108,7 @@ def find_cel_apiserver() -> Path:
     if not _built():
         raise ToolchainMissingError(
             f"{CEL_APISERVER_NAME} not built yet (no {cel_apiserver_path()}). Run "
-            "`pd-operator dev-cluster build` (no root needed; 6-15 minutes on 2 cores the "
+            "`pd-dev cluster build` (no root needed; 6-15 minutes on 2 cores the "
             "first time)."
         )
     return cel_apiserver_path()

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pd_operator.devcluster.errors import DevClusterError
+from pd_devcluster.errors import DevClusterError
 
 __all__ = ["ProcessRecord", "is_running", "spawn_daemon", "stop_process"]
 

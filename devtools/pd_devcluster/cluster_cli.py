@@ -1,4 +1,4 @@
-"""`pd-operator dev-cluster <build|tools|up|down|env|status|kubelet>`: argparse wiring only.
+"""`pd-dev cluster <build|tools|up|down|env|status|kubelet>`: argparse wiring only.
 
 Each sub-command sets `handler=<callable(args) -> int>`; a `DevClusterError` becomes one
 `error: ...` line on stderr and exit code 1, since its message already says what to do.
@@ -13,25 +13,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pd_operator.devcluster.cel_apiserver import CEL_APISERVER_NAME, ensure_cel_apiserver
-from pd_operator.devcluster.cluster import (
+from pd_devcluster.cel_apiserver import CEL_APISERVER_NAME, ensure_cel_apiserver
+from pd_devcluster.cluster import (
     apply_crds,
     load_handle,
     start_control_plane,
     stop_control_plane,
 )
-from pd_operator.devcluster.components import Ports
-from pd_operator.devcluster.errors import DevClusterError
-from pd_operator.devcluster.kubelet import stop_recorded_engines
-from pd_operator.devcluster.paths import default_state_dir
-from pd_operator.devcluster.processes import is_running
-from pd_operator.devcluster.toolchain import (
+from pd_devcluster.components import Ports
+from pd_devcluster.errors import DevClusterError
+from pd_devcluster.kubelet import stop_recorded_engines
+from pd_devcluster.paths import default_state_dir
+from pd_devcluster.processes import is_running
+from pd_devcluster.toolchain import (
     checkov_path,
     ensure_checkov,
     ensure_toolchain,
     find_toolchain,
 )
-from pd_operator.devcluster.vllm_env import ensure_vllm_env
+from pd_devcluster.vllm_env import ensure_vllm_env
 
 __all__ = ["add_parser"]
 
@@ -96,14 +96,14 @@ def _up(args: argparse.Namespace) -> int:
                   etcd_peer=args.etcd_peer_port)
     handle = start_control_plane(state_dir, ports, crds_dir, args.controller_manager,
                                  ready_timeout_s=args.timeout, progress=_say)
-    _say(f"logs and pids in {state_dir}; stop with `pd-operator dev-cluster down`")
+    _say(f"logs and pids in {state_dir}; stop with `pd-dev cluster down`")
     _print_usage(handle.kubeconfig_path)
     return 0
 
 
 def _print_usage(kubeconfig: Path) -> None:
     print(f"export KUBECONFIG={kubeconfig}; kubectl get ns")
-    _say('or: eval "$(pd-operator dev-cluster env)"')
+    _say('or: eval "$(pd-dev cluster env)"')
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -122,12 +122,12 @@ def _kubelet(args: argparse.Namespace) -> int:
     import signal  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
-    from pd_operator.devcluster.kubelet import FakeKubelet  # noqa: PLC0415
+    from pd_devcluster.kubelet import FakeKubelet  # noqa: PLC0415
 
     handle = load_handle(args.state_dir)
     if handle is None or not handle.is_running():
         raise DevClusterError(f"no dev cluster running from {args.state_dir}; "
-                              "start one with `pd-operator dev-cluster up`")
+                              "start one with `pd-dev cluster up`")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -146,7 +146,7 @@ def _env(args: argparse.Namespace) -> int:
     handle = load_handle(args.state_dir)
     if handle is None or not handle.is_running():
         raise DevClusterError(f"no dev cluster running from {args.state_dir}; "
-                              "start one with `pd-operator dev-cluster up`")
+                              "start one with `pd-dev cluster up`")
     print(f"export KUBECONFIG={handle.kubeconfig_path}")
     return 0
 
@@ -167,15 +167,15 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
-    """Add `dev-cluster` and its sub-commands to the top-level `pd-operator` parser."""
+    """Add `cluster` and its sub-commands to the top-level `pd-dev` parser."""
     parser = subparsers.add_parser(
-        "dev-cluster",
+        "cluster",
         help="local kube-apiserver + etcd (+ controller-manager) for development and tests",
         description="A real Kubernetes v1.20 control plane on 127.0.0.1, built once and "
                     "cached outside the repository ($PD_OPERATOR_CACHE, default "
                     "~/.cache/pd-operator).",
     )
-    commands = parser.add_subparsers(dest="dev_cluster_command", required=True)
+    commands = parser.add_subparsers(dest="cluster_command", required=True)
 
     def state_dir_option(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--state-dir", type=Path, default=default_state_dir(),

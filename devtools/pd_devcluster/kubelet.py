@@ -38,7 +38,7 @@ A pod that disappears has its process stopped. A process that dies is restarted 
 ``restart_backoff_s`` (doubling per restart, up to 5 min, as a kubelet's CrashLoopBackOff;
 ``None``: never, the container stays terminated — tests that kill an engine to watch its
 pod go stale want that). Records of the running processes are kept in
-``<work_dir>/kubelet.json`` so ``pd-operator dev-cluster down`` stops them even if the
+``<work_dir>/kubelet.json`` so ``pd-dev cluster down`` stops them even if the
 kubelet itself was killed.
 """
 
@@ -64,9 +64,9 @@ from typing import Any, Final
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from pd_operator.devcluster.cluster import ControlPlaneHandle, service_account_kubeconfig
-from pd_operator.devcluster.errors import DevClusterError
-from pd_operator.devcluster.pod_runner import (
+from pd_devcluster.cluster import ControlPlaneHandle, service_account_kubeconfig
+from pd_devcluster.errors import DevClusterError
+from pd_devcluster.pod_runner import (
     VLLM_SERVER_MODULE,
     LaunchPlan,
     NotRunnable,
@@ -74,13 +74,13 @@ from pd_operator.devcluster.pod_runner import (
     missing_resources,
     plan_launch,
 )
-from pd_operator.devcluster.processes import (
+from pd_devcluster.processes import (
     ProcessRecord,
     is_running,
     spawn_daemon,
     stop_process,
 )
-from pd_operator.devcluster.vllm_env import find_vllm_env
+from pd_devcluster.vllm_env import find_vllm_env
 
 __all__ = [
     "FakeKubelet",
@@ -96,7 +96,7 @@ MAX_BACKOFF_S: Final = 300.0
 #: Niceness of vLLM engine processes (see `_niceness`).
 ENGINE_NICENESS: Final = 10
 VLLM_CPU_BIND_ENV: Final = "VLLM_CPU_OMP_THREADS_BIND"
-_log = logging.getLogger("pd_operator.devcluster.kubelet")
+_log = logging.getLogger("pd_devcluster.kubelet")
 
 Obj = dict[str, Any]
 
@@ -576,7 +576,7 @@ def _niceness(plan: LaunchPlan) -> int:
 def _vllm_python() -> Path:
     env = find_vllm_env()
     if env is None:
-        raise NotRunnable("the vLLM virtualenv is not built; `pd-operator dev-cluster build` "
+        raise NotRunnable("the vLLM virtualenv is not built; `pd-dev cluster build` "
                           "builds it")
     return env.python
 

@@ -25,7 +25,7 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from pd_operator.devcluster.components import (
+from pd_devcluster.components import (
     LOOPBACK,
     SERVICE_ACCOUNT_ISSUER,
     Ports,
@@ -33,16 +33,16 @@ from pd_operator.devcluster.components import (
     build_controller_manager_argv,
     build_etcd_argv,
 )
-from pd_operator.devcluster.errors import DevClusterError
-from pd_operator.devcluster.kubeconfig import render_kubeconfig, write_kubeconfig
-from pd_operator.devcluster.pki import ADMIN_USER, CONTROLLER_MANAGER_USER, Pki, ensure_pki
-from pd_operator.devcluster.processes import (
+from pd_devcluster.errors import DevClusterError
+from pd_devcluster.kubeconfig import render_kubeconfig, write_kubeconfig
+from pd_devcluster.pki import ADMIN_USER, CONTROLLER_MANAGER_USER, Pki, ensure_pki
+from pd_devcluster.processes import (
     ProcessRecord,
     is_running,
     spawn_daemon,
     stop_process,
 )
-from pd_operator.devcluster.toolchain import Toolchain, find_toolchain
+from pd_devcluster.toolchain import Toolchain, find_toolchain
 
 __all__ = [
     "ControlPlaneHandle",

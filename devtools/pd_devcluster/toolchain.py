@@ -28,8 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pd_operator.devcluster.errors import DevClusterError, ToolchainMissingError
-from pd_operator.devcluster.paths import bin_dir, cache_dir, logs_dir
+from pd_devcluster.errors import DevClusterError, ToolchainMissingError
+from pd_devcluster.paths import bin_dir, cache_dir, logs_dir
 
 __all__ = [
     "APT_PIN_FILE",
@@ -64,7 +64,7 @@ REFLECT2_DEBIAN_DIR = Path("/usr/share/gocode/src/github.com/modern-go/reflect2"
 
 # bookworm sources for the kubernetes tree; trixie binaries for etcd-server only.
 APT_SOURCES_TEXT = """\
-# Written by `pd-operator dev-cluster build`.
+# Written by `pd-dev cluster build`.
 Types: deb-src
 URIs: http://deb.debian.org/debian
 Suites: bookworm
@@ -80,7 +80,7 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 # Priority 100 < 500 (bookworm): trixie never upgrades or installs anything by itself;
 # it is only used for the explicit `apt-get download etcd-server/trixie`.
 APT_PIN_TEXT = """\
-# Written by `pd-operator dev-cluster build`.
+# Written by `pd-dev cluster build`.
 Package: *
 Pin: release n=trixie
 Pin-Priority: 100
@@ -99,7 +99,7 @@ class Toolchain:
     helm: Path
 
     def as_dict(self) -> dict[str, Path]:
-        """Tool name -> path, in a stable order (for `dev-cluster tools`)."""
+        """Tool name -> path, in a stable order (for `pd-dev cluster tools`)."""
         return {
             "kube-apiserver": self.kube_apiserver,
             "kube-controller-manager": self.kube_controller_manager,
@@ -133,7 +133,7 @@ def find_toolchain() -> Toolchain:
     if missing:
         raise ToolchainMissingError(
             f"dev-cluster binaries not built yet ({', '.join(missing)} missing in "
-            f"{bin_dir()}). Run `pd-operator dev-cluster build` (needs root for apt; "
+            f"{bin_dir()}). Run `pd-dev cluster build` (needs root for apt; "
             "5-9 minutes the first time)."
         )
     return toolchain
@@ -273,7 +273,7 @@ def _prepare_apt(progress: BuildProgress, *, install_build_packages: bool) -> No
     if (not sources_ok or not packages_ok) and os.geteuid() != 0:
         raise DevClusterError(
             "building the dev-cluster toolchain needs root for apt (not root now). Either rerun "
-            "`pd-operator dev-cluster build` as root, or run as root:\n" + _root_commands()
+            "`pd-dev cluster build` as root, or run as root:\n" + _root_commands()
         )
     log = logs_dir() / "apt.log"
     if not sources_ok:
@@ -447,7 +447,7 @@ def checkov_path() -> Path:
     if not _checkov_ready():
         raise ToolchainMissingError(
             f"checkov not installed yet (no complete {CHECKOV_REQUIREMENT} in "
-            f"{cache_dir() / CHECKOV_VENV}). Run `pd-operator dev-cluster build` (installs it "
+            f"{cache_dir() / CHECKOV_VENV}). Run `pd-dev cluster build` (installs it "
             "into its own virtualenv, about 2 min)."
         )
     return _checkov_binary()

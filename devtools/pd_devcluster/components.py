@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from pd_operator.devcluster.pki import Pki
+from pd_devcluster.pki import Pki
 
 __all__ = [
     "SERVICE_ACCOUNT_ISSUER",

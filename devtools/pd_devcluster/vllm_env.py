@@ -3,7 +3,7 @@ benchmarks of the KV connector against vLLM itself).
 
 vLLM is far too heavy (~4 GB with torch) and too tightly pinned to enter the project's own
 environment, so it gets a virtualenv of its own in the cache, next to the dev-cluster
-binaries: `<cache>/vllm-venv` (see `pd_operator.devcluster.paths.cache_dir`).
+binaries: `<cache>/vllm-venv` (see `pd_devcluster.paths.cache_dir`).
 
 `ensure_vllm_env()` is idempotent: with a complete install it only reads one stamp file.
 The stamp is written last and records the exact pins and Python version, so an interrupted
@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pd_operator.devcluster import amx_tiles
-from pd_operator.devcluster.errors import DevClusterError, ToolchainMissingError
-from pd_operator.devcluster.paths import cache_dir, logs_dir
-from pd_operator.devcluster.toolchain import BuildProgress, build_lock, run_logged
+from pd_devcluster import amx_tiles
+from pd_devcluster.errors import DevClusterError, ToolchainMissingError
+from pd_devcluster.paths import cache_dir, logs_dir
+from pd_devcluster.toolchain import BuildProgress, build_lock, run_logged
 
 __all__ = [
     "AMX_HOOK",
@@ -137,7 +137,7 @@ def require_vllm_env() -> VllmEnv:
         raise ToolchainMissingError(
             f"the vLLM virtualenv is not built (no complete {VLLM_REQUIREMENT} install with "
             f"the current pins in {vllm_env_dir()}). Build it with "
-            "`python -m pd_operator.devcluster.vllm_env` (1-2 min with a warm pip cache, ~4 GB)."
+            "`python -m pd_devcluster.vllm_env` (1-2 min with a warm pip cache, ~4 GB)."
         )
     return env
 
@@ -213,7 +213,7 @@ def _clean_environ() -> dict[str, str]:
 
 
 def main() -> int:
-    """`python -m pd_operator.devcluster.vllm_env`: build (or find) the env, print its python."""
+    """`python -m pd_devcluster.vllm_env`: build (or find) the env, print its python."""
     try:
         env = ensure_vllm_env()
     except DevClusterError as error:

@@ -53,7 +53,7 @@ from pd_devcluster.processes import (
     stop_process,
 )
 from pd_transfer.agent.kube import KubeAgentClient
-from pd_transfer.load import Engines, LoadConfig, engines_from_agents, run_one
+from pd_transfer.reference.load import Engines, LoadConfig, engines_from_agents, run_one
 from tests.polling import wait_for, wait_for_events
 
 REPO = Path(__file__).resolve().parents[2]

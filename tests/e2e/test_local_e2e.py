@@ -33,7 +33,7 @@ from pd_devcluster.kubelet import FakeKubelet
 from pd_devcluster.processes import stop_process
 from pd_operator import settings
 from pd_operator.workqueue import QueueTuning
-from pd_transfer.load import LoadConfig, LoadReport, engines_from_agents, run_load
+from pd_transfer.reference.load import LoadConfig, LoadReport, engines_from_agents, run_load
 from tests.e2e.rollout_harness import discover_engines
 from tests.integration.operator_runner import kopf_runner
 from tests.polling import wait_for

@@ -28,7 +28,7 @@ from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.plan import Parallelism, RankCoord
 from pd_transfer.protocol.messages import RingUpdate, encode_message
 from pd_transfer.receiver import DecodeReceiver
-from pd_transfer.selftest import SelftestConfig, SelftestGroup
+from pd_transfer.reference.selftest import SelftestConfig, SelftestGroup
 from pd_transfer.transport.nixl import NixlTransport
 from tests.transfer_harness import seal_as
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pd_transfer.selftest import SelftestConfig, SelftestGroup
+from pd_transfer.reference.selftest import SelftestConfig, SelftestGroup
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(300)]
 

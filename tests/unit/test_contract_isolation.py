@@ -75,7 +75,7 @@ def test_in_pod_side_imports_without_kopf_the_operator_or_the_dev_tooling() -> N
     modules = _import_all(["kopf", "pd_operator", *DEVTOOLS], ["pd_contract", "pd_transfer"])
     # The walk really reached the agent, the engine and the contract's models.
     for name in ("pd_contract.config", "pd_contract.transferagent", "pd_transfer.agent.reporter",
-                 "pd_transfer.engine.service", "pd_transfer.transport.nixl"):
+                 "pd_transfer.reference.engine.service", "pd_transfer.transport.nixl"):
         assert name in modules
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from pd_transfer.kvdata import verify_pool
 from pd_transfer.protocol.lifecycle import State
+from pd_transfer.reference.kvdata import verify_pool
 from tests.transfer_harness import Cluster, Request
 
 PAGE = 4

@@ -23,9 +23,9 @@ control routes each rank's bootstrap server carries (``rank_control``: rank ``r`
   (``side="scheduler"``; ``side="rank",rank="r"``) and
   ``pd_transfer_connector_rank_reachable{rank}``.
 
-Reporter + SpecWatch + KubeAgentClient run as in ``engine/main.py`` when the pod identity
-(downward API) and Kubernetes credentials are there; otherwise one log line says health
-reporting is OFF and why, and the metrics are still served. Nothing here raises into vLLM.
+Reporter + SpecWatch + KubeAgentClient run as in ``reference/engine/main.py`` when the pod
+identity (downward API) and Kubernetes credentials are there; otherwise one log line says
+health reporting is OFF and why, and the metrics are still served. Nothing here raises into vLLM.
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ def open_control(raw: bytes, model: type[M], auth: PeerAuth, *, tp_rank: int, ro
 
 def start_transport_probe() -> tuple[ProtoInfoParser, UcxLogTail | None]:
     """This process's UCX transport probe (``agent.transport_probe``); call it BEFORE the
-    process's first NIXL agent exists, as ``engine/main.py`` does."""
+    process's first NIXL agent exists, as ``reference/engine/main.py`` does."""
     path = configure_environment(os.environ, Path(tempfile.gettempdir()) / "pd-transfer-ucx")
     probe = ProtoInfoParser()
     return probe, UcxLogTail(path, probe).start() if path is not None else None

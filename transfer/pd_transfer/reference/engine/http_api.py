@@ -30,16 +30,16 @@ from typing import Any, Final, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pd_transfer.engine.errors import EngineBusy, RequestRejected
-from pd_transfer.engine.faults import FaultKind
 from pd_transfer.errors import BootstrapError, TransferError
+from pd_transfer.reference.engine.errors import EngineBusy, RequestRejected
+from pd_transfer.reference.engine.faults import FaultKind
 
 __all__ = ["MAX_BODY_BYTES", "Backend", "DecodeBody", "EngineHTTPServer", "FaultsBody",
            "PrefillBody"]
 
 MAX_BODY_BYTES: Final = 256 * 1024
 MAX_TOKENS: Final = 32768
-_log = logging.getLogger("pd_transfer.engine")
+_log = logging.getLogger("pd_transfer.reference.engine")
 
 
 class _Body(BaseModel):

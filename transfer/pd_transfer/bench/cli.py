@@ -1,12 +1,12 @@
 """``pd-transfer bench ...``: the benchmark subcommands (``add_bench_parser`` hooks them
-into ``pd_transfer.cli``; ``python -m pd_transfer.bench_cli`` runs them standalone).
+into ``pd_transfer.cli``; ``python -m pd_transfer.bench.cli`` runs them standalone).
 
 Nothing heavy is imported until a benchmark runs, so ``pd-transfer --help`` stays fast.
 
-``bench pipeline`` measures layer pipelining over real NIXL (``bench_pipeline``), prints one
+``bench pipeline`` measures layer pipelining over real NIXL (``bench.pipeline``), prints one
 line per prompt length and optionally writes the JSON report and the PNG timeline.
 ``bench transfer`` measures a request's transfer end to end per TP combination, staged vs
-contiguous vs raw NIXL, with each request's phases (``bench_transfer``, ``bench_phases``).
+contiguous vs raw NIXL, with each request's phases (``bench.transfer``, ``bench.phases``).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def _add_transfer_parser(kinds: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def _run_transfer(args: argparse.Namespace) -> int:
-    from pd_transfer.bench_transfer import (  # noqa: PLC0415 - keep `pd-transfer --help` light
+    from pd_transfer.bench.transfer import (  # noqa: PLC0415 - keep `pd-transfer --help` light
         Combo,
         TransferBenchSettings,
         run_transfer_bench,
@@ -188,7 +188,7 @@ def _run_transfer(args: argparse.Namespace) -> int:
         write_json(report, json_path)
         print(f"wrote {json_path}")
     if args.chart is not None:
-        from pd_transfer.bench_phases import write_phase_chart  # noqa: PLC0415 - matplotlib
+        from pd_transfer.bench.phases import write_phase_chart  # noqa: PLC0415 - matplotlib
 
         write_phase_chart(report, args.chart)
         print(f"wrote {args.chart}")
@@ -201,8 +201,8 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
     from pd_contract.config import LayerPipelineConfig  # noqa: PLC0415
-    from pd_transfer._bench_peers import Link  # noqa: PLC0415
-    from pd_transfer.bench_pipeline import PRESETS, BenchSettings, run_bench, write_json  # noqa: PLC0415
+    from pd_transfer.bench.peers import Link  # noqa: PLC0415
+    from pd_transfer.bench.pipeline import PRESETS, BenchSettings, run_bench, write_json  # noqa: PLC0415
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     gpu = args.device.startswith("cuda")
@@ -248,7 +248,7 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         write_json(report, args.json)
         print(f"wrote {args.json}")
     if args.timeline is not None:
-        from pd_transfer.bench_timeline import write_timeline  # noqa: PLC0415 - matplotlib
+        from pd_transfer.bench.timeline import write_timeline  # noqa: PLC0415 - matplotlib
 
         write_timeline(report, args.timeline)
         print(f"wrote {args.timeline}")
@@ -256,7 +256,7 @@ def _run_pipeline(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry: ``python -m pd_transfer.bench_cli pipeline ...``."""
+    """Standalone entry: ``python -m pd_transfer.bench.cli pipeline ...``."""
     parser = argparse.ArgumentParser(prog="pd-transfer")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])

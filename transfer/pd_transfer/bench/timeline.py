@@ -15,7 +15,7 @@ _COLORS = {"compute": ("#3b6fb6", "#8fb3e3"), "transfer": ("#d9822b", "#f2c18f")
 
 
 def write_timeline(report: dict[str, Any], path: Path) -> None:
-    """Draw ``report`` (``bench_pipeline.run_bench``'s) into ``path`` (PNG)."""
+    """Draw ``report`` (``bench.pipeline.run_bench``'s) into ``path`` (PNG)."""
     import matplotlib  # noqa: PLC0415 - optional dependency, loaded only when drawing
 
     matplotlib.use("Agg")

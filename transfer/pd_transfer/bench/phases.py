@@ -43,7 +43,7 @@ STAGED_PHASES = ("pickup", "prepare", "grant wait", "gather", "post",
                  "post → notification", "scatter", "completion")
 DIRECT_PHASES = ("pickup", "post", "post → notification", "completion")
 
-Times = Mapping[str, Any]  # a rank's RequestTimes as a dict (``_bench_ranks._times_dict``)
+Times = Mapping[str, Any]  # a rank's RequestTimes as a dict (``bench._ranks._times_dict``)
 
 
 def compute_phases(start: float, prefill: Mapping[int, Times], decode: Mapping[int, Times],

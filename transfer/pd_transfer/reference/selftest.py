@@ -4,7 +4,7 @@ real NIXL between them, every transferred byte checked.
 ``SelftestGroup`` spawns one process per rank ('spawn' start method, one NIXL agent each,
 ``UCX_NET_DEVICES=lo`` unless set, no progress thread), connects them through their
 bootstrap servers, and drives waves of requests: decode ranks ``expect`` (random
-non-contiguous pages), prefill ranks fill their pools with seeded bytes (``kvdata``),
+non-contiguous pages), prefill ranks fill their pools with seeded bytes (``reference.kvdata``),
 register and send; decode ranks then compare their pages with the expected head slices,
 computed from first principles (not from the transfer path). ``run_selftest`` is the CLI's
 whole run; the integration tests reuse the group (several modes per group, and killing a
@@ -38,7 +38,6 @@ from pd_transfer.bootstrap import (
     PageFormatName,
 )
 from pd_transfer.errors import TransferError
-from pd_transfer.kvdata import compute_request_source, fill_pool, verify_pool
 from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
 from pd_transfer.plan import (
     Parallelism,
@@ -47,6 +46,7 @@ from pd_transfer.plan import (
     compute_transfer_topology,
 )
 from pd_transfer.receiver import DecodeReceiver
+from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool
 from pd_transfer.sender import PrefillSender
 from pd_transfer.transport.nixl import NixlTransport
 from pd_transfer.worker import Worker

@@ -11,7 +11,7 @@ __all__ = ["add_engine_parser"]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pd_transfer.engine.main import run_engine  # noqa: PLC0415 - torch/NIXL load here
+    from pd_transfer.reference.engine.main import run_engine  # noqa: PLC0415 - torch/NIXL load here
 
     return run_engine(args)
 

@@ -5,7 +5,7 @@ One process serves one pod. It builds, per TP rank of its role, a KV pool, a NIX
 and a bootstrap server on ``bootstrap_port + rank`` (one port per rank, rank-major: the
 pod's published bootstrap address is rank 0's; a peer that reads ``tp``/``pp`` from that
 document finds the others at the following ports). Ranks of one pod are threads here;
-their pools are what a real TP rank's would be (``reference_model`` emulates TP).
+their pools are what a real TP rank's would be (``reference.model`` emulates TP).
 
 Requests:
 - ``prefill``: connect to the decode pods named by their bootstrap addresses, allocate
@@ -51,8 +51,6 @@ from pd_transfer.bootstrap import (
     GeometryDoc,
     RankDocument,
 )
-from pd_transfer.engine.errors import EngineBusy, EngineConfigError, RequestRejected
-from pd_transfer.engine.faults import FaultPlan, FaultyTransport
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.metrics import TransferSnapshot
 from pd_transfer.pipeline import LayerPipeline, compute_chunk_plan
@@ -60,14 +58,16 @@ from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.pod_peers import PodConnections
 from pd_transfer.protocol.lifecycle import RequestStatus, State
 from pd_transfer.receiver import DecodeReceiver
-from pd_transfer.reference_model import ChunkForward, ModelConfig, ReferenceModel
+from pd_transfer.reference.engine.errors import EngineBusy, EngineConfigError, RequestRejected
+from pd_transfer.reference.engine.faults import FaultPlan, FaultyTransport
+from pd_transfer.reference.model import ChunkForward, ModelConfig, ReferenceModel
 from pd_transfer.sender import PrefillSender
 from pd_transfer.transport.base import Transport
 from pd_transfer.worker import Worker
 
 __all__ = ["EngineOptions", "EngineService", "RequestResult"]
 
-_log = logging.getLogger("pd_transfer.engine")
+_log = logging.getLogger("pd_transfer.reference.engine")
 
 ROOM_PATTERN: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 FINISHED_RESULTS: Final = 1024

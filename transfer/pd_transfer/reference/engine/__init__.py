@@ -5,6 +5,11 @@ Reading order: ``errors`` → ``service`` (ranks, pages, peers, prefill/decode r
 ``main`` (start-up order, the agent, signals).
 """
 
-from pd_transfer.engine.errors import EngineBusy, EngineConfigError, EngineError, RequestRejected
+from pd_transfer.reference.engine.errors import (
+    EngineBusy,
+    EngineConfigError,
+    EngineError,
+    RequestRejected,
+)
 
 __all__ = ["EngineBusy", "EngineConfigError", "EngineError", "RequestRejected"]

@@ -1,7 +1,7 @@
 """``pd-transfer bench pipeline``: what layer pipelining buys, measured over real NIXL.
 
 Prefill runs the reference model on one device (this process) and sends the KV to a decode
-process (``_bench_peers``) through the real ``PrefillSender`` / ``DecodeReceiver``. Per
+process (``bench.peers``) through the real ``PrefillSender`` / ``DecodeReceiver``. Per
 prompt length, median of ``repeats`` runs each:
 
 - ``C``: the forward alone (no transfer);
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from pd_contract.config import LayerPipelineConfig
-from pd_transfer._bench_peers import (
+from pd_transfer.bench.peers import (
     DecodeProcess,
     DecodeSpec,
     Link,
@@ -47,7 +47,7 @@ from pd_transfer._bench_peers import (
 )
 from pd_transfer.pipeline import GroupForward, LayerPipeline
 from pd_transfer.plan import compute_local_heads
-from pd_transfer.reference_model import (
+from pd_transfer.reference.model import (
     ChunkForward,
     GraphedChunkForward,
     ModelConfig,

@@ -1,7 +1,7 @@
 """``pd-transfer bench transfer``: a request's KV transfer end to end, against raw NIXL.
 
 Per TP combination (prefill TP → decode TP, KV heads) one group of rank processes
-(``_bench_ranks``: real ``PrefillSender`` / ``DecodeReceiver`` over NIXL, one process per
+(``bench._ranks``: real ``PrefillSender`` / ``DecodeReceiver`` over NIXL, one process per
 rank). Per prompt length, interleaved, in the same processes:
 
 - ``raw``: one-descriptor NIXL WRITEs of the same bytes (each pair's staged chunk) from the
@@ -15,7 +15,7 @@ Latency = from a common start instant (every prefill rank calls ``send_part`` or
 that instant) to the last decode rank's request Succeeded (raw: the last WRITE DONE); median
 of ``repeats`` requests at 1 in flight. Throughput = bytes / time for ``concurrency``
 requests started together, median of ``waves``. Each staged / contiguous request's latency
-is split into phases from the endpoints' own stamps (``bench_phases``). Every request's
+is split into phases from the endpoints' own stamps (``bench.phases``). Every request's
 decode KV is checked bit-exact; a mismatch or failure stops the run. Prefill source pages
 are shared by the requests of a wave (one seed per wave; decode pages are distinct and
 poisoned before each request). Not a test: prints and writes numbers, asserts no timing.
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from pd_transfer._bench_ranks import BenchGroup, GroupSpec, compute_pair_bytes
 from pd_transfer._paths import choose_path
-from pd_transfer.bench_phases import compute_phases
+from pd_transfer.bench._ranks import BenchGroup, GroupSpec, compute_pair_bytes
+from pd_transfer.bench.phases import compute_phases
 from pd_transfer.bootstrap import DTYPES, DtypeName
 from pd_transfer.layout import KVLayout
 from pd_transfer.plan import Parallelism, compute_local_heads, compute_transfer_topology

@@ -41,14 +41,14 @@ from pd_transfer.agent.spec_watch import SpecWatch
 from pd_transfer.agent.transport_probe import ProtoInfoParser, UcxLogTail, configure_environment
 from pd_transfer.auth import AuthKeyError, PeerAuth
 from pd_transfer.config_file import TransferConfigError, load_transfer_config
-from pd_transfer.engine.errors import EngineConfigError
-from pd_transfer.engine.faults import FaultKind, FaultPlan
-from pd_transfer.engine.http_api import EngineHTTPServer
-from pd_transfer.engine.service import EngineOptions, EngineService
+from pd_transfer.reference.engine.errors import EngineConfigError
+from pd_transfer.reference.engine.faults import FaultKind, FaultPlan
+from pd_transfer.reference.engine.http_api import EngineHTTPServer
+from pd_transfer.reference.engine.service import EngineOptions, EngineService
 
 __all__ = ["load_auth", "load_config", "run_engine"]
 
-_log = logging.getLogger("pd_transfer.engine")
+_log = logging.getLogger("pd_transfer.reference.engine")
 
 
 def load_config(path: Path) -> TransferConfig:

@@ -24,7 +24,7 @@ from pd_operator.devcluster.pod_runner import (
     package_roots,
     plan_launch,
 )
-from tests.factories import make_pdd
+from pd_testbed.factories import make_pdd
 
 VLLM_PYTHON = Path("/venvs/vllm/bin/python")
 IP = "127.0.1.7"

@@ -242,7 +242,7 @@ def _apt_env() -> dict[str, str]:
 
 def _root_commands() -> str:
     return (
-        f"  write {APT_SOURCES_FILE} and {APT_PIN_FILE} (see pd_operator/devcluster/"
+        f"  write {APT_SOURCES_FILE} and {APT_PIN_FILE} (see devtools/pd_devcluster/"
         "toolchain.py: APT_SOURCES_TEXT, APT_PIN_TEXT)\n"
         "  apt-get update\n"
         f"  apt-get install --no-install-recommends {' '.join(BUILD_PACKAGES)}"

@@ -17,8 +17,8 @@ builds):
 
     pip download sglang==0.5.23 --no-deps -d SGL && unzip -q SGL/sglang-0.5.23-*.whl -d SGL/pkg
     pip install --no-deps --target SGL/extra orjson ipython traitlets gguf
-    PYTHONPATH=SGL/pkg:SGL/extra:. <vLLM venv>/bin/python -m tests.e2e.capture_sglang_metrics \\
-        tests/unit/data
+    PYTHONPATH=SGL/pkg:SGL/extra:.:devtools <vLLM venv>/bin/python \\
+        -m tests.e2e.capture_sglang_metrics tests/unit/data
 
 (`SGL/extra` holds SGLang's own imports the vLLM env lacks.) `torchvision` is replaced by an
 empty module for the import: SGLang's multimodal config helpers import it, and the CPU
@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.exposition_text import trim
+from pd_testbed.exposition_text import trim
 
 SGLANG_VERSION = "0.5.23"
 # Families kept in the captures (the mapping's, and what they are logged with).

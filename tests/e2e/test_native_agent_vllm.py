@@ -36,7 +36,9 @@ from pd_operator.build import Capabilities
 from pd_operator.build.names import agent_service_account
 from pd_operator.kube import KubeClient
 from pd_operator.reconcile import Reconciler
-from tests.e2e.vllm_harness import (
+from pd_testbed.cluster import NAME, example_body
+from pd_testbed.polling import wait_for
+from pd_testbed.vllm import (
     ModelSpec,
     VllmServer,
     complete,
@@ -50,8 +52,6 @@ from tests.e2e.vllm_harness import (
     start_servers,
     vllm_env_or_skip,
 )
-from tests.integration.cluster import NAME, example_body
-from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(900)]
 

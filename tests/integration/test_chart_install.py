@@ -36,7 +36,7 @@ from pd_operator.api import parse_pdd
 from pd_operator.build.capabilities import Capabilities
 from pd_operator.build.children import build_children, child_key
 from pd_operator.build.names import transfer_key_name
-from tests.integration.operator_runner import kopf_runner
+from pd_testbed.operator_runner import kopf_runner
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(180)]
 

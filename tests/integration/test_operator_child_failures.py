@@ -17,11 +17,8 @@ from pd_operator.api.naming import MAX_NAME_LENGTH
 from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_ROLE
 from pd_operator.kube import PODS
 from pd_operator.metrics import RECONCILES
-from tests.integration.cluster import KINDS, NAME, Cluster, example_body
-
-# The operator fixture of the reconcile tests: one definition of how a test runs it.
-from tests.integration.test_operator_reconcile import operator  # noqa: F401
-from tests.polling import wait_for
+from pd_testbed.cluster import KINDS, NAME, Cluster, example_body
+from pd_testbed.polling import wait_for
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 

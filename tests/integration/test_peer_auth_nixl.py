@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from pd_testbed.transfer_harness import seal_as
 from pd_transfer._endpoint import RankIdentity
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import DTYPES, BootstrapServer, RankDocument, fetch_document
@@ -30,7 +31,6 @@ from pd_transfer.protocol.messages import RingUpdate, encode_message
 from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.reference.selftest import SelftestConfig, SelftestGroup
 from pd_transfer.transport.nixl import NixlTransport
-from tests.transfer_harness import seal_as
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(300)]
 

@@ -1,7 +1,7 @@
 """Authenticated peers (docs/failure-modes.md #26): the transfer key file, the HMAC frames,
 signed bootstrap documents, the NIXL metadata checks, and the endpoints' counted rejections.
 
-Loopback endpoints stepped by hand (``tests.transfer_harness``); no NIXL process is started.
+Loopback endpoints stepped by hand (``pd_testbed.transfer_harness``); no NIXL process is started.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pd_testbed.transfer_harness import TEST_AUTH, Cluster, Request, seal_as
 from pd_transfer.auth import (
     FRAME_MAGIC,
     AuthKeyError,
@@ -30,7 +31,6 @@ from pd_transfer.reference.engine.errors import EngineConfigError
 from pd_transfer.reference.engine.main import load_auth
 from pd_transfer.transport import LoopbackTransport, Transport
 from pd_transfer.transport.nixl_metadata import parse_nixl_metadata
-from tests.transfer_harness import TEST_AUTH, Cluster, Request, seal_as
 
 pytestmark = pytest.mark.timeout(60)
 

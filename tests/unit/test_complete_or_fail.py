@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from pd_testbed.transfer_harness import Cluster, Request
 from pd_transfer.auth import Purpose
 from pd_transfer.protocol.coverage import Coverage, CoverageError
 from pd_transfer.protocol.lifecycle import FailureReason, State
@@ -26,7 +27,6 @@ from pd_transfer.protocol.messages import (
     encode_message,
 )
 from pd_transfer.receiver import DecodeReceiver
-from tests.transfer_harness import Cluster, Request
 
 pytestmark = pytest.mark.timeout(60)
 

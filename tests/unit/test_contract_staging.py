@@ -12,7 +12,7 @@ from pd_contract.config import StagingConfig
 from pd_contract.transferagent import BYTES_PER_MIB, AgentStaging, Role
 from pd_operator.api.spec import Staging
 from pd_operator.build.config import build_transfer_config
-from tests.factories import make_pdd
+from pd_testbed.factories import make_pdd
 
 SIZES = AgentStaging(decode_pool_mib=8, prefill_buffer_mib=3)
 

@@ -24,7 +24,7 @@ from pd_devcluster.pod_runner import (
     plan_launch,
 )
 from pd_operator.build.pod import build_pod_template
-from tests.factories import make_pdd
+from pd_testbed.factories import make_pdd
 
 VLLM_PYTHON = Path("/venvs/vllm/bin/python")
 IP = "127.0.1.7"

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from pd_devcluster.vllm_env import KUBERNETES_REQUIREMENT, NIXL_REQUIREMENT
+from pd_testbed.checkout import EXAMPLES
+from pd_testbed.factories import example_pdd
 from pd_transfer.vllm.versions import SUPPORTED_VLLM_VERSIONS
-from tests.factories import example_pdd
-from tests.unit.test_api_crd import EXAMPLES
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = [REPO / "Dockerfile", REPO / "images" / "vllm" / "Dockerfile"]

@@ -17,20 +17,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_testbed.agent_fakes import FakeAgentAPI
+from pd_testbed.native_harness import (
+    AGENT_START_UNIX_S,
+    Run,
+    capture,
+    config,
+    identity_env,
+)
 from pd_transfer.agent.identity import read_identity
 from pd_transfer.native.agent import NativeAgent, NativeOptions
 from pd_transfer.native.errors import ScrapeError, ScrapeTimeout
 from pd_transfer.native.exposition import Histogram
 from pd_transfer.native.scrape import fetch_metrics
 from pd_transfer.native.vllm_nixl import VLLM_0_32_0
-from tests.native_harness import (
-    AGENT_START_UNIX_S,
-    FakeAgentAPI,
-    Run,
-    capture,
-    config,
-    identity_env,
-)
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -4,7 +4,7 @@ The captures in `tests/unit/data/vllm_0.32.0_nixl_*.prom` come from real vLLM CP
 (`python -m tests.e2e.capture_vllm_nixl_metrics`; each file's header says how). Expected
 statuses are worked out by hand from the samples quoted next to each assert. No engine, no
 network, no NIXL: the agent reads the files through a fake fetch and writes to an in-memory
-API server (`tests/native_harness.py`).
+API server (`pd_testbed.native_harness`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pd_contract.transferagent import (
     TransferTime,
     WindowCounts,
 )
+from pd_testbed.native_harness import NOW, Run, capture
 from pd_transfer.native.vllm_nixl import VLLM_0_32_0
-from tests.native_harness import NOW, Run, capture
 
 pytestmark = pytest.mark.timeout(10)
 

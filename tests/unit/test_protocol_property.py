@@ -28,6 +28,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pd_testbed.transfer_harness import TEST_AUTH, Cluster, Request, seal_as
 from pd_transfer.auth import Purpose
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.protocol.messages import (
@@ -42,7 +43,6 @@ from pd_transfer.protocol.messages import (
 )
 from pd_transfer.ring import Region
 from pd_transfer.transport import Envelope, FaultAction, FaultRule
-from tests.transfer_harness import TEST_AUTH, Cluster, Request, seal_as
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -29,8 +29,8 @@ from pd_operator.rollout.planner import (
     staging_apply,
 )
 from pd_operator.status import FleetObservation, observe_fleet
-from tests.factories import make_spec
-from tests.kube_factories import make_agent
+from pd_testbed.factories import make_spec
+from pd_testbed.kube_factories import make_agent
 
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 OLD = AgentStaging(decode_pool_mib=4096, prefill_buffer_mib=4096)

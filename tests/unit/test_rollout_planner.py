@@ -32,8 +32,8 @@ from pd_operator.rollout.planner import (
     plan_rollout,
 )
 from pd_operator.status import PodObservation, ReportState, observe_fleet
-from tests.factories import make_spec
-from tests.kube_factories import make_agent, make_pod
+from pd_testbed.factories import make_spec
+from pd_testbed.kube_factories import make_agent, make_pod
 
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 

@@ -19,9 +19,8 @@ import yaml
 from pd_devcluster import ToolchainMissingError, checkov_path, helm_path
 from pd_operator.api import parse_pdd
 from pd_operator.build import Capabilities, build_children
-from tests.factories import example_pdd
-from tests.unit.test_api_crd import EXAMPLES
-from tests.unit.test_chart import CHART, RELEASE, RELEASE_NAMESPACE
+from pd_testbed.checkout import CHART_DIR, CHART_RELEASE, CHART_RELEASE_NAMESPACE, EXAMPLES
+from pd_testbed.factories import example_pdd
 
 # check id -> why it stays.
 ACCEPTED: dict[str, str] = {
@@ -87,7 +86,8 @@ def render_chart() -> str:
     except ToolchainMissingError as exc:
         pytest.fail(str(exc))
     return subprocess.run(
-        [str(helm), "template", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE],
+        [str(helm), "template", CHART_RELEASE, str(CHART_DIR), "--namespace",
+         CHART_RELEASE_NAMESPACE],
         check=True, capture_output=True, text=True,
     ).stdout
 

@@ -17,8 +17,8 @@ from pd_operator.status import (
     find_condition,
     observe_fleet,
 )
-from tests.factories import make_pdd
-from tests.kube_factories import make_pod, make_pods, make_router_deployment
+from pd_testbed.factories import make_pdd
+from pd_testbed.kube_factories import make_pod, make_pods, make_router_deployment
 
 NOW = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 SEL_P = "pd.serving.dev/deployment=llama,pd.serving.dev/role=prefill"

@@ -30,8 +30,8 @@ from pd_operator.status import (
     observe_fleet,
 )
 from pd_operator.status.transfer import TransportClass, classify_transport
-from tests.factories import make_pdd, make_spec
-from tests.kube_factories import make_agent, make_pod
+from pd_testbed.factories import make_pdd, make_spec
+from pd_testbed.kube_factories import make_agent, make_pod
 
 NOW = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 FRESH = NOW - timedelta(seconds=5)

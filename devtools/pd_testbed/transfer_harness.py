@@ -11,6 +11,7 @@ import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,8 @@ from pd_transfer.receiver import PREGRANT_SHARE, DecodeReceiver
 from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool
 from pd_transfer.sender import PrefillSender
 from pd_transfer.transport import Envelope, LoopbackFabric, ManualClock
+
+__all__ = ["FAST", "TEST_AUTH", "Cluster", "Request", "message_type", "of_type", "seal_as"]
 
 FAST = Timeouts(bootstrap_s=2.0, grant_s=0.2, grant_retries=3, transfer_s=5.0,
                 kv_lease_s=5.0, stall_s=1.0, quarantine_grace_s=2.0)
@@ -139,7 +142,7 @@ class Cluster:
         return KVPool.allocate(layout)
 
     @property
-    def endpoints(self) -> list[Endpoint]:
+    def endpoints(self) -> list[Endpoint[Any]]:
         return [*self.senders, *self.receivers]
 
     def step(self) -> None:

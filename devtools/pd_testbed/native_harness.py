@@ -1,6 +1,7 @@
 """Drive the engine-native agent in-process: captured metric texts in, the statuses it writes
 out. No network: the engine's metrics come from `tests/unit/data` files through a fake fetch,
-the API server is an in-memory `FakeAgentAPI`, the clocks are manual.
+the API server is an in-memory `FakeAgentAPI` (`pd_testbed.agent_fakes`), the clocks are
+manual.
 
 `Run.read(name, at_s)` makes the agent read one capture at monotonic time `at_s`;
 `Run.report(at_s)` ticks its reporter at `at_s` and returns the status last written. The
@@ -10,27 +11,23 @@ sidecar started with its engine), with the config's window and failure ratio bel
 
 from __future__ import annotations
 
-import copy
 import random
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from pd_contract.config import TransferConfig
 from pd_contract.transferagent import TransferAgentStatus
-from pd_transfer.agent.errors import RetryableAPIError
+from pd_testbed.agent_fakes import FakeAgentAPI
+from pd_testbed.checkout import UNIT_DATA_DIR
 from pd_transfer.agent.identity import read_identity
 from pd_transfer.agent.reporter import Reporter, ReporterTuning
 from pd_transfer.native.agent import NativeAgent, NativeOptions
 from pd_transfer.native.errors import ScrapeError, ScrapeTimeout
 from pd_transfer.native.mapping import EngineMapping
 
-__all__ = ["AGENT_START_UNIX_S", "DATA", "NOW", "FakeAgentAPI", "Run", "capture", "config",
-           "identity_env"]
+__all__ = ["AGENT_START_UNIX_S", "NOW", "Run", "capture", "config", "identity_env"]
 
-DATA = Path(__file__).resolve().parent / "unit" / "data"
 # After the captures were made (2026-11-26): their engines are older than any window.
 NOW = datetime(2027, 1, 1, tzinfo=UTC)
 AGENT_START_UNIX_S = 1_700_000_000.0
@@ -42,7 +39,7 @@ Obj = dict[str, Any]
 
 
 def capture(name: str) -> str:
-    return (DATA / name).read_text()
+    return (UNIT_DATA_DIR / name).read_text()
 
 
 def identity_env(role: str) -> dict[str, str]:
@@ -67,49 +64,6 @@ def config(report_interval_s: float = 5.0) -> TransferConfig:
                       "window_seconds": WINDOW_S, "max_failure_ratio": MAX_FAILURE_RATIO},
         "network": {"rdma_required": False, "bootstrap_port": 8998, "metrics_port": 9400},
     })
-
-
-class FakeAgentAPI:
-    """In-memory TransferAgent endpoints (the reporter's `AgentClient`)."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str], Obj] = {}
-        self.status_writes: list[Obj] = []
-        self._version = 0
-
-    def _bump(self, obj: Obj) -> Obj:
-        self._version += 1
-        obj["metadata"]["resourceVersion"] = str(self._version)
-        return copy.deepcopy(obj)
-
-    def get(self, namespace: str, name: str) -> Obj | None:
-        obj = self.objects.get((namespace, name))
-        return copy.deepcopy(obj) if obj is not None else None
-
-    def create(self, body: Obj) -> Obj:
-        meta = body["metadata"]
-        obj = copy.deepcopy({**body, "metadata": {**meta, "generation": 1}})
-        self.objects[(meta["namespace"], meta["name"])] = obj
-        return self._bump(obj)
-
-    def replace_status(self, body: Obj) -> Obj:
-        meta = body["metadata"]
-        current = self.objects[(meta["namespace"], meta["name"])]
-        if meta["resourceVersion"] != current["metadata"]["resourceVersion"]:
-            raise RetryableAPIError("conflict", 409)
-        current["status"] = copy.deepcopy(body["status"])
-        self.status_writes.append(copy.deepcopy(body["status"]))
-        return self._bump(current)
-
-    def list(self, namespace: str, label_selector: str) -> list[Obj]:
-        return [copy.deepcopy(o) for o in self.objects.values()]
-
-    def set_spec_staging(self, namespace: str, name: str, staging: Mapping[str, int]) -> None:
-        """What the operator would do: a new spec (the generation moves)."""
-        obj = self.objects[(namespace, name)]
-        obj["spec"]["staging"] = dict(staging)
-        obj["metadata"]["generation"] += 1
-        self._bump(obj)
 
 
 @dataclass

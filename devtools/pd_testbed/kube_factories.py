@@ -15,6 +15,8 @@ from pd_operator.build.names import (
     TRANSFER_READY_CONDITION,
 )
 
+__all__ = ["Obj", "make_agent", "make_pod", "make_pods", "make_router_deployment"]
+
 Obj = dict[str, Any]
 
 

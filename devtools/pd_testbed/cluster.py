@@ -1,39 +1,65 @@
 """Test-side access to the local control plane for operator tests: the example
-PDDeployment, and `Cluster` (reads and writes through the admin client; pods marked Ready as
-a kubelet would, since there is none)."""
+PDDeployment (`example_body`; `reference_body`, run by the reference engine), `Cluster`
+(reads and writes through the admin client; pods marked Ready as a kubelet would, since there
+is none), and a client acting as the deployment's agents (`agent_api_client`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from kubernetes import client as k8s
+from kubernetes import config as k8s_config
 
+from pd_devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.api import parse_pdd
 from pd_operator.build import Capabilities, build_children, child_key
+from pd_operator.build.names import agent_service_account
 from pd_operator.kube import CHILD_KINDS, PDB, PODS, KubeClient
 from pd_operator.reconcile import first_difference
 from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
-from tests.polling import wait_for
+from pd_testbed.checkout import EXAMPLES_DIR
+from pd_testbed.polling import wait_for
 
-__all__ = ["CAPS", "GROUP", "KINDS", "NAME", "PLURAL", "VERSION", "Cluster", "example_body"]
+__all__ = ["CAPS", "GROUP", "KINDS", "NAME", "PLURAL", "STALE_AFTER_S", "VERSION", "Cluster",
+           "agent_api_client", "example_body", "reference_body"]
 
-REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "pd.serving.dev", "v1alpha1", "pddeployments"
 CAPS = Capabilities(pod_disruption_budgets=False)  # v1.20 serves no policy/v1
 KINDS = tuple(k for k in CHILD_KINDS if k != PDB)
 NAME = "llama-70b"
+STALE_AFTER_S = 10  # the smallest staleAfterSeconds the API allows
 
 Obj = dict[str, Any]
 
 
 def example_body(namespace: str) -> Obj:
-    body: Obj = yaml.safe_load((REPO / "examples" / "llama-70b.yaml").read_text())
+    """examples/llama-70b.yaml (PDDeployment `NAME`) in `namespace`."""
+    body: Obj = yaml.safe_load((EXAMPLES_DIR / "llama-70b.yaml").read_text())
     body["metadata"]["namespace"] = namespace
     return body
+
+
+def reference_body(namespace: str) -> Obj:
+    """The example, run by the reference engine (so its pods carry the transfer gate), with
+    no router and the shortest staleness limit."""
+    body = example_body(namespace)
+    body["spec"]["engine"]["framework"] = "reference"
+    body["spec"]["router"] = {"enabled": False}
+    body["spec"]["transfer"]["health"] = {"staleAfterSeconds": STALE_AFTER_S,
+                                          "reportIntervalSeconds": 5}
+    return body
+
+
+def agent_api_client(control_plane: ControlPlaneHandle, namespace: str) -> k8s.ApiClient:
+    """A client with the token of `NAME`'s agent ServiceAccount in `namespace`, as the pods'
+    agents have."""
+    path = service_account_kubeconfig(control_plane, namespace, agent_service_account(NAME))
+    client: k8s.ApiClient = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=str(path))
+    return client
 
 
 class Cluster:
@@ -46,14 +72,12 @@ class Cluster:
         self.apps = k8s.AppsV1Api(api)
 
     def create(self, body: Obj) -> Obj:
-        created: Obj = self.objects.create_namespaced_custom_object(
-            GROUP, VERSION, self.ns, PLURAL, body)
-        return created
+        return cast(Obj, self.objects.create_namespaced_custom_object(
+            GROUP, VERSION, self.ns, PLURAL, body))
 
     def pdd(self, name: str = NAME) -> Obj:
-        got: Obj = self.objects.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL,
-                                                             name)
-        return got
+        return cast(Obj, self.objects.get_namespaced_custom_object(GROUP, VERSION, self.ns,
+                                                                   PLURAL, name))
 
     def patch_spec(self, patch: Obj, name: str = NAME) -> None:
         self.objects.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name,

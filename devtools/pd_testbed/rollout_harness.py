@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -52,11 +52,14 @@ from pd_devcluster.processes import (
     spawn_daemon,
     stop_process,
 )
+from pd_testbed.checkout import EXAMPLES_DIR
+from pd_testbed.polling import wait_for, wait_for_events
 from pd_transfer.agent.kube import KubeAgentClient
 from pd_transfer.reference.load import Engines, LoadConfig, engines_from_agents, run_one
-from tests.polling import wait_for, wait_for_events
 
-REPO = Path(__file__).resolve().parents[2]
+__all__ = ["NAME", "LiveFleet", "LoadLog", "OperatorProcess", "Request", "SizeFault",
+           "discover_engines", "live_fleet"]
+
 GROUP, VERSION = "pd.serving.dev", "v1alpha1"
 NAME = "rollout-reference"
 
@@ -66,7 +69,7 @@ Size = tuple[int, int]
 
 def body(namespace: str, *, analysis_s: int, max_unavailable: int) -> Obj:
     """examples/local-reference.yaml with short health windows and a quick rollout policy."""
-    pdd: Obj = yaml.safe_load((REPO / "examples" / "local-reference.yaml").read_text())
+    pdd: Obj = yaml.safe_load((EXAMPLES_DIR / "local-reference.yaml").read_text())
     pdd["metadata"] = {"name": NAME, "namespace": namespace}
     pdd["spec"]["transfer"]["health"] = {"windowSeconds": 8, "maxFailureRatio": 0.05,
                                          "reportIntervalSeconds": 5, "staleAfterSeconds": 15}
@@ -199,9 +202,8 @@ class LiveFleet:
     # -- reads -----------------------------------------------------------------------------
 
     def pdd(self) -> Obj:
-        got: Obj = self.objects.get_namespaced_custom_object(GROUP, VERSION, self.ns,
-                                                             "pddeployments", NAME)
-        return got
+        return cast(Obj, self.objects.get_namespaced_custom_object(
+            GROUP, VERSION, self.ns, "pddeployments", NAME))
 
     def rollout(self) -> Obj:
         return dict((self.pdd().get("status") or {}).get("stagingRollout") or {})
@@ -211,9 +213,9 @@ class LiveFleet:
         return next((c for c in conditions if c["type"] == type_), {})
 
     def agents(self) -> list[Obj]:
-        listed: Obj = self.objects.list_namespaced_custom_object(
+        listed = cast(Obj, self.objects.list_namespaced_custom_object(
             GROUP, VERSION, self.ns, "transferagents",
-            label_selector=f"pd.serving.dev/deployment={NAME}")
+            label_selector=f"pd.serving.dev/deployment={NAME}"))
         return list(listed["items"])
 
     def in_force(self) -> dict[str, Size]:
@@ -225,15 +227,16 @@ class LiveFleet:
             self.ns, label_selector=f"pd.serving.dev/deployment={NAME}").items
         found = {}
         for pod in pods:
-            record = self.kubelet.process_of(self.ns, pod.metadata.name)
+            name = str(pod.metadata.name) if pod.metadata is not None else ""
+            record = self.kubelet.process_of(self.ns, name)
             if record is not None:
-                found[pod.metadata.name] = record.pid
+                found[name] = record.pid
         return found
 
     def events(self) -> list[Obj]:
         items = [e for e in self.core.list_namespaced_event(self.ns).items
                  if e.involved_object.name == NAME]
-        items.sort(key=lambda e: int(e.metadata.resource_version))
+        items.sort(key=lambda e: int(str(e.metadata.resource_version)))
         return [{"type": e.type, "reason": e.reason, "message": e.message} for e in items]
 
     def events_with(self, reason: str, count: int = 1) -> list[Obj]:
@@ -343,8 +346,10 @@ def live_fleet(handle: ControlPlaneHandle, kube_client: k8s.ApiClient, work_dir:
                tokens: int = 200, concurrency: int = 2) -> Iterator[LiveFleet]:
     """The deployment up, every engine reporting, TransferHealthy=True and the load running."""
     core = k8s.CoreV1Api(kube_client)
-    namespace = core.create_namespace(k8s.V1Namespace(
-        metadata=k8s.V1ObjectMeta(generate_name="pdroll-"))).metadata.name
+    created = core.create_namespace(k8s.V1Namespace(
+        metadata=k8s.V1ObjectMeta(generate_name="pdroll-")))
+    assert created.metadata is not None and created.metadata.name is not None
+    namespace: str = created.metadata.name
     with ExitStack() as stack:
         patch = stack.enter_context(pytest.MonkeyPatch.context())
         patch.setenv("KUBECONFIG", str(handle.kubeconfig_path))
@@ -403,7 +408,8 @@ def discover_engines(kubeconfig: Path, namespace: str, name: str) -> Callable[[]
     """What the load calls to find a PDDeployment's engines: its TransferAgents' reported
     endpoints, read with the agent ServiceAccount's token (`kubeconfig`), as a router would."""
     def discover() -> Engines:
-        api = k8s_config.new_client_from_config(config_file=str(kubeconfig))
+        api: k8s.ApiClient = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
+            config_file=str(kubeconfig))
         client = KubeAgentClient(api)
         try:
             return engines_from_agents(client.list(namespace,

@@ -26,8 +26,16 @@ _OUT = os.environ.get("PD_HANDOFF_TIMES")
 _records: list[dict[str, Any]] = []
 _window = {"open": False}  # inside a recorded step (one worker per process records)
 
-PREFILL_CALLS = ("_add_part", "_progress", "_make_parts", "_take_gathered", "_use_pregrant",
-                 "_try_post_staged", "_gathered", "_post", "_on_message", "_check_deadlines")
+# Prefill's calls as (class in pd_transfer.prefill, method, label): each label keeps the
+# name the call had while the sender was one class, so earlier records compare.
+PREFILL_CALLS = (
+    ("PrefillSender", "_add_part", "_add_part"), ("PrefillSender", "_progress", "_progress"),
+    ("PartMaker", "make", "_make_parts"), ("PartMaker", "_take_gathered", "_take_gathered"),
+    ("PartMaker", "_use_pregrant", "_use_pregrant"),
+    ("Poster", "try_post_staged", "_try_post_staged"), ("Poster", "gathered", "_gathered"),
+    ("Poster", "_post", "_post"), ("PrefillSender", "_on_message", "_on_message"),
+    ("PrefillSender", "_check_deadlines", "_check_deadlines"),
+)
 DECODE_CALLS = ("_on_message", "_on_staged", "_progress", "_check_deadlines")
 NIXL_CALLS = ("post", "write", "state", "send_message")
 
@@ -55,7 +63,8 @@ def _wrap(owner: Any, name: str, label: str, *, always: bool = False) -> None:
 def _install() -> None:
     # Imported only when asked for: every Python process on the path runs this file.
     from pd_transfer import _endpoint as endpoint  # noqa: PLC0415
-    from pd_transfer import receiver, sender  # noqa: PLC0415
+    from pd_transfer import receiver  # noqa: PLC0415
+    from pd_transfer.prefill import gathers, parts, posting, sender  # noqa: PLC0415
     from pd_transfer.transport import nixl  # noqa: PLC0415
 
     step = endpoint.Endpoint.step
@@ -73,9 +82,11 @@ def _install() -> None:
 
     endpoint.Endpoint.step = recorded_step  # type: ignore[method-assign]
     _wrap(sender.PrefillSender, "send_part", "send_part", always=True)
-    _wrap(sender.PrefillSender, "_gather_on_engine_thread", "engine_gathers", always=True)
-    for name in PREFILL_CALLS:
-        _wrap(sender.PrefillSender, name, "P." + name)
+    _wrap(gathers.EngineGathers, "launch", "engine_gathers", always=True)
+    owners = {"PrefillSender": sender.PrefillSender, "PartMaker": parts.PartMaker,
+              "Poster": posting.Poster}
+    for owner, name, label in PREFILL_CALLS:
+        _wrap(owners[owner], name, "P." + label)
     for name in DECODE_CALLS:
         _wrap(receiver.DecodeReceiver, name, "D." + name)
     for name in NIXL_CALLS:

@@ -68,11 +68,12 @@ def _install(path: str) -> None:
     import torch  # noqa: PLC0415 - only when timing is asked for
     from nixl._api import nixl_agent  # noqa: PLC0415
 
-    from pd_transfer import _endpoint, receiver, sender, staging, worker  # noqa: PLC0415
+    from pd_transfer import _endpoint, receiver, staging, worker  # noqa: PLC0415
+    from pd_transfer.prefill import parts, posting  # noqa: PLC0415
     from pd_transfer.transport import nixl as nixl_transport  # noqa: PLC0415
 
     for owner, name, label in (
-        (sender, "gather", "gather()"),
+        (parts, "gather", "gather()"),
         (receiver, "prepare_scatter", "prepare_scatter()"),
         (staging.PreparedMove, "launch", "PreparedMove.launch"),
         (staging, "_validate", "staging._validate"),
@@ -84,10 +85,10 @@ def _install(path: str) -> None:
         (torch.cuda.Event, "record", "Event.record"),
         (torch.cuda.Event, "query", "Event.query"),
         (_endpoint.Endpoint, "step", "Endpoint.step"),
-        (sender.PrefillSender, "_enqueue_gathers", "sender._enqueue_gathers"),
+        (parts.PartMaker, "enqueue_gathers", "sender._enqueue_gathers"),
         (receiver.DecodeReceiver, "_on_staged", "receiver._on_staged"),
         (receiver.DecodeReceiver, "_on_message", "receiver._on_message"),
-        (sender.PrefillSender, "_try_post_staged", "sender._try_post_staged"),
+        (posting.Poster, "try_post_staged", "sender._try_post_staged"),
         (_endpoint.Endpoint, "seal", "Endpoint.seal"),
         (_endpoint.Endpoint, "authenticate", "Endpoint.authenticate"),
         (nixl_transport.NixlTransport, "write", "NixlTransport.write"),

@@ -130,7 +130,7 @@ def _request(pair: Pair, prompt: list[int], room: str) -> tuple[list[int], str]:
     45 s later (StalledWriter). NIXL's UCX backend is known to drop the notification of a
     WRITE whose operations were still in progress when it was posted (ai-dynamo/nixl#688,
     open). Since then a writer whose Release does not follow its WRITEs sends their
-    notifications again (sender.py's ``_renotify``), which recovers a lost one. A request
+    notifications again (prefill/endings.py's ``_renotify``), which recovers a lost one. A request
     that still fails StalledWriter is retried here once under a new room, with a warning
     that carries both sides' rejected-message counts (a notification decode refused is
     counted; one that never arrived is not) and the prefill's account of where each
@@ -151,7 +151,7 @@ def _request(pair: Pair, prompt: list[int], room: str) -> tuple[list[int], str]:
 
 def _prefill_account(pair: Pair, room: str, timeout_s: float = 15.0) -> str:
     """The prefill rank's log line for ``room``'s failure, which says where each unwritten
-    part stopped (sender.py's ``_log_unwritten``). The prefill fails on decode's Abort,
+    part stopped (prefill/endings.py's ``_log_unwritten``). The prefill fails on decode's Abort,
     moments after decode answered, so its line is awaited for up to ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:

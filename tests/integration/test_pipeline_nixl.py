@@ -202,7 +202,7 @@ def gpu_staged() -> Iterator[tuple[PrefillPeer, DecodeProcess]]:
 
 
 def engine_gathers(prefill: PrefillPeer) -> int:
-    """Gathers prefill's ``send_part`` launched on the calling thread (sender.py)."""
+    """Gathers prefill's ``send_part`` launched on the calling thread (prefill/gathers.py)."""
     return int(prefill.sender.metrics.gathers.labels("engine")._value.get())
 
 

@@ -1,5 +1,5 @@
-"""Gathers launched on the engine's thread inside ``send_part`` (sender.py's module
-docstring), over the loopback transport, stepped by hand.
+"""Gathers launched on the engine's thread inside ``send_part`` (prefill/gathers.py's
+module docstring), over the loopback transport, stepped by hand.
 
 A staged RequestKV with a pre-grant, for a request whose pages are all registered and whose
 engine has given no part yet, makes the prefill worker set staging space aside for that
@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 
 from pd_testbed.transfer_harness import Cluster, Request
+from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import FailureReason, State
-from pd_transfer.sender import PrefillSender
 from pd_transfer.staging import PreparedMove
 
 pytestmark = pytest.mark.timeout(60)
@@ -158,7 +158,7 @@ def test_a_withdraw_between_the_engines_gathers_and_its_part_makes_part_0_ask() 
     request = cluster.new_request(num_tokens=8)
     cluster.start(request, send=False)
     cluster.run(lambda: _armed(cluster) == [1])
-    early = sender._gather_on_engine_thread(request.room, None, None, None)
+    early = sender._engine_gathers.launch(request.room, None, None, None)
     assert list(early) == [receiver.transport.agent_name]
     future = receiver.resize_ring(16384, deadline_s=30.0)
     cluster.run(future.done)
@@ -181,7 +181,7 @@ def test_a_request_that_fails_after_the_engines_gathers_frees_their_space() -> N
     request = cluster.new_request(num_tokens=8)
     cluster.start(request, send=False)
     cluster.run(lambda: _armed(cluster) == [2])
-    early = sender._gather_on_engine_thread(request.room, None, None, None)
+    early = sender._engine_gathers.launch(request.room, None, None, None)
     assert len(early) == 2 and sender.staging.live_regions == 2
     sender.abort(request.room)
     cluster.run(lambda: cluster.finished(request.room))

@@ -261,7 +261,8 @@ class TransferMetrics:
         self._child(self.scatters, prepared).inc()
 
     def notifications_resent(self, count: int) -> None:
-        """``count`` notifications of written parts sent again (sender.py's ``_renotify``)."""
+        """``count`` notifications of written parts sent again (``_renotify`` in
+        prefill/endings.py)."""
         self.renotified.inc(count)
 
     def write_posted(self, path: str, descriptors: int) -> None:

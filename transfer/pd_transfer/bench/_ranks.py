@@ -45,8 +45,8 @@ from pd_transfer.plan import (
     compute_local_heads,
     compute_transfer_topology,
 )
+from pd_transfer.prefill import PrefillSender
 from pd_transfer.receiver import DecodeReceiver
-from pd_transfer.sender import PrefillSender
 from pd_transfer.staging import staged_chunk_bytes
 from pd_transfer.transport.base import TransferState
 from pd_transfer.transport.nixl import NixlConfig, NixlTransport

@@ -45,9 +45,9 @@ from pd_transfer.plan import (
     compute_local_heads,
     compute_transfer_topology,
 )
+from pd_transfer.prefill import PrefillSender
 from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool
-from pd_transfer.sender import PrefillSender
 from pd_transfer.transport.nixl import NixlTransport
 from pd_transfer.worker import Worker
 

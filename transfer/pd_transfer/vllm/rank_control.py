@@ -40,8 +40,8 @@ from pd_transfer.auth import PeerAuth, Purpose, Unauthenticated
 from pd_transfer.bootstrap import BootstrapServer
 from pd_transfer.errors import TransferError
 from pd_transfer.metrics import RecentFailure, RingWatermark, TransferSnapshot
+from pd_transfer.prefill import PrefillSender
 from pd_transfer.receiver import DecodeReceiver
-from pd_transfer.sender import PrefillSender
 
 __all__ = [
     "CONTROL_VERSION",

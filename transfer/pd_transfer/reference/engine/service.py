@@ -56,12 +56,12 @@ from pd_transfer.metrics import TransferSnapshot
 from pd_transfer.pipeline import LayerPipeline, compute_chunk_plan
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.pod_peers import PodConnections
+from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import RequestStatus, State
 from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.reference.engine.errors import EngineBusy, EngineConfigError, RequestRejected
 from pd_transfer.reference.engine.faults import FaultPlan, FaultyTransport
 from pd_transfer.reference.model import ChunkForward, ModelConfig, ReferenceModel
-from pd_transfer.sender import PrefillSender
 from pd_transfer.transport.base import Transport
 from pd_transfer.worker import Worker
 

@@ -1,0 +1,171 @@
+"""Decode's RequestKV: held until the room is registered, checked, opened as a stream.
+
+A RequestKV for a room not registered yet is buffered for ``kv_lease_s`` (docs/failure-modes.md
+#2): a router sends both halves at once, and a loaded engine may queue the prefill half for
+seconds before its first chunk registers the room; the lease is how long either side of a
+request may wait for the other. Past it, decode gets an Abort (LeaseExpired).
+
+Opening a stream checks the RequestKV against the request (pages, tokens, path, instance)
+and its pre-grant, if any: exactly the writer's whole share, inside the peer's ring, or the
+request fails ProtocolViolation. A staged stream with a pre-grant is armed for gathers on
+the engine's thread (gathers.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pd_transfer._paths import compute_layout
+from pd_transfer.bootstrap import RankDocument
+from pd_transfer.plan import TransferPlan
+from pd_transfer.prefill.context import SenderContext
+from pd_transfer.prefill.gathers import EngineGathers
+from pd_transfer.prefill.transfer import SendTransfer, _Stream
+from pd_transfer.protocol import messages as wire
+from pd_transfer.protocol.lifecycle import Event, FailureReason, State
+from pd_transfer.staging import staged_chunk_bytes
+
+__all__ = ["MAX_EARLY_REQUESTS", "StreamOpener"]
+
+MAX_EARLY_REQUESTS = 4096
+
+
+class StreamOpener:
+    """RequestKVs, early or not, into ``_Stream``s (module docstring); worker thread."""
+
+    def __init__(self, ctx: SenderContext, transfers: Mapping[str, SendTransfer],
+                 gathers: EngineGathers) -> None:
+        """``transfers``: the endpoint's live requests by room (read only)."""
+        self._ctx = ctx
+        self._transfers = transfers
+        self._engine_gathers = gathers
+        # RequestKVs for rooms not registered yet: (peer, message, expiry) by room.
+        self._early: dict[str, list[tuple[str, wire.RequestKV, float]]] = {}
+
+    def early_count(self) -> int:
+        """RequestKVs held for unregistered rooms (``debug_counts``)."""
+        return sum(len(v) for v in self._early.values())
+
+    def take_early(self, room: str) -> None:
+        """``room`` was just registered: open the streams its early RequestKVs asked for."""
+        for peer, message, _ in self._early.pop(room, []):
+            self.on_request_kv(peer, message)
+
+    def on_request_kv(self, peer: str, message: wire.RequestKV) -> None:
+        ctx = self._ctx
+        document = ctx.peers.get(peer)
+        if document is None or document.role != "decode":
+            ctx.reject("unknown_peer", f"RequestKV from {peer}, not a known decode rank")
+            return
+        if (document.pp_rank, document.tp_rank) != (message.decode_pp_rank,
+                                                    message.decode_tp_rank):
+            ctx.reject("coord_mismatch", f"{peer} is rank {document.coord}, claims otherwise")
+            return
+        transfer = self._transfers.get(message.room)
+        if transfer is None:
+            waiting = self._early.setdefault(message.room, [])
+            if self.early_count() >= MAX_EARLY_REQUESTS:
+                ctx.reject("early_buffer_full", f"RequestKV for {message.room!r} from {peer}")
+            elif all(p != peer for p, _, _ in waiting):
+                waiting.append((peer, message, ctx.clock() + ctx.timeouts.kv_lease_s))
+            if not waiting:
+                del self._early[message.room]
+            return
+        if peer in transfer.streams:
+            return  # a re-sent RequestKV: idempotent
+        with ctx.guard(transfer):
+            self._open_stream(transfer, peer, document, message)
+
+    def expire_early(self, now: float) -> None:
+        """Abort (LeaseExpired) the early RequestKVs whose room was not registered in time."""
+        ctx = self._ctx
+        for room, waiting in list(self._early.items()):
+            for entry in [e for e in waiting if e[2] <= now]:
+                waiting.remove(entry)
+                ctx.reject("expired_early_request", f"RequestKV for unregistered {room!r}")
+                ctx.send(entry[0], wire.Abort(room=room,
+                                              reason=FailureReason.LEASE_EXPIRED.value,
+                                              detail="prefill never registered this room"))
+            if not waiting:
+                del self._early[room]
+
+    def _open_stream(
+        self, transfer: SendTransfer, peer: str, document: RankDocument, message: wire.RequestKV
+    ) -> None:
+        ctx = self._ctx
+        coord = ctx.identity.coord
+        plan = ctx.topology(document.parallelism).plan_between(coord, document.coord)
+        if plan is None:
+            ctx.reject("not_a_writer", f"{peer} asked rank {coord}, which sends it nothing")
+            return
+        layout = compute_layout(document)
+        try:
+            dst_pages = wire.expand_runs(message.dst_page_runs, document.num_pages)
+        except Exception as exc:
+            ctx.violation(transfer, peer, f"destination pages: {exc}")
+            return
+        problem = None
+        first = message.first_page
+        if (first + len(dst_pages) != transfer.total_pages
+                or message.num_tokens != transfer.num_tokens
+                or first * ctx.pool.layout.page_size >= transfer.num_tokens):
+            problem = (f"decode wants {message.num_tokens} tokens in {len(dst_pages)} pages "
+                       f"from page {first}, prefill holds {transfer.num_tokens} in "
+                       f"{transfer.total_pages}")
+        elif max(dst_pages) >= document.num_pages or len(set(dst_pages)) != len(dst_pages):
+            problem = f"destination pages outside [0, {document.num_pages}) or repeated"
+        elif message.path == "contiguous" and plan.heads.num_heads != layout.kv_heads:
+            problem = "contiguous path asked for a partial head slice"
+        elif message.path == "sliced" and not layout.is_token_major:
+            problem = (f"sliced path asked for {layout.page_format.value} pages packed "
+                       f"{layout.packing.value} (it needs token-major pages)")
+        elif message.path == "staged" and document.ring is None:
+            problem = "staged path but the decode rank published no staging ring"
+        elif transfer.instance not in (None, document.instance):
+            problem = f"decode instance {document.instance} but {transfer.instance} asked first"
+        if problem is not None:
+            ctx.violation(transfer, peer, problem)
+            return
+        transfer.instance = document.instance
+        if transfer.expected is None:
+            plans = ctx.topology(document.parallelism).plans_from(coord)
+            transfer.expected = frozenset((p.decode.pp_rank, p.decode.tp_rank) for p in plans)
+        pregrant = None
+        if message.pregrant_offset is not None and message.pregrant_bytes is not None:
+            pregrant = self._check_pregrant(transfer, peer, document, plan, len(dst_pages),
+                                            message)
+            if pregrant is None:
+                return
+        transfer.streams[peer] = _Stream(peer, document, layout, plan, message.path, dst_pages,
+                                         first_page=first, pregrant=pregrant)
+        if message.path == "staged":
+            transfer.page_ids(ctx.pool)  # now, not on the way of the first part
+            self._engine_gathers.arm(transfer, transfer.streams[peer])
+        if transfer.lifecycle.state is State.BOOTSTRAPPING:
+            transfer.transfer_deadline = ctx.clock() + ctx.timeouts.transfer_s
+            ctx.apply(transfer, Event.START)
+
+    def _check_pregrant(  # noqa: PLR0917 - private; _open_stream's checked values
+        self, transfer: SendTransfer, peer: str, document: RankDocument, plan: TransferPlan,
+        num_pages: int, message: wire.RequestKV,
+    ) -> wire.Grant | None:
+        """The RequestKV's pre-grant as part 0's Grant, if it is exactly the writer's whole
+        share inside the peer's ring of its version; a violation fails the request (None).
+        One of a ring version not in force here is no pre-grant: part 0 asks."""
+        assert message.pregrant_offset is not None and message.pregrant_bytes is not None
+        ctx = self._ctx
+        share = staged_chunk_bytes(ctx.pool.layout, plan.layers.count, num_pages,
+                                   plan.heads.num_heads)
+        ring = document.ring
+        span = f"[{message.pregrant_offset}, +{message.pregrant_bytes})"
+        if message.pregrant_bytes != share:
+            ctx.violation(transfer, peer, f"pre-grant {span} for a share of {share} bytes")
+            return None
+        if ring is not None and message.ring_version == document.ring_version and (
+                message.pregrant_offset + message.pregrant_bytes > ring.size_bytes):
+            ctx.reject("region_mismatch", f"pre-grant {span} in a {ring.size_bytes}-byte ring")
+            ctx.violation(transfer, peer, "pre-grant outside the ring")
+            return None
+        return wire.Grant(room=transfer.room, part=0, sender_id=plan.sender_id,
+                          ring_offset=message.pregrant_offset,
+                          size_bytes=message.pregrant_bytes, ring_version=message.ring_version)

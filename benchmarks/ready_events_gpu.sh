@@ -5,10 +5,10 @@
 # whose reference engine gives every part a ready event (bit-exact); then `pd-transfer
 # bench transfer` on one GPU without ready events (each gather ordered after the default
 # stream) and with them (the gather follows the fired event alone), back to back.
-# With `pipeline BEFORE_SENDER`: `pd-transfer bench pipeline` on the staged path (TP 2 -> 4,
-# one GPU), first with BEFORE_SENDER (the previous commit's transfer/pd_transfer/sender.py,
-# whose gathers wait for the default stream) in a copy of the tree, then with this tree.
-# Usage: benchmarks/ready_events_gpu.sh OUT_DIR WHEELS [pipeline BEFORE_SENDER]
+# With `pipeline BEFORE_TREE`: `pd-transfer bench pipeline` on the staged path (TP 2 -> 4,
+# one GPU), first with BEFORE_TREE (a copy of an earlier commit's transfer/ directory, e.g.
+# one whose gathers wait for the default stream), then with this tree.
+# Usage: benchmarks/ready_events_gpu.sh OUT_DIR WHEELS [pipeline BEFORE_TREE]
 set -o pipefail
 out=${1:?usage: ready_events_gpu.sh OUT_DIR WHEELS}
 wheels=${2:?WHEELS}
@@ -17,10 +17,9 @@ mkdir -p "$out"
 gpu_setup "$wheels" || exit 1
 log=$out/ready_events_gpu_$gpu${3:+_$3}.txt
 if [ "${3:-}" = pipeline ]; then
-  before=$(mktemp -d)
-  cp -r transfer "$before/" && cp "${4:?BEFORE_SENDER}" "$before/transfer/pd_transfer/sender.py"
+  before=$(realpath "${4:?BEFORE_TREE}")
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
-  for tree in "$before/transfer" "$PWD/transfer"; do
+  for tree in "$before" "$PWD/transfer"; do
     name=pipeline_gpu_${gpu}_tp2-4_$([ "$tree" = "$PWD/transfer" ] && echo after || echo before)
     echo "== $name" | tee -a "$log"
     PYTHONPATH=/tmp/site:$PWD/contract:$PWD:$tree timeout 260 python3 -m pd_transfer.cli \

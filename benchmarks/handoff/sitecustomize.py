@@ -28,7 +28,7 @@ _window = {"open": False}  # inside a recorded step (one worker per process reco
 
 PREFILL_CALLS = ("_add_part", "_progress", "_make_parts", "_take_gathered", "_use_pregrant",
                  "_try_post_staged", "_gathered", "_post", "_on_message", "_check_deadlines")
-DECODE_CALLS = ("_on_message", "_on_staged", "_progress", "_check_deadlines")
+DECODE_CALLS = ("_on_message", "_progress", "_check_deadlines")
 NIXL_CALLS = ("post", "write", "state", "send_message")
 
 
@@ -55,7 +55,8 @@ def _wrap(owner: Any, name: str, label: str, *, always: bool = False) -> None:
 def _install() -> None:
     # Imported only when asked for: every Python process on the path runs this file.
     from pd_transfer import _endpoint as endpoint  # noqa: PLC0415
-    from pd_transfer import receiver, sender  # noqa: PLC0415
+    from pd_transfer import sender  # noqa: PLC0415
+    from pd_transfer.decode import arrivals, receiver  # noqa: PLC0415
     from pd_transfer.transport import nixl  # noqa: PLC0415
 
     step = endpoint.Endpoint.step
@@ -78,6 +79,7 @@ def _install() -> None:
         _wrap(sender.PrefillSender, name, "P." + name)
     for name in DECODE_CALLS:
         _wrap(receiver.DecodeReceiver, name, "D." + name)
+    _wrap(arrivals._Arrivals, "on_staged", "D._on_staged")  # its label in earlier results
     for name in NIXL_CALLS:
         _wrap(nixl.NixlTransport, name, "nixl." + name)
     _wrap(endpoint.Endpoint, "authenticate", "authenticate")

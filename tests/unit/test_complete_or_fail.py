@@ -13,6 +13,7 @@ import json
 import pytest
 
 from pd_transfer.auth import Purpose
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.protocol.coverage import Coverage, CoverageError
 from pd_transfer.protocol.lifecycle import FailureReason, State
 from pd_transfer.protocol.messages import (
@@ -23,7 +24,6 @@ from pd_transfer.protocol.messages import (
     StagedPart,
     encode_message,
 )
-from pd_transfer.receiver import DecodeReceiver
 from tests.transfer_harness import Cluster, Request
 
 pytestmark = pytest.mark.timeout(60)

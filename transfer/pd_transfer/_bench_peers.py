@@ -30,11 +30,11 @@ import torch
 from pd_transfer._endpoint import RankIdentity, Timeouts
 from pd_transfer.auth import PeerAuth, outgoing_body
 from pd_transfer.bootstrap import GeometryDoc, RankDocument
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.layout import KVLayout, KVPool, compute_page_runs
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.protocol.messages import PartDone, StagedPart, decode_message
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.reference_model import ModelConfig, ReferenceModel
 from pd_transfer.sender import PrefillSender
 from pd_transfer.transport.base import (

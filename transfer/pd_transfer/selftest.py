@@ -36,6 +36,7 @@ from pd_transfer.bootstrap import (
     PackingName,
     PageFormatName,
 )
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.errors import TransferError
 from pd_transfer.kvdata import compute_request_source, fill_pool, verify_pool
 from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
@@ -45,7 +46,6 @@ from pd_transfer.plan import (
     compute_local_heads,
     compute_transfer_topology,
 )
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.sender import PrefillSender
 from pd_transfer.transport.nixl import NixlTransport
 from pd_transfer.worker import Worker

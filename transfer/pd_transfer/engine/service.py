@@ -51,6 +51,7 @@ from pd_transfer.bootstrap import (
     GeometryDoc,
     RankDocument,
 )
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.engine.errors import EngineBusy, EngineConfigError, RequestRejected
 from pd_transfer.engine.faults import FaultPlan, FaultyTransport
 from pd_transfer.layout import KVLayout, KVPool
@@ -59,7 +60,6 @@ from pd_transfer.pipeline import LayerPipeline, compute_chunk_plan
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.pod_peers import PodConnections
 from pd_transfer.protocol.lifecycle import RequestStatus, State
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.reference_model import ChunkForward, ModelConfig, ReferenceModel
 from pd_transfer.sender import PrefillSender
 from pd_transfer.transport.base import Transport

@@ -38,9 +38,9 @@ from pd_contract.transferagent import AgentStaging, PeerTransport
 from pd_transfer.agent.transport_probe import ProtoInfoParser, UcxLogTail, configure_environment
 from pd_transfer.auth import PeerAuth, Purpose, Unauthenticated
 from pd_transfer.bootstrap import BootstrapServer
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.errors import TransferError
 from pd_transfer.metrics import RecentFailure, RingWatermark, TransferSnapshot
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.sender import PrefillSender
 
 __all__ = [

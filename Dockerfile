@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # The pd-operator image: the kopf operator only. The `transfer` extra (torch, nixl) belongs to
 # the engine images, not here: the operator installs the project's base dependencies only.
+# The development tooling (devtools/, the `pd-dev` command) is outside the build context.
 #
 #   docker build -t pd-operator:0.1.0 .
 #

@@ -6,19 +6,21 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck crds-check unit integration down clean-venv
 
-$(STAMP): pyproject.toml
+# The project and its development tooling (devtools/: the `pd-dev` command, the test bed), a
+# distribution of its own so that no image ships it; one pip call resolves both together.
+$(STAMP): pyproject.toml devtools/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[transfer,dev]'
+	$(BIN)/pip install --quiet -e '.[transfer,dev]' -e ./devtools
 	touch $(STAMP)
 
 # Builds (once, cached outside the repository) and starts a local control plane, runs the
 # operator against it and applies the example PDDeployments.
 demo: $(STAMP)
-	$(BIN)/pd-operator demo
+	$(BIN)/pd-dev demo
 
 down: $(STAMP)
-	$(BIN)/pd-operator dev-cluster down
+	$(BIN)/pd-dev cluster down
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -35,7 +37,7 @@ crds-check: $(STAMP)
 # a real kube-apiserver + etcd + controller-manager and real NIXL agents.
 # pytest's exit code 5 (no tests collected) counts as a failure.
 test: $(STAMP) lint typecheck crds-check
-	$(BIN)/pd-operator dev-cluster build
+	$(BIN)/pd-dev cluster build
 	PD_OPERATOR_REQUIRE_VLLM=1 $(BIN)/pytest --tb=short; rc=$$?; if [ $$rc -eq 5 ]; then echo "error: no tests collected" >&2; exit 1; fi; exit $$rc
 
 unit: $(STAMP)

@@ -9,7 +9,9 @@
 # previous commit's transfer/ directory) and this tree for each round of ROUNDS (seq's
 # arguments: "2" is rounds 1 and 2, "2 2" round 2 alone; default 1). NAME names
 # the log (NAME_gpu_<gpu>.txt) and the results (bench_transfer_gpu_<gpu>_NAME_<before|after>_
-# <round>.json); benchmarks/ab_table.py prints their table.
+# <round>.json); benchmarks/ab_table.py prints their table. AB_LENGTHS (default 1024,4096)
+# and AB_COMBOS (default: the bench's own TP combinations) choose the points; where
+# BEFORE_TREE has a contract/ directory beside it, the before runs import that contract.
 # Usage: benchmarks/ab_transfer_gpu.sh NAME OUT_DIR WHEELS BEFORE_TREE [ROUNDS] [SKIP_TESTS]
 set -o pipefail
 usage="usage: ab_transfer_gpu.sh NAME OUT_DIR WHEELS BEFORE_TREE [ROUNDS] [SKIP_TESTS]"
@@ -18,6 +20,10 @@ out=${2:?$usage}
 wheels=${3:?$usage}
 before=$(realpath "${4:?$usage}")
 rounds=${5:-1}
+lengths=${AB_LENGTHS:-1024,4096}
+combos=()
+[ -n "${AB_COMBOS:-}" ] && combos=(--combos "$AB_COMBOS")
+before_contract=$(dirname "$before")/contract
 mkdir -p "$out"
 . benchmarks/gpu_setup.sh
 gpu_setup "$wheels" || exit 1
@@ -38,9 +44,11 @@ for round in $(seq $rounds); do
     result=bench_transfer_gpu_${gpu}_${name}_$([ "$tree" = "$before" ] && echo before \
       || echo after)_$round
     echo "== $result" | tee -a "$log"
-    PYTHONPATH=/tmp/site:$PWD/contract:$PWD:$tree timeout 140 python3 -m pd_transfer.cli \
-      bench transfer --device cuda --repeats 10 --waves 2 --lengths 1024,4096 \
-      --paths raw,staged --ready-events --json "$out/$result.json" 2>&1 \
+    contract=$PWD/contract
+    [ "$tree" = "$before" ] && [ -d "$before_contract" ] && contract=$before_contract
+    PYTHONPATH=/tmp/site:$contract:$PWD:$tree timeout 240 python3 -m pd_transfer.cli \
+      bench transfer --device cuda --repeats 10 --waves 2 --lengths "$lengths" \
+      "${combos[@]}" --paths raw,staged --ready-events --json "$out/$result.json" 2>&1 \
       | grep -v "NIXL INFO\|UCX  WARN" | grep "tok" | tee -a "$log"
   done
 done

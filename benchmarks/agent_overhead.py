@@ -1,7 +1,7 @@
 """Agent overhead on the data path (not a test): transfer throughput with and without the
 agent's reporter running.
 
-Real endpoints over NIXL on this machine (``pd_transfer._bench_peers``): one prefill rank in
+Real endpoints over NIXL on this machine (``pd_transfer.bench.peers``): one prefill rank in
 this process (TP 1) sending to a spawned decode process with ``--decode-tp`` ranks (staged
 path when TP differs). Each run sends ``--requests`` requests of ``--tokens`` tokens, one
 after another (transfer only: the KV is in the pool before the clock starts). Modes,
@@ -33,12 +33,12 @@ from typing import Any
 import torch
 
 from pd_contract.transferagent import AgentEndpoints, AgentStaging, PeerTransport
-from pd_transfer._bench_peers import DecodeProcess, DecodeSpec, PrefillPeer
 from pd_transfer.agent.identity import read_identity
 from pd_transfer.agent.report import Connections, ReportFacts, connections_of
 from pd_transfer.agent.reporter import Reporter, ReporterTuning
+from pd_transfer.bench.peers import DecodeProcess, DecodeSpec, PrefillPeer
 from pd_transfer.metrics import TransferSnapshot
-from pd_transfer.reference_model import ModelConfig, ReferenceModel
+from pd_transfer.reference.model import ModelConfig, ReferenceModel
 
 RESULTS = Path(__file__).parent / "results"
 MODES = ("off", "production", "stress")

@@ -41,7 +41,7 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from pd_operator.devcluster import (
+from pd_devcluster import (
     ControlPlaneHandle,
     Ports,
     service_account_kubeconfig,
@@ -49,9 +49,10 @@ from pd_operator.devcluster import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# The checkout (benchmarks.operator_scale) and the test bed (pd_testbed).
+sys.path[:0] = [str(REPO), str(REPO / "devtools")]
 from benchmarks.operator_scale import free_port  # noqa: E402
-from tests.kube_factories import make_agent  # noqa: E402
+from pd_testbed.kube_factories import make_agent  # noqa: E402
 
 GROUP, VERSION = "pd.serving.dev", "v1alpha1"
 NAME, NS = "bench", "default"

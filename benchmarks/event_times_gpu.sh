@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Where a gather's or scatter's time goes on one GPU shared by every rank process
-# (benchmarks/README.md, "Kernel turnaround on a shared GPU"), in one machine call (Python
-# 3.12 and torch preinstalled, no registry): first the GPU tests of the staging kernels and
-# of the staged path (--noconftest: the integration conftest needs the operator's
-# dependencies, which this machine lacks; these tests use none of its fixtures), and the
-# selftest's staged runs (bit-exact); then `pd-transfer bench transfer --ready-events` with
-# one request in flight throughout, with PD_EVENT_TIMES
+# (benchmarks/HISTORY.md, "Kernel turnaround inside the rank processes"), in one machine
+# call (Python 3.12 and torch preinstalled, no registry): first the GPU tests of the
+# staging kernels and of the staged path (--noconftest: the integration conftest needs the
+# operator's dependencies, which this machine lacks; these tests use none of its
+# fixtures), and the selftest's staged runs (bit-exact); then `pd-transfer bench transfer
+# --ready-events` with one request in flight throughout, with PD_EVENT_TIMES
 # (benchmarks/worker_calls/sitecustomize.py): per rank worker, each call's host enqueue,
 # its device time and when it finished as seen from the host; then `pd-transfer bench
 # pipeline` on the staged path (TP 2 -> 4). With BEFORE_TREE (a copy of an earlier commit's

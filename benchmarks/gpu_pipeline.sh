@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The layer-pipeline GPU run behind benchmarks/README.md ("Layer pipeline on GPU"), on a
+# The layer-pipeline GPU run behind benchmarks/HISTORY.md ("Layer pipeline on GPU"), on a
 # machine with one or two CUDA GPUs, Python 3.12 and torch preinstalled, no registry:
 #   1. install NIXL and the project over the preinstalled torch (wheels in .whl/);
 #   2. the GPU unit tests of the pieces the benchmark relies on;

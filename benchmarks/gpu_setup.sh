@@ -11,7 +11,7 @@ gpu_setup() {
   export PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "${1:?WHEELS}"/*.whl || return 1
-  export PYTHONPATH=/tmp/site:$PWD/contract:$PWD:$PWD/transfer
+  export PYTHONPATH=/tmp/site:$PWD/contract:$PWD:$PWD/transfer:$PWD/devtools
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o "H[0-9][0-9]*" \
     | head -1 | tr 'H' 'h')
   gpu=${gpu:-gpu}

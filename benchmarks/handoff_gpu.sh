@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where a staged request's host time goes, call by call (benchmarks/README.md, "Where a
+# Where a staged request's host time goes, call by call (benchmarks/HISTORY.md, "Where a
 # staged request's host time goes"), on one CUDA GPU (Python 3.12 and torch preinstalled, no
 # registry): `pd-transfer bench transfer --ready-events`, TP 1 -> 1, 1K tokens, 20 staged
 # requests at 1 in flight, with every call of benchmarks/handoff/sitecustomize.py recorded in

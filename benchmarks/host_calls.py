@@ -6,8 +6,9 @@
 - Planning a request on decode: what a decode rank's receiver computes for every new
   request before it sends its RequestKVs (``DecodeReceiver._bootstrap``: the KV geometry
   from the bootstrap geometry document, the transfer topology between the deployments,
-  the plans into this rank), per TP combination of the issue (16 layers × head dim 128,
-  bf16). The prefill rank computes the same topology for each RequestKV it answers.
+  the plans into this rank), per TP combination of `pd-transfer bench transfer` (16 layers
+  × head dim 128, bf16). The prefill rank computes the same topology for each RequestKV it
+  answers.
 
 Each figure is the median of ``--rounds`` rounds of ``--calls`` calls, in µs per call.
 Prints both tables; writes JSON to ``benchmarks/results/host_calls_cpu.json``.

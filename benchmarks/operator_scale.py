@@ -31,9 +31,9 @@ from typing import Any
 import yaml
 from kubernetes import client as k8s
 
+from pd_devcluster import ControlPlaneHandle, Ports, start_control_plane
 from pd_operator.api import PDDeployment
 from pd_operator.build import Capabilities, build_children
-from pd_operator.devcluster import ControlPlaneHandle, Ports, start_control_plane
 
 REPO = Path(__file__).resolve().parents[1]
 WRITE_VERBS = ("POST", "PUT", "PATCH", "DELETE")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Pre-grants on CUDA GPUs (benchmarks/README.md, "KV transfer end to end"), in one machine
+# Pre-grants on CUDA GPUs (benchmarks/HISTORY.md, "KV transfer end to end"), in one machine
 # call each (Python 3.12 and torch preinstalled, no registry):
 #   one: the GPU tests of the staging kernels and the selftest's staged runs (bit-exact),
 #        then `pd-transfer bench transfer` on one GPU with pre-grants off (every part asks

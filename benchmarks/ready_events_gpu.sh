@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Parts that carry a ready event (benchmarks/README.md, "Ready events"), in one machine call
+# Parts that carry a ready event (benchmarks/HISTORY.md, "Ready events"), in one machine call
 # (Python 3.12 and torch preinstalled, no registry): the GPU tests of the staging kernels
 # and of the staged path beside a busy engine stream, and the selftest's staged runs,
 # whose reference engine gives every part a ready event (bit-exact); then `pd-transfer

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pd_transfer.pipeline import compute_chunk_plan
-from pd_transfer.reference_model import ChunkForward, ModelConfig, ReferenceModel
+from pd_transfer.reference.model import ChunkForward, ModelConfig, ReferenceModel
 
 RESULTS = Path(__file__).parent / "results" / "reference_compute_cpu.json"
 MODEL = ModelConfig(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,

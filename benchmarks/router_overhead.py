@@ -6,13 +6,13 @@ Two measurements in one run:
   engines), so the difference is the router's own cost: parsing, picking, two upstream
   connections, relaying. `--requests` sequential requests each way, interleaved.
 - `vllm`: a real vLLM prefill and decode (CPU backend, PDTransferConnector, the tiny model
-  of `tests/e2e/vllm_harness.py`), `--repeats` prompts per length each way, interleaved
+  of `pd_testbed.vllm.model`), `--repeats` prompts per length each way, interleaved
   (direct, router, direct, ...), each request a new prompt (prefix caching is off anyway).
   The difference there is within vLLM's own run-to-run spread on 2 cores; the figure to
   read is the stand-in one, and this shows it against end-to-end latency.
 
 Run: `.venv/bin/python benchmarks/router_overhead.py [--requests 400] [--repeats 6]`.
-Needs the vLLM virtualenv for the second part (`python -m pd_operator.devcluster.vllm_env`).
+Needs the vLLM virtualenv for the second part (`python -m pd_devcluster.vllm_env`).
 Writes `benchmarks/results/router_overhead-<time>.json` and prints both tables.
 """
 
@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "devtools"))  # pd_testbed
 
-from pd_operator.devcluster.vllm_env import require_vllm_env  # noqa: E402
-from pd_transfer.router import PolicyName, Router, RouterSettings  # noqa: E402
-from tests.e2e.vllm_harness import (  # noqa: E402
+from pd_devcluster.vllm_env import require_vllm_env  # noqa: E402
+from pd_testbed.router_engines import StandInEngine, call  # noqa: E402
+from pd_testbed.vllm import (  # noqa: E402
     HttpTarget,
     ModelSpec,
     complete,
@@ -47,7 +47,7 @@ from tests.e2e.vllm_harness import (  # noqa: E402
     prompt_ids,
     running,
 )
-from tests.router_engines import StandInEngine, call  # noqa: E402
+from pd_transfer.router import PolicyName, Router, RouterSettings  # noqa: E402
 
 LENGTHS = (16, 256, 1024)
 MAX_TOKENS = 8

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Host enqueue of staging gather/scatter, this tree against an earlier one, on one CUDA GPU
-# (Python 3.12 and torch preinstalled, no registry), behind benchmarks/README.md ("Host
+# (Python 3.12 and torch preinstalled, no registry), behind benchmarks/HISTORY.md ("Host
 # enqueue"):
 #   1. install NIXL and pydantic over the preinstalled torch (wheels in WHEELS);
 #   2. the GPU staging tests of this tree (bit-exact against the torch path);

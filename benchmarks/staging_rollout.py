@@ -4,7 +4,7 @@ traffic sees meanwhile.
 On a fresh local control plane: the operator (its own process), the fake kubelet and 2
 prefill (TP 1) + 2 decode (TP 2) reference engines (real processes, real NIXL over
 loopback), with a steady load of `--rate` requests/s of `--tokens` tokens, `--concurrency`
-in flight (`tests/e2e/rollout_harness.LiveFleet`). After `--warmup-seconds`, per rollout
+in flight (`pd_testbed.rollout_harness.LiveFleet`). After `--warmup-seconds`, per rollout
 (grow the decode pool, then shrink it; maxUnavailable 1, analysisSeconds `--analysis-seconds`):
 - duration: the PDDeployment patch → `status.stagingRollout.phase` Complete;
 - requests started during it: served, failed (by reason), p50/p99 KV-ready latency;
@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "devtools"))  # pd_testbed
 
-from pd_operator.devcluster import Ports, start_control_plane  # noqa: E402
-from tests.e2e.rollout_harness import LiveFleet, live_fleet  # noqa: E402
+from pd_devcluster import Ports, start_control_plane  # noqa: E402
+from pd_testbed.rollout_harness import LiveFleet, live_fleet  # noqa: E402
 
 START, GROWN, SHRUNK = (8, 8), (16, 8), (4, 8)
 

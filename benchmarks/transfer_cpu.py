@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pd_transfer.selftest import SelftestConfig, SelftestGroup
+from pd_transfer.reference.selftest import SelftestConfig, SelftestGroup
 from pd_transfer.transport import TransferState
 from pd_transfer.transport.nixl import NixlTransport
 

@@ -1,7 +1,7 @@
 """vLLM prefill/decode on CPU (not a test): TTFT of one vLLM instance against P/D setups.
 
-Real vLLM servers (CPU backend, the vLLM virtualenv of `pd_operator.devcluster.vllm_env`),
-the tiny dummy-weight Llama of `tests/e2e/vllm_harness.py`, token-id prompts of each
+Real vLLM servers (CPU backend, the vLLM virtualenv of `pd_devcluster.vllm_env`),
+the tiny dummy-weight Llama of `pd_testbed.vllm.model`, token-id prompts of each
 `--lengths` (default 16, 128, 512, 1024, 1500), `--repeats` different prompts per length
 (prefix caching off), greedy, `--max-tokens` tokens each. Per setup and length: TTFT p50/p99
 as the client sees it (stream=True; request sent -> first streamed token; for P/D the
@@ -23,7 +23,7 @@ stop on `ctx.stack`) and returns `complete(prompt_ids) -> Sample`. `--connector 
 a name from `SETUPS` or `package.module:function` with that signature.
 
 Run: `.venv/bin/python benchmarks/vllm_pd_cpu.py [--repeats 5] [--setups single,nixl,pd_transfer]
-[--connector NAME]`. Needs the vLLM virtualenv (`python -m pd_operator.devcluster.vllm_env`).
+[--connector NAME]`. Needs the vLLM virtualenv (`python -m pd_devcluster.vllm_env`).
 Writes `benchmarks/results/vllm_pd_cpu-<time>.json` and prints a table.
 """
 
@@ -48,11 +48,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# The checkout (for `--connector package.module:function`) and the test bed (pd_testbed).
+sys.path[:0] = [str(REPO), str(REPO / "devtools")]
 
-from pd_operator.devcluster.vllm_env import VllmEnv, require_vllm_env  # noqa: E402
-from pd_transfer.router import PolicyName, Router, RouterSettings  # noqa: E402
-from tests.e2e.vllm_harness import (  # noqa: E402
+from pd_devcluster.vllm_env import VllmEnv, require_vllm_env  # noqa: E402
+from pd_testbed.vllm import (  # noqa: E402
     ModelSpec,
     VllmServer,
     complete,
@@ -64,6 +64,7 @@ from tests.e2e.vllm_harness import (  # noqa: E402
     start_servers,
     warm_up_pd,
 )
+from pd_transfer.router import PolicyName, Router, RouterSettings  # noqa: E402
 
 DEFAULT_LENGTHS = (16, 128, 512, 1024, 1500)
 

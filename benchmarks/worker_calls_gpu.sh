@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Why a gather/scatter costs the rank's worker several times the host time it costs in a
-# hot loop (benchmarks/README.md, "Host time inside the rank's worker"), on one CUDA GPU
+# hot loop (benchmarks/HISTORY.md, "Host time inside the rank's worker"), on one CUDA GPU
 # (Python 3.12 and torch preinstalled, no registry):
 #   1. `pd-transfer bench transfer` (staged, TP 1->1 and 2->4, 1K tokens) with every call of
 #      the workers timed (benchmarks/worker_calls/sitecustomize.py): the endpoints' default

@@ -2,7 +2,7 @@
 
 The rank's worker sleeps between steps (20 µs caps while data moves, to leave the GIL and
 the core to the engine's threads), and its gather/scatter calls cost 5-10x their hot-loop
-host time (benchmarks/README.md, "Host time inside the rank's worker"). This measures one
+host time (benchmarks/HISTORY.md, "Host time inside the rank's worker"). This measures one
 call's host time (``time.perf_counter`` around the call alone; the GPU kept busy by a long
 sleep kernel, so no call waits on the device) for 1K tokens of benchmarks/staging_gpu.py's
 case, when the thread before each call:

@@ -1,5 +1,5 @@
 """When each call on a staged request's host path ran, in every rank process, for
-`benchmarks/handoff_gpu.sh` (benchmarks/README.md, "Where a staged request's host time goes").
+`benchmarks/handoff_gpu.sh` (benchmarks/HISTORY.md, "Where a staged request's host time goes").
 
 Put this directory first on `PYTHONPATH` of `pd-transfer bench transfer` (its rank processes
 inherit it) and set `PD_HANDOFF_TIMES` to a directory: each rank process writes

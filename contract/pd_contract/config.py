@@ -12,6 +12,8 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pd_contract.transferagent import AgentStaging
+
 CONFIG_VERSION: Final = 1
 
 
@@ -58,6 +60,13 @@ class StagingConfig(_Frozen):
     mode: Literal["Auto", "Always", "Never"]
     prefill_buffer_mib: int = Field(ge=1)
     decode_pool_mib: int = Field(ge=1)
+
+    @property
+    def sizes(self) -> AgentStaging:
+        """The sizes as a pod allocates and reports them: the file keeps its own field names
+        (its wire form), and this is the one place they become an `AgentStaging`."""
+        return AgentStaging(decode_pool_mib=self.decode_pool_mib,
+                            prefill_buffer_mib=self.prefill_buffer_mib)
 
 
 class TimeoutsConfig(_Frozen):

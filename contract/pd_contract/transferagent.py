@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
+from typing import Final
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from pd_contract.api import APIModel
 
 __all__ = [
+    "BYTES_PER_MIB",
     "AgentEndpoints",
     "AgentStaging",
     "PeerAgents",
@@ -23,6 +25,10 @@ __all__ = [
     "TransferTime",
     "WindowCounts",
 ]
+
+
+# Staging sizes are set in MiB (decodePoolMiB, prefillBufferMiB) and allocated in bytes.
+BYTES_PER_MIB: Final = 1 << 20
 
 
 class Role(StrEnum):
@@ -41,7 +47,17 @@ class TransferFailure(APIModel):
 
 
 class AgentStaging(APIModel):
-    """Staging sizes desired for one pod."""
+    """Staging sizes of one pod, per rank, in MiB: the one shape of a staging size.
+
+    A pod allocates one of the two sizes, the one its role owns (`mib_for`): a decode pod
+    its ring (decodePoolMiB), a prefill pod its buffer (prefillBufferMiB); the other size is
+    its peers' business (a prefill pod's chunk limit follows the decode pool). Every place
+    that needs a role's size, or that size in bytes (`bytes_for`), asks this object, so the
+    operator's rollout, its status and the pods' agents and ranks agree on it. Frozen (and
+    so hashable): a size is a value; a new size is a new object.
+    """
+
+    model_config = ConfigDict(frozen=True)
 
     decode_pool_mib: int = Field(
         ge=1, alias="decodePoolMiB", description="Decode staging ring per rank, in MiB."
@@ -49,6 +65,22 @@ class AgentStaging(APIModel):
     prefill_buffer_mib: int = Field(
         ge=1, alias="prefillBufferMiB", description="Prefill staging buffer per rank, in MiB."
     )
+
+    def mib_for(self, role: Role) -> int:
+        """The MiB per rank a pod of `role` allocates: the decode ring or the prefill buffer."""
+        match Role(role):  # Role(...) refuses a string that names no role
+            case Role.DECODE:
+                return self.decode_pool_mib
+            case Role.PREFILL:
+                return self.prefill_buffer_mib
+
+    def bytes_for(self, role: Role) -> int:
+        """`mib_for(role)` in bytes: what a rank of that role allocates (1 MiB = 2**20 B)."""
+        return self.mib_for(role) * BYTES_PER_MIB
+
+    def __str__(self) -> str:
+        """The sizes as the API spells them, for messages and Events."""
+        return f"decodePoolMiB={self.decode_pool_mib}/prefillBufferMiB={self.prefill_buffer_mib}"
 
 
 class TransferAgentSpec(APIModel):

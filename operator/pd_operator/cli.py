@@ -7,8 +7,6 @@ import sys
 from collections.abc import Sequence
 
 from pd_operator import crds_cli, operator_cli
-from pd_operator.devcluster import cli as devcluster_cli
-from pd_operator.devcluster import demo_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,8 +17,6 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     crds_cli.add_parser(subparsers)
     operator_cli.add_parser(subparsers)
-    devcluster_cli.add_parser(subparsers)
-    demo_cli.add_parser(subparsers)
     return parser
 
 

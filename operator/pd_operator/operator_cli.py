@@ -46,7 +46,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: importing `handlers` registers them in kopf's default registry, which
-    # must not happen when the CLI is only loaded for `crds` or `dev-cluster`.
+    # must not happen when the CLI is only loaded for `crds`.
     import kopf  # noqa: PLC0415
 
     from pd_operator import handlers, metrics, settings  # noqa: PLC0415

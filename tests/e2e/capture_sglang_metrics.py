@@ -12,13 +12,13 @@ SGLang's disaggregation code calls them (`disaggregation/prefill.py`, `decode.py
 `observability/req_time_stats.py`); their values are this script's (`SCENARIOS`).
 
 How to run it, from the repository's root (SGLang's package imports torch and transformers; the
-cached vLLM virtualenv, built by `python -m pd_operator.devcluster.vllm_env`, has both in CPU
+cached vLLM virtualenv, built by `python -m pd_devcluster.vllm_env`, has both in CPU
 builds):
 
     pip download sglang==0.5.23 --no-deps -d SGL && unzip -q SGL/sglang-0.5.23-*.whl -d SGL/pkg
     pip install --no-deps --target SGL/extra orjson ipython traitlets gguf
-    PYTHONPATH=SGL/pkg:SGL/extra:. <vLLM venv>/bin/python -m tests.e2e.capture_sglang_metrics \\
-        tests/unit/data
+    PYTHONPATH=SGL/pkg:SGL/extra:.:devtools <vLLM venv>/bin/python \\
+        -m tests.e2e.capture_sglang_metrics tests/unit/data
 
 (`SGL/extra` holds SGLang's own imports the vLLM env lacks.) `torchvision` is replaced by an
 empty module for the import: SGLang's multimodal config helpers import it, and the CPU
@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.exposition_text import trim
+from pd_testbed.exposition_text import trim
 
 SGLANG_VERSION = "0.5.23"
 # Families kept in the captures (the mapping's, and what they are logged with).

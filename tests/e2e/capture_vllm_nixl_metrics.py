@@ -4,9 +4,9 @@ Not a test: run it by hand when the supported vLLM version changes, then review 
 `tests/unit/data/vllm_*_nixl_*.prom` and the expected statuses in
 `tests/unit/test_native_vllm.py`:
 
-    python -m tests.e2e.capture_vllm_nixl_metrics [OUT_DIR]
+    PYTHONPATH=devtools python -m tests.e2e.capture_vllm_nixl_metrics [OUT_DIR]
 
-What it does, with the cached vLLM virtualenv (`vllm_harness`), on CPU:
+What it does, with the cached vLLM virtualenv (`pd_testbed.vllm`), on CPU:
 1. writes two tiny Llamas that differ only in their KV heads (2 and 1);
 2. starts a NixlConnector prefill and decode of the 2-KV-head model, each with its own NIXL
    side channel, and captures both `/metrics` before any request ("fresh");
@@ -32,8 +32,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.e2e.exposition_text import trim
-from tests.e2e.vllm_harness import (
+from pd_testbed.exposition_text import trim
+from pd_testbed.vllm import (
     ModelSpec,
     VllmServer,
     complete,

@@ -28,15 +28,15 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
+from pd_devcluster import ControlPlaneHandle, service_account_kubeconfig
+from pd_devcluster.kubelet import FakeKubelet
+from pd_devcluster.processes import stop_process
 from pd_operator import settings
-from pd_operator.devcluster import ControlPlaneHandle, service_account_kubeconfig
-from pd_operator.devcluster.kubelet import FakeKubelet
-from pd_operator.devcluster.processes import stop_process
 from pd_operator.workqueue import QueueTuning
-from pd_transfer.load import LoadConfig, LoadReport, engines_from_agents, run_load
-from tests.e2e.rollout_harness import discover_engines
-from tests.integration.operator_runner import kopf_runner
-from tests.polling import wait_for
+from pd_testbed.operator_runner import kopf_runner
+from pd_testbed.polling import wait_for
+from pd_testbed.rollout_harness import discover_engines
+from pd_transfer.reference.load import LoadConfig, LoadReport, engines_from_agents, run_load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(300)]
 

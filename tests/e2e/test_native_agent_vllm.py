@@ -31,12 +31,14 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from pd_contract.transferagent import TransferAgentStatus
+from pd_devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.build import Capabilities
 from pd_operator.build.names import agent_service_account
-from pd_operator.devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.kube import KubeClient
 from pd_operator.reconcile import Reconciler
-from tests.e2e.vllm_harness import (
+from pd_testbed.cluster import NAME, example_body
+from pd_testbed.polling import wait_for
+from pd_testbed.vllm import (
     ModelSpec,
     VllmServer,
     complete,
@@ -50,8 +52,6 @@ from tests.e2e.vllm_harness import (
     start_servers,
     vllm_env_or_skip,
 )
-from tests.integration.cluster import NAME, example_body
-from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(900)]
 
@@ -164,7 +164,7 @@ def warm_up(prefill: VllmServer, decode: VllmServer, attempts: int = 5) -> int:
 def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
         control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient, namespace: str,
         tmp_path: Path) -> None:
-    """Guards the issue's fleet that looks Ready and serves nothing: a decode whose KV heads
+    """Guards against a fleet that looks Ready and serves nothing: a decode whose KV heads
     differ from its prefill's fails every request while /health stays 200; its pod's
     TransferAgent must say so (healthy false, failures by reason) within one report window."""
     vllm = vllm_env_or_skip()
@@ -262,7 +262,7 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
         reported_after_s = time.monotonic() - failed_at
         print(f"failures reported {reported_after_s:.1f} s after the last failed request")
         # A reading every report interval, a reporter tick a second later, then the write:
-        # ~3 s; bounded here by the report window, as the issue asks (on a loaded 2-core
+        # ~3 s; bounded here by the one report window the agent is given (on a loaded 2-core
         # machine a reading can time out and an API write be retried).
         assert reported_after_s <= WINDOW_S, reported_after_s
         assert set(failing.failures_by_reason) == {"TransferFailed"}

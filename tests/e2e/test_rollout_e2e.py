@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from kubernetes import client as k8s
 
-from pd_operator.devcluster import ControlPlaneHandle
-from tests.e2e.rollout_harness import NAME, LiveFleet, SizeFault, live_fleet
-from tests.polling import wait_for
+from pd_devcluster import ControlPlaneHandle
+from pd_testbed.polling import wait_for
+from pd_testbed.rollout_harness import NAME, LiveFleet, SizeFault, live_fleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(480)]
 

@@ -47,10 +47,11 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from pd_operator.devcluster import ControlPlaneHandle
-from pd_operator.devcluster.kubelet import FakeKubelet
-from tests.e2e.rollout_harness import OperatorProcess
-from tests.e2e.vllm_harness import (
+from pd_devcluster import ControlPlaneHandle
+from pd_devcluster.kubelet import FakeKubelet
+from pd_testbed.polling import wait_for
+from pd_testbed.rollout_harness import OperatorProcess
+from pd_testbed.vllm import (
     HttpTarget,
     VllmServer,
     complete,
@@ -60,7 +61,6 @@ from tests.e2e.vllm_harness import (
     scrape,
     vllm_env_or_skip,
 )
-from tests.polling import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(900)]
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.vllm_harness import (
+from pd_testbed.polling import wait_for
+from pd_testbed.vllm import (
     CompletionResult,
     ModelSpec,
     PdTransferServer,
@@ -40,7 +41,6 @@ from tests.e2e.vllm_harness import (
     vllm_env_or_skip,
     vllm_metric,
 )
-from tests.polling import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from pd_transfer.router import PolicyName, Router, RouterSettings
-from tests.e2e.vllm_harness import (
+from pd_testbed.vllm import (
     CompletionResult,
     HttpTarget,
     ModelSpec,
@@ -32,6 +31,7 @@ from tests.e2e.vllm_harness import (
     running,
     vllm_env_or_skip,
 )
+from pd_transfer.router import PolicyName, Router, RouterSettings
 
 pytestmark = pytest.mark.e2e
 

@@ -40,7 +40,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.vllm_harness import (
+from pd_testbed.polling import wait_for
+from pd_testbed.vllm import (
     ModelSpec,
     PdTransferServer,
     VllmServer,
@@ -53,7 +54,6 @@ from tests.e2e.vllm_harness import (
     running,
     vllm_env_or_skip,
 )
-from tests.polling import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -1,99 +1,25 @@
-"""Fixtures for tests against a real control plane (etcd + kube-apiserver v1.20 +
-kube-controller-manager), in the manner of envtest.
+"""Fixtures of the integration tests, over the control plane of `tests/conftest.py`:
 
-- `control_plane` (session): its own instance in a temp state dir on free ports, with every
-  CRD from the repository's `crds/` directory installed (a missing directory is an error).
-- `kube_client` (session): an admin `ApiClient` for it.
-- `namespace` (function): a fresh namespace `pdtest-xxxxx`, deleted afterwards.
-
-Any test that uses `control_plane` (directly or through the other two) is marked `apiserver`
-automatically. The toolchain is built once per machine; if it is missing, it is built right
-after collection, outside any test's timeout (5-9 minutes; CI runs
-`pd-operator dev-cluster build` beforehand so that never happens there).
+- `kube` (function): the operator's own API client (`pd_operator.kube`), as admin.
+- `cluster` (function): test-side reads and writes in the test's namespace.
+- `operator` (function): the operator in-process serving the test's namespace, its queue
+  tuned for reconcile tests (`RECONCILE_TUNING`: a 1 s resync); asserts it ended cleanly.
+- `reporting_operator` (function): the same, tuned for tests of the agents' reports
+  (`REPORTING_TUNING`: status-only reconciles at most once a second).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from kopf.testing import KopfRunner
 from kubernetes import client as k8s
 
-from pd_operator.devcluster import (
-    ControlPlaneHandle,
-    Ports,
-    ToolchainMissingError,
-    ensure_toolchain,
-    find_toolchain,
-    start_control_plane,
-)
+from pd_devcluster import ControlPlaneHandle
 from pd_operator.kube import KubeClient
-from tests.integration.cluster import Cluster
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CRDS_DIR = REPO_ROOT / "crds"
-_FIXTURE = "control_plane"
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that needs the control plane `apiserver`, so `-m` selects them."""
-    for item in items:
-        if _FIXTURE in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.apiserver)
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Build a missing toolchain before any test runs, so no test timeout covers the build."""
-    if not any(item.get_closest_marker("apiserver") for item in session.items):
-        return
-    try:
-        find_toolchain()
-    except ToolchainMissingError:
-        capture = session.config.pluginmanager.getplugin("capturemanager")
-        reporter = session.config.pluginmanager.getplugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line("dev-cluster toolchain incomplete: fetching/building the "
-                                "missing tools now (a full build takes 5-9 minutes, once)")
-        if capture is not None:
-            with capture.global_and_fixture_disabled():
-                ensure_toolchain()
-        else:
-            ensure_toolchain()
-
-
-@pytest.fixture(scope="session")
-def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneHandle]:
-    """A running control plane with the repository's CRDs installed; stopped at session end."""
-    if not CRDS_DIR.is_dir():
-        pytest.fail(f"CRD directory {CRDS_DIR} is missing; generate the CRDs first", pytrace=False)
-    handle = start_control_plane(tmp_path_factory.mktemp("dev-cluster"), Ports.free(), CRDS_DIR,
-                                 controller_manager=True)
-    try:
-        yield handle
-    finally:
-        handle.stop()
-
-
-@pytest.fixture(scope="session")
-def kube_client(control_plane: ControlPlaneHandle) -> Iterator[k8s.ApiClient]:
-    """Admin `ApiClient` (system:masters) for the session's control plane."""
-    with control_plane.api_client() as api:
-        yield api
-
-
-@pytest.fixture
-def namespace(kube_client: k8s.ApiClient) -> Iterator[str]:
-    """Name of a fresh namespace for one test; deleted (not awaited) afterwards."""
-    core = k8s.CoreV1Api(kube_client)
-    created = core.create_namespace(
-        k8s.V1Namespace(metadata=k8s.V1ObjectMeta(generate_name="pdtest-")))
-    assert created.metadata is not None and created.metadata.name is not None
-    name = created.metadata.name
-    try:
-        yield name
-    finally:
-        core.delete_namespace(name)
+from pd_testbed.cluster import Cluster
+from pd_testbed.operator_runner import REPORTING_TUNING, run_operator
 
 
 @pytest.fixture
@@ -110,3 +36,23 @@ def kube(control_plane: ControlPlaneHandle) -> Iterator[KubeClient]:
 def cluster(kube_client: k8s.ApiClient, kube: KubeClient, namespace: str) -> Cluster:
     """Test-side reads and writes in the test's namespace."""
     return Cluster(kube_client, kube, namespace)
+
+
+@pytest.fixture
+def operator(control_plane: ControlPlaneHandle, namespace: str,
+             monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
+    """The operator serving the test's namespace; asserts it ended without an exception."""
+    with run_operator(control_plane, namespace, monkeypatch) as runner:
+        yield runner
+    assert runner.exception is None, runner.output
+    assert runner.exit_code == 0, runner.output
+
+
+@pytest.fixture
+def reporting_operator(control_plane: ControlPlaneHandle, namespace: str,
+                       monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
+    """The operator serving the test's namespace with `REPORTING_TUNING`; asserts it ended
+    without an exception."""
+    with run_operator(control_plane, namespace, monkeypatch, REPORTING_TUNING) as runner:
+        yield runner
+    assert runner.exception is None, runner.output

@@ -17,15 +17,15 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
+from pd_devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.build import Capabilities
 from pd_operator.build.names import agent_service_account
-from pd_operator.devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.kube import KubeClient
 from pd_operator.reconcile import Reconciler
+from pd_testbed.cluster import NAME, example_body
+from pd_testbed.kube_factories import make_agent
 from pd_transfer.agent.errors import RetryableAPIError
 from pd_transfer.agent.kube import KubeAgentClient
-from tests.integration.cluster import NAME, example_body
-from tests.kube_factories import make_agent
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(60)]
 

@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
+from pd_devcluster import ControlPlaneHandle
 from pd_operator.api import PDDeployment, PDDeploymentSpec
-from pd_operator.devcluster import ControlPlaneHandle
-from tests.factories import example_pdd, make_pdd_body
-from tests.unit.test_api_crd import EXAMPLES, drop_empty
+from pd_testbed.checkout import EXAMPLES
+from pd_testbed.crd_schema import drop_empty
+from pd_testbed.factories import example_pdd, make_pdd_body
 
 GROUP, VERSION, PLURAL = "pd.serving.dev", "v1alpha1", "pddeployments"
 

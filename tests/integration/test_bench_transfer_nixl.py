@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from pd_transfer.bench_phases import DIRECT_PHASES, STAGED_PHASES
-from pd_transfer.bench_transfer import Combo, TransferBenchSettings, run_transfer_bench
+from pd_transfer.bench.phases import DIRECT_PHASES, STAGED_PHASES
+from pd_transfer.bench.transfer import Combo, TransferBenchSettings, run_transfer_bench
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(180)]
 

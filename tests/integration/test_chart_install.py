@@ -30,13 +30,13 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config import kube_config
 
+from pd_devcluster import ControlPlaneHandle, helm_path, service_account_kubeconfig
 from pd_operator import settings
 from pd_operator.api import parse_pdd
 from pd_operator.build.capabilities import Capabilities
 from pd_operator.build.children import build_children, child_key
 from pd_operator.build.names import transfer_key_name
-from pd_operator.devcluster import ControlPlaneHandle, helm_path, service_account_kubeconfig
-from tests.integration.operator_runner import kopf_runner
+from pd_testbed.operator_runner import kopf_runner
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(180)]
 

@@ -16,15 +16,15 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from pd_operator.cli import main
-from pd_operator.devcluster import (
+from pd_devcluster import (
     ControlPlaneHandle,
     Ports,
     apply_crds,
     load_handle,
     service_account_kubeconfig,
 )
-from pd_operator.devcluster.processes import is_running
+from pd_devcluster.cli import main
+from pd_devcluster.processes import is_running
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 
@@ -206,7 +206,7 @@ def test_down_stops_only_its_own_processes(
     control plane (this session's) must survive it."""
     state_dir = tmp_path / "second"
     ports = Ports.free()
-    up = ["dev-cluster", "up", "--no-controller-manager", "--state-dir", str(state_dir),
+    up = ["cluster", "up", "--no-controller-manager", "--state-dir", str(state_dir),
           "--apiserver-port", str(ports.apiserver), "--etcd-port", str(ports.etcd_client),
           "--etcd-peer-port", str(ports.etcd_peer)]
     assert main(up) == 0
@@ -217,12 +217,12 @@ def test_down_stops_only_its_own_processes(
     sleep = shutil.which("sleep") or "/bin/sleep"
     bystander = subprocess.Popen([sleep, "120"])
     try:
-        assert main(["dev-cluster", "down", "--state-dir", str(state_dir)]) == 0
+        assert main(["cluster", "down", "--state-dir", str(state_dir)]) == 0
         assert [is_running(record) for record in handle.processes] == [False, False]
         assert bystander.poll() is None
         assert control_plane.is_running()
         assert load_handle(state_dir) is None
-        assert main(["dev-cluster", "down", "--state-dir", str(state_dir)]) == 0  # idempotent
+        assert main(["cluster", "down", "--state-dir", str(state_dir)]) == 0  # idempotent
     finally:
         bystander.kill()
         bystander.wait()

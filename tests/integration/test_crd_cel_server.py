@@ -2,9 +2,10 @@
 server").
 
 The v1.20 control plane drops `x-kubernetes-validations`, so the unit tests evaluate the rules
-with cel-python. Here the same cases (imported from tests/unit/test_api_rules.py and
-test_api_naming.py) go to Kubernetes' own apiextensions-apiserver, built from Debian sid: every
-invalid case must be refused with the rule's message, every valid case and example accepted.
+with cel-python. Here the same cases (`pd_testbed.spec_cases`, the tables
+tests/unit/test_api_rules.py and test_api_naming.py judge) go to Kubernetes' own
+apiextensions-apiserver, built from Debian sid: every invalid case must be refused with the
+rule's message, every valid case and example accepted.
 That server keeps its objects in its own etcd and delegates authentication, authorization and
 namespace lookups to the session's v1.20 kube-apiserver.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import ssl
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,27 +23,34 @@ import celpy
 import pytest
 from kubernetes import client as k8s
 
-from pd_operator.api import RULES
-from pd_operator.api.rules import NAME_RULES, name_violations
-from pd_operator.devcluster import ControlPlaneHandle, Ports, apply_crds, find_toolchain
-from pd_operator.devcluster.cel_apiserver import (
+from pd_devcluster import ControlPlaneHandle, Ports, apply_crds, find_toolchain
+from pd_devcluster.cel_apiserver import (
     CEL_APISERVER_NAME,
     build_cel_apiserver_argv,
     ensure_cel_apiserver,
     find_cel_apiserver,
     read_build_record,
 )
-from pd_operator.devcluster.cluster import _http_ok, _wait_for
-from pd_operator.devcluster.components import LOOPBACK, build_etcd_argv
-from pd_operator.devcluster.errors import ToolchainMissingError
-from pd_operator.devcluster.pki import ensure_pki
-from pd_operator.devcluster.processes import spawn_daemon, stop_process
-from tests.cel_functions import KUBERNETES_FUNCTIONS
-from tests.factories import example_pdd, make_pdd_body, make_spec_dict
-from tests.integration.conftest import CRDS_DIR
-from tests.unit import test_api_naming as naming_tests
-from tests.unit.test_api_crd import EXAMPLES
-from tests.unit.test_api_rules import INVALID, MIRRORED, SPEC_SCHEMA, VALID, apply_schema_defaults
+from pd_devcluster.cluster import _http_ok, _wait_for
+from pd_devcluster.components import LOOPBACK, build_etcd_argv
+from pd_devcluster.errors import ToolchainMissingError
+from pd_devcluster.pki import ensure_pki
+from pd_devcluster.processes import spawn_daemon, stop_process
+from pd_operator.api import RULES
+from pd_operator.api.rules import NAME_RULES, name_violations
+from pd_testbed.cel_functions import KUBERNETES_FUNCTIONS
+from pd_testbed.checkout import CRDS_DIR, EXAMPLES
+from pd_testbed.crd_schema import SPEC_SCHEMA, apply_schema_defaults
+from pd_testbed.factories import example_pdd, make_pdd_body, make_spec_dict
+from pd_testbed.spec_cases import (
+    CEL_TWIN_NAMES,
+    INVALID,
+    MIRRORED,
+    NAME_44,
+    NAME_45,
+    NON_DNS_1035_NAMES,
+    VALID,
+)
 
 GROUP, VERSION, PLURAL = "pd.serving.dev", "v1alpha1", "pddeployments"
 READY_TIMEOUT_S = 90.0
@@ -58,22 +66,12 @@ if not _BUILT:
     pytestmark = pytest.mark.timeout(45 * 60)
 
 
-def _parametrized(test: Callable[..., None]) -> list[Any]:
-    """The argument values of a test's `@pytest.mark.parametrize` (one table, kept there)."""
-    marks = [m for m in getattr(test, "pytestmark", []) if m.name == "parametrize"]
-    assert len(marks) == 1, test.__name__
-    return list(marks[0].args[1])
-
-
 # (name, rule names it breaks) from the unit tests' CEL twin table, plus every name those
 # tests show refused as a non-DNS-1035 label.
 NAME_CASES: list[tuple[str, set[str]]] = [
-    *((name, set(failing))
-      for name, failing in _parametrized(naming_tests.test_cel_twin_agrees_with_python)),
-    *((name, {"name-is-dns-1035-label"})
-      for name in _parametrized(naming_tests.test_non_dns_1035_names_refused)),
+    *((name, set(failing)) for name, failing in CEL_TWIN_NAMES),
+    *((name, {"name-is-dns-1035-label"}) for name in NON_DNS_1035_NAMES),
 ]
-NAME_44, NAME_45 = naming_tests.NAME_44, naming_tests.NAME_45
 SPEC_CASES: list[tuple[str, Any, set[str]]] = [
     *((case, overrides, rules) for case, overrides, rules, _fragment in INVALID),
     *((rule, overrides, {rule}) for overrides, rule in MIRRORED),

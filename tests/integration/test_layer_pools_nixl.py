@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from pd_transfer.selftest import SelftestConfig, SelftestGroup
-from tests.integration.test_transfer_nixl import assert_waves_bit_exact
+from pd_testbed.nixl_waves import assert_waves_bit_exact
+from pd_transfer.reference.selftest import SelftestConfig, SelftestGroup
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(300)]
 

@@ -17,11 +17,8 @@ from pd_operator.api.naming import MAX_NAME_LENGTH
 from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_ROLE
 from pd_operator.kube import PODS
 from pd_operator.metrics import RECONCILES
-from tests.integration.cluster import KINDS, NAME, Cluster, example_body
-
-# The operator fixture of the reconcile tests: one definition of how a test runs it.
-from tests.integration.test_operator_reconcile import operator  # noqa: F401
-from tests.polling import wait_for
+from pd_testbed.cluster import KINDS, NAME, Cluster, example_body
+from pd_testbed.polling import wait_for
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 
@@ -50,8 +47,9 @@ def test_pods_the_statefulset_cannot_create_make_degraded_until_they_exist(
         cluster: Cluster) -> None:
     """With a `pods: 0` quota the StatefulSets' pods are refused: the PDDeployment turns
     Degraded=True/FailedCreate naming each StatefulSet and the quota refusal; once the quota
-    is deleted the pods are created and Degraded clears. Guards against issue 12 item 6
-    (docs/failure-modes.md #29): the PDDeployment said "Progressing: Creating" forever."""
+    is deleted the pods are created and Degraded clears. Guards against a child failure the
+    operator could not see (docs/failure-modes.md #29): the PDDeployment said "Progressing:
+    Creating" forever while its StatefulSets emitted FailedCreate."""
     cluster.core.create_namespaced_resource_quota(cluster.ns, k8s.V1ResourceQuota(
         metadata=k8s.V1ObjectMeta(name=QUOTA), spec=k8s.V1ResourceQuotaSpec(hard={"pods": "0"})))
     # Quota admission enforces `status.hard`, which the quota controller fills in.
@@ -90,8 +88,9 @@ def test_longest_name_gets_pods_and_one_more_character_gets_nothing(
     """A 45-character name is refused with SpecValid=False naming the 44 limit and the label
     that would not fit, and no child of any kind is created; a 44-character name gets its
     StatefulSets and their pods (the controller-revision-hash label fits). Guards against
-    issue 12 item 6 (docs/failure-modes.md #29): a long name half-created children, or
-    StatefulSets whose pods could never exist."""
+    names that passed validation yet did not fit the API's limits (docs/failure-modes.md
+    #29): a long name half-created children, or StatefulSets whose pods could never
+    exist."""
     assert MAX_NAME_LENGTH == 44
     too_long, longest = "llama-" + "x" * 39, "llama-" + "y" * 38
     assert (len(too_long), len(longest)) == (45, 44)

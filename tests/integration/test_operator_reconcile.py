@@ -9,23 +9,19 @@ is no kubelet: the tests mark pods Ready by writing their status, as lws's envte
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager
-from dataclasses import replace
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
 
-from pd_operator import settings
+from pd_devcluster import ControlPlaneHandle
 from pd_operator.api import PDDeploymentStatus
 from pd_operator.build.names import LABEL_TEMPLATE_HASH
-from pd_operator.devcluster import ControlPlaneHandle
 from pd_operator.kube import KubeClient
 from pd_operator.metrics import RECONCILES, api_writes_total
 from pd_operator.reconcile import Reconciler
-from pd_operator.workqueue import QueueTuning
-from tests.integration.cluster import (
+from pd_testbed.cluster import (
     CAPS,
     GROUP,
     NAME,
@@ -34,39 +30,12 @@ from tests.integration.cluster import (
     Cluster,
     example_body,
 )
-from tests.integration.operator_runner import kopf_runner
-from tests.polling import wait_for
+from pd_testbed.operator_runner import reconcile_successes, run_operator
+from pd_testbed.polling import wait_for
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(90)]
 
 Obj = dict[str, Any]
-
-
-@pytest.fixture
-def operator(control_plane: ControlPlaneHandle, namespace: str,
-             monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
-    """The operator serving the test's namespace; asserts it ended without an exception."""
-    with run_operator(control_plane, namespace, monkeypatch) as runner:
-        yield runner
-    assert runner.exception is None, runner.output
-    assert runner.exit_code == 0, runner.output
-
-
-def run_operator(control_plane: ControlPlaneHandle, namespace: str,
-                 monkeypatch: pytest.MonkeyPatch) -> AbstractContextManager[KopfRunner]:
-    monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig_path))
-    # monkeypatch restores the process-wide config, so no later test inherits these.
-    monkeypatch.setattr(settings, "_config", replace(
-        settings.current(),
-        kubeconfig=str(control_plane.kubeconfig_path),
-        tuning=QueueTuning(workers=2, resync_s=1.0, base_backoff_s=0.2, max_backoff_s=2.0),
-    ))
-    return kopf_runner(["run", "--standalone", "-m", "pd_operator.handlers",
-                        "--namespace", namespace], timeout=60)
-
-
-def successes() -> float:
-    return RECONCILES.labels(result="success")._value.get()
 
 
 def test_children_pods_and_status_follow_the_pddeployment(operator: KopfRunner,
@@ -115,8 +84,8 @@ def test_children_pods_and_status_follow_the_pddeployment(operator: KopfRunner,
     assert PDDeploymentStatus.model_validate(stored).to_wire() == stored
 
     # Steady state: several resync reconciles, not one write request.
-    writes, done = api_writes_total(), successes()
-    wait_for("3 more reconciles", lambda: successes() >= done + 3, timeout_s=10)
+    writes, done = api_writes_total(), reconcile_successes()
+    wait_for("3 more reconciles", lambda: reconcile_successes() >= done + 3, timeout_s=10)
     assert api_writes_total() - writes == 0
     assert cluster.status() == stored
 
@@ -209,8 +178,8 @@ def test_invalid_spec_is_reported_and_creates_nothing(operator: KopfRunner,
                 and e.involved_object.name == NAME]
 
     wait_for("a Warning Event", warning)
-    done = successes() + RECONCILES.labels(result="invalid")._value.get()
-    wait_for("2 more reconciles", lambda: successes()
+    done = reconcile_successes() + RECONCILES.labels(result="invalid")._value.get()
+    wait_for("2 more reconciles", lambda: reconcile_successes()
              + RECONCILES.labels(result="invalid")._value.get() >= done + 2, timeout_s=10)
     assert cluster.live() == {}, "an invalid PDDeployment must not get children"
 

@@ -1,7 +1,8 @@
 """Hostile peers against a real prefill process (NIXL over UCX on lo): mutated and misnamed
 transport metadata from an unauthenticated peer and from an authenticated one never reach
 NIXL's loader, the prefill process survives, and a legitimate request afterwards is
-bit-exact (docs/failure-modes.md #26; issue 12 items 1 and 2).
+bit-exact (docs/failure-modes.md #26: only authenticated peers' metadata reaches NIXL,
+bound to the name it claims).
 
 The group's prefill and decode ranks are processes (``SelftestGroup``); the attackers live in
 the test process: "mallory", a decode rank holding the deployment's key that the prefill
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from pd_testbed.transfer_harness import seal_as
 from pd_transfer._endpoint import RankIdentity
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import DTYPES, BootstrapServer, RankDocument, fetch_document
@@ -27,9 +29,8 @@ from pd_transfer.decode import DecodeReceiver
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.plan import Parallelism, RankCoord
 from pd_transfer.protocol.messages import RingUpdate, encode_message
-from pd_transfer.selftest import SelftestConfig, SelftestGroup
+from pd_transfer.reference.selftest import SelftestConfig, SelftestGroup
 from pd_transfer.transport.nixl import NixlTransport
-from tests.transfer_harness import seal_as
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(300)]
 
@@ -128,10 +129,10 @@ def _mutate(blob: bytes, at: int, value: int) -> bytes:
 
 def test_hostile_metadata_never_reaches_nixl_and_prefill_keeps_serving(
         group: SelftestGroup) -> None:
-    """Issue 12 item 1: one RingUpdate with a few metadata bytes changed made UCX abort the
-    prefill process (add_remote_agent). Item 2: metadata naming another agent changed
-    transport state before it was refused. Both from an unauthenticated peer and from an
-    authenticated one (docs/failure-modes.md #26)."""
+    """One RingUpdate with a few metadata bytes changed used to make UCX abort the prefill
+    process (add_remote_agent), and metadata naming another agent used to change transport
+    state before it was refused. Neither may happen, from an unauthenticated peer or from
+    an authenticated one (docs/failure-modes.md #26)."""
     _assert_serves_bit_exactly(group)
     assert _prefill_rejected(group) == {}
     mallory = Mallory(group)

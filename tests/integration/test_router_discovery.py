@@ -3,7 +3,7 @@ pods join the rotation when they turn Ready and leave when they turn unready or 
 deleted, each within a bounded time, and a watch the server ends is resumed.
 
 There is no kubelet: the test creates the Pods and writes their status (podIP, Ready) as a
-kubelet would. Stand-in engines (`tests/router_engines.py`) listen on loopback addresses
+kubelet would. Stand-in engines (`pd_testbed.router_engines`) listen on loopback addresses
 (127.0.0.2, 127.0.0.3, ...) that play the pods' IPs, so requests really go where the
 router's table says; real vLLM is exercised by the e2e tests.
 """
@@ -20,6 +20,8 @@ import pytest
 from kubernetes import client as k8s
 
 from pd_contract.transferagent import Role
+from pd_testbed.polling import wait_for
+from pd_testbed.router_engines import StandInEngine, call
 from pd_transfer.router import (
     DiscoveryKind,
     EndpointTable,
@@ -29,8 +31,6 @@ from pd_transfer.router import (
     Router,
     RouterSettings,
 )
-from tests.polling import wait_for
-from tests.router_engines import StandInEngine, call
 
 pytestmark = pytest.mark.timeout(120)
 

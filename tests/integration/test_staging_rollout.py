@@ -25,17 +25,13 @@ from kopf.testing import KopfRunner
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from pd_devcluster import ControlPlaneHandle
 from pd_operator.build.names import agent_service_account
-from pd_operator.devcluster import ControlPlaneHandle
-from pd_operator.rollout.executor import ANNOTATION_WRITTEN_AT
-from tests.integration.cluster import NAME, Cluster
-from tests.integration.test_transfer_health import (
-    agent_api,
-    reference_body,
-    run_operator,
-)
-from tests.kube_factories import make_agent
-from tests.polling import wait_for, wait_for_events
+from pd_operator.rollout.planner import ANNOTATION_WRITTEN_AT
+from pd_testbed.cluster import NAME, Cluster, agent_api_client, reference_body
+from pd_testbed.kube_factories import make_agent
+from pd_testbed.operator_runner import REPORTING_TUNING, run_operator
+from pd_testbed.polling import wait_for, wait_for_events
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 
@@ -195,7 +191,7 @@ class Harness:
         wait_for("the agent ServiceAccount and its RoleBinding", lambda: len([
             k for k in cluster.live() if k[3] == agent_service_account(NAME)]) == 3)
         cluster.mark_all_ready()
-        self.api = agent_api(control_plane, cluster.ns)
+        self.api = agent_api_client(control_plane, cluster.ns)
         self.fleet = Fleet()
         self.agents = {
             p["metadata"]["name"]: SimAgent(
@@ -248,14 +244,6 @@ class Harness:
 
 
 @pytest.fixture
-def operator(control_plane: ControlPlaneHandle, namespace: str,
-             monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
-    with run_operator(control_plane, namespace, monkeypatch) as runner:
-        yield runner
-    assert runner.exception is None, runner.output
-
-
-@pytest.fixture
 def harness_factory(control_plane: ControlPlaneHandle, cluster: Cluster) -> Iterator[
         Callable[..., Harness]]:
     made: list[Harness] = []
@@ -270,13 +258,14 @@ def harness_factory(control_plane: ControlPlaneHandle, cluster: Cluster) -> Iter
 
 
 def test_grow_then_shrink_rolls_out_one_pod_at_a_time(
-        operator: KopfRunner, cluster: Cluster,
+        reporting_operator: KopfRunner, cluster: Cluster,
         harness_factory: Callable[..., Harness]) -> None:
     """Grow, then shrink the decode pool over 2 prefill + 2 decode pods with maxUnavailable 1:
     each rollout completes, every agent runs the new size, never two resizing at once, and
     the steps are announced as Events. Once complete, nothing more is written. The prefill
-    pods, whose buffer never changes, are never a batch (issue 12 item 8), yet take each new
-    spec in the safe order: after the decode rings grew, before they shrink."""
+    pods, whose buffer never changes, are never a batch (a rollout skips pods whose size in
+    force does not change), yet take each new spec in the safe order: after the decode
+    rings grew, before they shrink."""
     fleet = harness_factory()
     first = fleet.wait_phase("Idle", to=OLD)
     assert first["summary"] == "4096MiB"
@@ -324,7 +313,7 @@ def test_grow_then_shrink_rolls_out_one_pod_at_a_time(
 
 
 def test_a_failing_first_batch_pauses_and_rolls_back(
-        operator: KopfRunner, cluster: Cluster,
+        reporting_operator: KopfRunner, cluster: Cluster,
         harness_factory: Callable[..., Harness]) -> None:
     """The first resized pod fails transfers at the new size: the rollout pauses and rolls
     back by itself, every pod ends at the old size, and status + a Warning Event say why."""
@@ -354,7 +343,7 @@ def test_an_operator_restart_mid_rollout_continues_where_it_was(
     """The operator stops right after the first batch's spec write; a new one finishes the
     rollout from there: no pod is written back to the old size, and it completes."""
     def operator() -> AbstractContextManager[KopfRunner]:
-        return run_operator(control_plane, namespace, monkeypatch)
+        return run_operator(control_plane, namespace, monkeypatch, REPORTING_TUNING)
 
     with operator() as runner:
         fleet = harness_factory()
@@ -381,7 +370,7 @@ def test_an_operator_restart_mid_rollout_continues_where_it_was(
 
 
 def test_a_size_below_one_chunk_is_refused_and_pods_keep_theirs(
-        operator: KopfRunner, cluster: Cluster,
+        reporting_operator: KopfRunner, cluster: Cluster,
         harness_factory: Callable[..., Harness]) -> None:
     """A decode pool below one prefill chunk never reaches a pod: the spec is refused with
     the minimum in the message (status and a Warning Event)."""

@@ -9,67 +9,28 @@ writing each report as the in-pod agent does (create the TransferAgent, then its
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
-from dataclasses import replace
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from pd_operator import settings
+from pd_devcluster import ControlPlaneHandle
 from pd_operator.build.names import TRANSFER_READY_CONDITION, agent_service_account
-from pd_operator.devcluster import ControlPlaneHandle, service_account_kubeconfig
-from pd_operator.workqueue import QueueTuning
-from tests.integration.cluster import NAME, Cluster, example_body
-from tests.integration.operator_runner import kopf_runner
-from tests.kube_factories import make_agent
-from tests.polling import wait_for
+from pd_testbed.cluster import NAME, STALE_AFTER_S, Cluster, agent_api_client, reference_body
+from pd_testbed.kube_factories import make_agent
+from pd_testbed.polling import wait_for
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 
 GROUP, VERSION, AGENTS = "pd.serving.dev", "v1alpha1", "transferagents"
 MIB = 1024 * 1024
-STALE_AFTER_S = 10  # the smallest staleAfterSeconds the API allows
 RING = {"capacityBytes": 16384 * MIB, "usedBytes": 512 * MIB, "highWaterBytes": 3000 * MIB}
 
 Obj = dict[str, Any]
-
-
-def reference_body(namespace: str) -> Obj:
-    """The example, run by the reference engine (so its pods carry the transfer gate), with
-    no router and the shortest staleness limit."""
-    body = example_body(namespace)
-    body["spec"]["engine"]["framework"] = "reference"
-    body["spec"]["router"] = {"enabled": False}
-    body["spec"]["transfer"]["health"] = {"staleAfterSeconds": STALE_AFTER_S,
-                                          "reportIntervalSeconds": 5}
-    return body
-
-
-def run_operator(control_plane: ControlPlaneHandle, namespace: str,
-                 monkeypatch: pytest.MonkeyPatch) -> AbstractContextManager[KopfRunner]:
-    monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig_path))
-    monkeypatch.setattr(settings, "_config", replace(
-        settings.current(),
-        kubeconfig=str(control_plane.kubeconfig_path),
-        tuning=QueueTuning(workers=2, resync_s=5.0, base_backoff_s=0.2, max_backoff_s=2.0,
-                           status_interval_s=1.0),
-    ))
-    return kopf_runner(["run", "--standalone", "-m", "pd_operator.handlers",
-                        "--namespace", namespace], timeout=60)
-
-
-@pytest.fixture
-def operator(control_plane: ControlPlaneHandle, namespace: str,
-             monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
-    with run_operator(control_plane, namespace, monkeypatch) as runner:
-        yield runner
-    assert runner.exception is None, runner.output
 
 
 class Agents:
@@ -107,11 +68,6 @@ class Agents:
             self.report(pod, **self.last[pod])
 
 
-def agent_api(control_plane: ControlPlaneHandle, namespace: str) -> k8s.ApiClient:
-    path = service_account_kubeconfig(control_plane, namespace, agent_service_account(NAME))
-    return k8s_config.new_client_from_config(config_file=str(path))
-
-
 def start_fleet(control_plane: ControlPlaneHandle, cluster: Cluster) -> Agents:
     """Create the PDDeployment, wait for its 4 pods and the agent identity, mark pods Ready
     and have every agent report healthy."""
@@ -121,7 +77,7 @@ def start_fleet(control_plane: ControlPlaneHandle, cluster: Cluster) -> Agents:
     wait_for("the agent ServiceAccount and its RoleBinding", lambda: len([
         k for k in cluster.live() if k[3] == agent_service_account(NAME)]) == 3)
     cluster.mark_all_ready()
-    agents = Agents(agent_api(control_plane, cluster.ns), cluster.ns, cluster.pods())
+    agents = Agents(agent_api_client(control_plane, cluster.ns), cluster.ns, cluster.pods())
     for pod in sorted(agents.pods):
         agents.report(pod)
     return agents
@@ -150,7 +106,8 @@ def refreshing(agents: Agents, pods: tuple[str, ...], probe: Callable[[], Any]) 
 
 
 def test_reports_aggregate_and_a_failing_decode_pod_turns_health_false(
-        operator: KopfRunner, control_plane: ControlPlaneHandle, cluster: Cluster) -> None:
+        reporting_operator: KopfRunner, control_plane: ControlPlaneHandle,
+        cluster: Cluster) -> None:
     """Bytes and watermarks of every pod reach status.transfer; one decode pod failing turns
     TransferHealthy False with its reason and name, its gate False and a Warning Event.
     Guards against docs/failure-modes.md #20: every pod Ready while transfers fail."""
@@ -195,7 +152,8 @@ def test_reports_aggregate_and_a_failing_decode_pod_turns_health_false(
 
 
 def test_silent_agent_turns_unknown_and_tcp_fallback_is_caught(
-        operator: KopfRunner, control_plane: ControlPlaneHandle, cluster: Cluster) -> None:
+        reporting_operator: KopfRunner, control_plane: ControlPlaneHandle,
+        cluster: Cluster) -> None:
     """A pod whose agent stops reporting becomes Unknown after staleAfterSeconds (its gate
     False ReportStale), never stale-healthy (docs/failure-modes.md #22); a pod reporting tcp while
     RDMA
@@ -228,7 +186,8 @@ def test_silent_agent_turns_unknown_and_tcp_fallback_is_caught(
 
 
 def test_gates_follow_reports_while_a_spec_update_is_refused(
-        operator: KopfRunner, control_plane: ControlPlaneHandle, cluster: Cluster) -> None:
+        reporting_operator: KopfRunner, control_plane: ControlPlaneHandle,
+        cluster: Cluster) -> None:
     """A refused spec update leaves the last valid generation's pods serving, so their
     transfer gates keep following their reports: a pod that recovers gets its gate back, a
     pod that starts failing loses it (docs/failure-modes.md #36)."""

@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from pd_operator.devcluster import ControlPlaneHandle
+from pd_devcluster import ControlPlaneHandle
 from pd_operator.kube import SECRETS
-from tests.integration.cluster import NAME, Cluster, example_body
-from tests.integration.test_operator_reconcile import run_operator, successes
-from tests.polling import wait_for
+from pd_testbed.cluster import NAME, Cluster, example_body
+from pd_testbed.operator_runner import reconcile_successes, run_operator
+from pd_testbed.polling import wait_for
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 
@@ -46,8 +46,8 @@ def test_secret_kept_rotated_and_recreated(control_plane: ControlPlaneHandle, cl
     with run_operator(control_plane, cluster.ns, monkeypatch) as runner:
         first = wait_for("the transfer key Secret", lambda: read(cluster))
         wait_for("every child", lambda: not cluster.children_match())
-        done = successes()
-        wait_for("3 more reconciles", lambda: successes() >= done + 3, timeout_s=15)
+        done = reconcile_successes()
+        wait_for("3 more reconciles", lambda: reconcile_successes() >= done + 3, timeout_s=15)
     assert runner.exception is None, runner.output
     uid, version, rotation, keys = first
     assert rotation == "0" and len(keys) == 1
@@ -60,8 +60,8 @@ def test_secret_kept_rotated_and_recreated(control_plane: ControlPlaneHandle, cl
     assert read(cluster) == first, "a reconcile wrote to the Secret"
 
     with run_operator(control_plane, cluster.ns, monkeypatch) as runner:
-        done = successes()
-        wait_for("3 reconciles after the restart", lambda: successes() >= done + 3,
+        done = reconcile_successes()
+        wait_for("3 reconciles after the restart", lambda: reconcile_successes() >= done + 3,
                  timeout_s=15)
         assert read(cluster) == first, "the restarted operator changed the Secret"
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from pd_transfer.selftest import SelftestConfig, SelftestGroup
+from pd_testbed.nixl_waves import assert_waves_bit_exact
+from pd_transfer.reference.selftest import SelftestConfig, SelftestGroup
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(300)]
 
@@ -48,26 +49,6 @@ def test_decode_kv_is_bit_exact_for_every_topology_and_path(
     topology: dict[str, object], cases: list[tuple[str, int]]
 ) -> None:
     assert_waves_bit_exact(SelftestConfig(**{**SMALL, **topology}), cases)
-
-
-def assert_waves_bit_exact(config: SelftestConfig, cases: list[tuple[str, int]]) -> None:
-    """Two requests per (mode, tokens) case over real NIXL: all Succeeded, decode's KV
-    verified bit-exact, nothing rejected, every per-request structure empty afterwards."""
-    group = SelftestGroup(config)
-    try:
-        for mode, tokens in cases:
-            specs = group.make_requests(2, mode=mode, tokens=tokens)  # type: ignore[arg-type]
-            _, results = group.run_wave(specs)
-            failed = [r for r in results if r["state"] != "Succeeded"]
-            assert not failed, (mode, tokens, failed[:2])
-            decode = [r for r in results if r["role"] == "decode"]
-            assert decode and all(r["verified"] for r in decode), (mode, tokens)
-        stats = group.stats()
-        assert all(sum(s["rejected"].values()) == 0 for s in stats)
-        for s in stats:  # every per-request structure back to empty after the waves
-            assert set(s["debug_counts"].values()) <= {0}, s
-    finally:
-        group.close()
 
 
 def test_killed_decode_rank_fails_prefill_requests_within_a_bound() -> None:

@@ -1,5 +1,6 @@
 """The in-pod agent without NIXL or an API server: identity, report building, the reporter's
-rate limiting / transitions / backoff (in-process fake API, manual clock), the UCX probe."""
+rate limiting / transitions / backoff (in-process fake API, manual clock), its staging resizes
+(and that they agree with the operator's rollout planner), the UCX probe."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ from typing import Any
 
 import pytest
 
-from pd_contract.transferagent import AgentEndpoints, AgentStaging, PeerAgents, PeerTransport
+from pd_contract.transferagent import (
+    AgentEndpoints,
+    AgentStaging,
+    PeerAgents,
+    PeerTransport,
+    Role,
+)
+from pd_operator.rollout.planner import PodRollout
+from pd_testbed.agent_fakes import POD_ENV, FakeAgentAPI
 from pd_transfer.agent.errors import IdentityError, PermanentAPIError, RetryableAPIError
 from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.report import (
@@ -38,14 +47,11 @@ from pd_transfer.agent.transport_probe import (
 from pd_transfer.metrics import RecentFailure, RingWatermark, TransferSnapshot
 
 DATA = Path(__file__).parent / "data"
-ENV = {"POD_NAME": "demo-decode-0", "POD_NAMESPACE": "ns", "POD_UID": "uid-1",
-       "POD_IP": "10.0.0.7", "NODE_NAME": "n1", "PD_DEPLOYMENT": "demo", "PD_ROLE": "decode",
-       "PD_TENSOR_PARALLEL": "2", "PD_TRANSFER_METRICS_PORT": "9400"}
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def make_identity() -> PodIdentity:
-    return read_identity(ENV, started_unix_s=1000.5)
+    return read_identity(POD_ENV, started_unix_s=1000.5)
 
 
 def make_facts(window_s: float = 10.0, ratio: float = 0.1) -> ReportFacts:
@@ -76,7 +82,7 @@ def test_identity_reads_downward_api_and_incarnation() -> None:
 
 def test_identity_error_names_every_missing_variable() -> None:
     """Guards against fixing a hand-written pod spec one variable per restart."""
-    env = {k: v for k, v in ENV.items() if k not in ("POD_UID", "POD_IP")}
+    env = {k: v for k, v in POD_ENV.items() if k not in ("POD_UID", "POD_IP")}
     env["PD_TENSOR_PARALLEL"] = "zero"
     with pytest.raises(IdentityError) as info:
         read_identity(env)
@@ -88,7 +94,7 @@ def test_identity_error_names_every_missing_variable() -> None:
 
 def test_identity_refuses_unknown_role() -> None:
     with pytest.raises(IdentityError, match="PD_ROLE='router' must be prefill or decode"):
-        read_identity(ENV | {"PD_ROLE": "router"})
+        read_identity(POD_ENV | {"PD_ROLE": "router"})
 
 
 # Report building ---------------------------------------------------------------------------------
@@ -173,51 +179,6 @@ def test_failures_caused_by_a_peer_going_away_leave_the_pod_healthy() -> None:
 
 # Reporter -----------------------------------------------------------------------------------------
 
-class FakeAPI:
-    """In-process stand-in for the API server's TransferAgent endpoints (AgentClient)."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
-        self.status_writes: list[dict[str, Any]] = []
-        self.calls: list[str] = []
-        self.fail_next: list[Exception] = []
-        self._version = 0
-
-    def _maybe_fail(self, call: str) -> None:
-        self.calls.append(call)
-        if self.fail_next:
-            raise self.fail_next.pop(0)
-
-    def _bump(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self._version += 1
-        obj["metadata"]["resourceVersion"] = str(self._version)
-        return obj
-
-    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
-        self._maybe_fail("get")
-        return self.objects.get((namespace, name))
-
-    def create(self, body: dict[str, Any]) -> dict[str, Any]:
-        self._maybe_fail("create")
-        meta = body["metadata"]
-        obj = self._bump({**body, "metadata": {**meta, "generation": 1}})
-        self.objects[(meta["namespace"], meta["name"])] = obj
-        return obj
-
-    def replace_status(self, body: dict[str, Any]) -> dict[str, Any]:
-        self._maybe_fail("replace_status")
-        meta = body["metadata"]
-        current = self.objects[(meta["namespace"], meta["name"])]
-        if meta["resourceVersion"] != current["metadata"]["resourceVersion"]:
-            raise RetryableAPIError("conflict", 409)
-        current["status"] = body["status"]
-        self.status_writes.append(body["status"])
-        return self._bump(current)
-
-    def list(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        return list(self.objects.values())
-
-
 class Source:
     def __init__(self) -> None:
         self.snaps = [make_snapshot()]
@@ -244,13 +205,13 @@ class Clock:
         return self.now
 
 
-def make_reporter(api: FakeAPI, source: Source, clock: Clock) -> Reporter:
+def make_reporter(api: FakeAgentAPI, source: Source, clock: Clock) -> Reporter:
     return Reporter(make_facts(ratio=0.1), source, api, ReporterTuning(report_interval_s=5.0),
                     clock=clock, wall=lambda: NOW, rng=random.Random(0))
 
 
 def test_first_tick_creates_the_agent_owned_by_its_pod() -> None:
-    api, source, clock = FakeAPI(), Source(), Clock()
+    api, source, clock = FakeAgentAPI(), Source(), Clock()
     reporter = make_reporter(api, source, clock)
     assert reporter.tick() is True
     obj = api.objects[("ns", "demo-decode-0")]
@@ -268,7 +229,7 @@ def test_first_tick_creates_the_agent_owned_by_its_pod() -> None:
 
 def test_writes_at_most_every_interval() -> None:
     """Guards against an agent that writes its status every tick (API server load)."""
-    api, source, clock = FakeAPI(), Source(), Clock()
+    api, source, clock = FakeAgentAPI(), Source(), Clock()
     reporter = make_reporter(api, source, clock)
     for _ in range(20):  # 20 ticks of 1 s
         reporter.tick()
@@ -279,7 +240,7 @@ def test_writes_at_most_every_interval() -> None:
 
 
 def test_health_transition_is_written_at_once_but_not_faster_than_the_gap() -> None:
-    api, source, clock = FakeAPI(), Source(), Clock()
+    api, source, clock = FakeAgentAPI(), Source(), Clock()
     reporter = make_reporter(api, source, clock)
     reporter.tick()
     clock.now += 0.5
@@ -293,7 +254,7 @@ def test_health_transition_is_written_at_once_but_not_faster_than_the_gap() -> N
 
 def test_backoff_grows_with_jitter_and_recovers() -> None:
     """The API server being down must neither spin the agent nor stop it for good."""
-    api, source, clock = FakeAPI(), Source(), Clock()
+    api, source, clock = FakeAgentAPI(), Source(), Clock()
     reporter = make_reporter(api, source, clock)
     api.fail_next = [RetryableAPIError("down", 0) for _ in range(4)]
     attempts = []
@@ -313,7 +274,7 @@ def test_backoff_grows_with_jitter_and_recovers() -> None:
 
 
 def test_permanent_error_waits_the_cap_and_conflict_rereads() -> None:
-    api, source, clock = FakeAPI(), Source(), Clock()
+    api, source, clock = FakeAgentAPI(), Source(), Clock()
     reporter = make_reporter(api, source, clock)
     api.fail_next = [PermanentAPIError("forbidden", 403)]
     reporter.tick()
@@ -329,7 +290,7 @@ def test_permanent_error_waits_the_cap_and_conflict_rereads() -> None:
 
 
 def test_recreates_a_deleted_agent() -> None:
-    api, source, clock = FakeAPI(), Source(), Clock()
+    api, source, clock = FakeAgentAPI(), Source(), Clock()
     reporter = make_reporter(api, source, clock)
     reporter.tick()
     api.objects.clear()
@@ -432,7 +393,7 @@ def test_configure_environment_respects_the_user(tmp_path: Path) -> None:
 def test_a_spec_change_resizes_and_reports_each_transition() -> None:
     """The engine's resizer runs when spec.staging differs; resizing, then the new sizes,
     stagingSince, registrationVersion and observedGeneration are written at once."""
-    api, source, clock = FakeAPI(), Source(), Clock()
+    api, source, clock = FakeAgentAPI(), Source(), Clock()
     asked: list[tuple[AgentStaging, Future[int]]] = []
 
     def resizer(staging: AgentStaging) -> Future[int]:
@@ -491,7 +452,7 @@ def test_a_spec_change_resizes_and_reports_each_transition() -> None:
 def test_a_notified_spec_resizes_at_the_next_tick_without_waiting_for_the_poll() -> None:
     """Guards the rollout's pace: a spec change pushed by the watch (`notify_spec`) starts
     the resize at the very next tick, not at the next spec poll (report interval)."""
-    api, source, clock = FakeAPI(), Source(), Clock()
+    api, source, clock = FakeAgentAPI(), Source(), Clock()
     asked: list[AgentStaging] = []
 
     def resizer(staging: AgentStaging) -> Future[int]:
@@ -561,12 +522,13 @@ def test_spec_watch_resumes_from_the_last_version_and_relists_after_410() -> Non
                                              ("prefill", "decodePoolMiB")])
 def test_a_spec_that_moves_only_the_other_roles_size_is_confirmed_at_once(
         role: str, field: str) -> None:
-    """Guards issue 12 item 8 (docs/failure-modes.md #30): a spec change that leaves the
-    size this pod allocates as it is (a decode pod's ring is decodePoolMiB, a prefill pod's
-    buffer prefillBufferMiB) is confirmed by the very next report, never through the
-    resizer, never `resizing: true`, so the rollout need not walk the pod through a resize;
-    and the status never says the new sizes before the pod has taken them."""
-    api, source, clock = FakeAPI(), Source(), Clock()
+    """Lets a rollout skip pods whose size does not change, and guards
+    docs/failure-modes.md #30: a spec change that leaves the size this pod allocates as it
+    is (a decode pod's ring is decodePoolMiB, a prefill pod's buffer prefillBufferMiB) is
+    confirmed by the very next report, never through the resizer, never `resizing: true`,
+    so the rollout need not walk the pod through a resize; and the status never says the
+    new sizes before the pod has taken them."""
+    api, source, clock = FakeAgentAPI(), Source(), Clock()
     asked: list[AgentStaging] = []
 
     def resizer(staging: AgentStaging) -> Future[int]:
@@ -606,6 +568,49 @@ def test_a_spec_that_moves_only_the_other_roles_size_is_confirmed_at_once(
     assert reporter.tick()
     assert asked == [AgentStaging.model_validate(obj["spec"]["staging"])]
     assert api.status_writes[-1]["resizing"] is True
+
+
+# The sizes a spec may ask of a pod running 8/8 MiB: neither, either or both changed.
+SPEC_SIZES = [AgentStaging(decode_pool_mib=d, prefill_buffer_mib=p)
+              for d, p in ((8, 8), (16, 8), (8, 16), (16, 16))]
+
+
+@pytest.mark.parametrize(("role", "resized"), [("decode", [False, True, False, True]),
+                                               ("prefill", [False, False, True, True])])
+def test_the_agent_resizes_exactly_the_pods_the_rollout_planner_counts_as_resizing(
+        role: str, resized: list[bool]) -> None:
+    """The pod's agent (which resizes or only confirms a spec) and the operator's rollout
+    planner (which batches, analyses and counts under maxUnavailable only resizing pods) must
+    agree on which size a role allocates: decode the ring, prefill the buffer (`resized`,
+    worked out by hand). Guards against the two sides drifting apart: the planner would count
+    a merely confirming pod against maxUnavailable, or wait on a pod that resizes as if it
+    would confirm at once."""
+    in_force = make_facts().staging
+    for spec_size, expected in zip(SPEC_SIZES, resized, strict=True):
+        api, source, clock = FakeAgentAPI(), Source(), Clock()
+        asked: list[AgentStaging] = []
+
+        def resizer(staging: AgentStaging, asked: list[AgentStaging] = asked) -> Future[int]:
+            asked.append(staging)
+            return Future()
+
+        facts = make_facts()
+        facts = replace(facts, identity=replace(facts.identity, role=role))
+        reporter = Reporter(facts, source, api, ReporterTuning(report_interval_s=5.0),
+                            clock=clock, wall=lambda: NOW, rng=random.Random(0),
+                            resizer=resizer)
+        assert reporter.tick()
+        obj = copy.deepcopy(next(iter(api.objects.values())))
+        obj["spec"]["staging"] = spec_size.to_wire()
+        obj["metadata"]["generation"] = 2
+        clock.now += 1
+        reporter.notify_spec(obj)
+        reporter.tick()
+        agent_resizes = asked == [spec_size]
+        pod = PodRollout(name="p", role=Role(role), uid="u", spec=spec_size,
+                                 reported=in_force)
+        assert (agent_resizes, pod.is_resizing) == (expected, expected), spec_size
+        assert api.status_writes[-1]["resizing"] is expected
 
 
 def test_join_resizes_gives_the_rings_version_or_the_first_ranks_error() -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pd_operator.devcluster import amx_tiles
-from pd_operator.devcluster.vllm_env import AMX_HOOK, VllmEnv, install_amx_hook
+from pd_devcluster import amx_tiles
+from pd_devcluster.vllm_env import AMX_HOOK, VllmEnv, install_amx_hook
 
 
 def _env(root: Path) -> VllmEnv:

@@ -10,16 +10,14 @@ import pytest
 
 from pd_operator.api import PDDeploymentSpec, PDDeploymentStatus, TransferAgent, parse_pdd
 from pd_operator.api.crd import all_crds, diff, pddeployment_schema, transferagent_schema
-from tests.factories import example_pdd
-from tests.unit.test_api_rules import apply_schema_defaults
-
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+from pd_testbed.checkout import CRDS_DIR, EXAMPLES
+from pd_testbed.crd_schema import apply_schema_defaults, drop_empty
+from pd_testbed.factories import example_pdd
 
 
 def test_crds_directory_matches_models() -> None:
     """Guards against editing a model without regenerating crds/ (or editing crds/ by hand)."""
-    assert diff(REPO / "crds") == ""
+    assert diff(CRDS_DIR) == ""
 
 
 @pytest.mark.parametrize("version", ["1.29", "1.32"])
@@ -75,15 +73,6 @@ def test_printer_columns_and_subresources() -> None:
     }
     assert pdd_crd["spec"]["names"]["shortNames"] == ["pdd"]
     assert "pd" in pdd_crd["spec"]["names"]["categories"]
-
-
-def drop_empty(value: Any) -> Any:
-    if isinstance(value, dict):
-        cleaned = {k: drop_empty(v) for k, v in value.items()}
-        return {k: v for k, v in cleaned.items() if v not in ({}, [])}
-    if isinstance(value, list):
-        return [drop_empty(v) for v in value]
-    return value
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])

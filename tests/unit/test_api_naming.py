@@ -21,14 +21,13 @@ from pd_operator.api.crd import pddeployment_schema
 from pd_operator.api.naming import MAX_NAME_LENGTH, name_violation
 from pd_operator.api.rules import NAME_RULES, name_violations
 from pd_operator.build import Capabilities, build_children
-from tests.cel_functions import KUBERNETES_FUNCTIONS
-from tests.factories import make_pdd
+from pd_testbed.cel_functions import KUBERNETES_FUNCTIONS
+from pd_testbed.factories import make_pdd
+from pd_testbed.spec_cases import CEL_TWIN_NAMES, NAME_44, NAME_45, NON_DNS_1035_NAMES
 
 _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 DNS_1123_SUBDOMAIN = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-NAME_44 = "a" * 38 + "-llama"  # 44 characters
-NAME_45 = "b" + NAME_44
 
 
 def cel_root(name: str) -> tuple[set[str], list[str]]:
@@ -74,7 +73,7 @@ def test_50_characters_message_matches_issue_example() -> None:
     assert "(50 characters)" in message and "(69 > 63)" in message
 
 
-@pytest.mark.parametrize("name", ["Llama", "llama.v1", "1llama", "llama-", "-llama", "ll_ama"])
+@pytest.mark.parametrize("name", NON_DNS_1035_NAMES)
 def test_non_dns_1035_names_refused(name: str) -> None:
     """Names a Service cannot carry (#29: the Service was refused after other children had
     been created): uppercase, dots, a leading digit, edge dashes, underscores."""
@@ -85,19 +84,7 @@ def test_non_dns_1035_names_refused(name: str) -> None:
                               "named after it.")
 
 
-@pytest.mark.parametrize(
-    ("name", "failing"),
-    [
-        (NAME_44, set()),
-        ("x", set()),
-        ("llama-70b", set()),
-        (NAME_45, {"name-fits-child-names"}),
-        ("d" * 63, {"name-fits-child-names"}),
-        ("Llama", {"name-is-dns-1035-label"}),
-        ("llama.v1", {"name-is-dns-1035-label"}),
-        ("9llama", {"name-is-dns-1035-label"}),
-    ],
-)
+@pytest.mark.parametrize(("name", "failing"), CEL_TWIN_NAMES)
 def test_cel_twin_agrees_with_python(name: str, failing: set[str]) -> None:
     """The CRD's root CEL rules refuse exactly what the operator refuses (#29; the 1.20 test
     API server drops CEL, so cel-python evaluates it)."""

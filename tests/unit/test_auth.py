@@ -1,7 +1,7 @@
 """Authenticated peers (docs/failure-modes.md #26): the transfer key file, the HMAC frames,
 signed bootstrap documents, the NIXL metadata checks, and the endpoints' counted rejections.
 
-Loopback endpoints stepped by hand (``tests.transfer_harness``); no NIXL process is started.
+Loopback endpoints stepped by hand (``pd_testbed.transfer_harness``); no NIXL process is started.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pd_testbed.transfer_harness import TEST_AUTH, Cluster, Request, seal_as
 from pd_transfer.auth import (
     FRAME_MAGIC,
     AuthKeyError,
@@ -23,14 +24,13 @@ from pd_transfer.auth import (
 )
 from pd_transfer.bootstrap import DOCUMENT_VERSION, open_document, seal_document
 from pd_transfer.decode import DecodeReceiver
-from pd_transfer.engine.errors import EngineConfigError
-from pd_transfer.engine.main import load_auth
 from pd_transfer.errors import BootstrapError, TransportError
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.protocol.messages import PROTOCOL_VERSION, Release, RingUpdate, encode_message
+from pd_transfer.reference.engine.errors import EngineConfigError
+from pd_transfer.reference.engine.main import load_auth
 from pd_transfer.transport import LoopbackTransport, Transport
 from pd_transfer.transport.nixl_metadata import parse_nixl_metadata
-from tests.transfer_harness import TEST_AUTH, Cluster, Request, seal_as
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -294,7 +294,7 @@ def _assert_finishes_bit_exactly(cluster: Cluster, request: Request) -> None:
 
 
 def test_a_ring_update_naming_another_agent_changes_no_transport_state() -> None:
-    """docs/failure-modes.md #26 (issue item 2): an authenticated decode peer sends a
+    """docs/failure-modes.md #26: an authenticated decode peer sends a
     RingUpdate carrying the victim's metadata; before, the sender loaded it (evicting or
     re-registering the victim) and only then compared names. Now nothing changes: the
     victim's connection and request finish bit-exactly."""
@@ -326,7 +326,7 @@ def test_a_second_document_for_a_connected_agent_replaces_nothing() -> None:
 
 
 def test_a_document_naming_another_agents_metadata_changes_no_transport_state() -> None:
-    """docs/failure-modes.md #26 (issue item 2): a document for a new agent whose metadata
+    """docs/failure-modes.md #26: a document for a new agent whose metadata
     names a connected victim. Before, ``_connect`` loaded it (replacing the victim's entry)
     and then removed the victim; now it is refused before the transport sees it."""
     cluster, request, mallory, victim = _victim_in_flight()

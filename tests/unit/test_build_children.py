@@ -13,47 +13,8 @@ from pd_operator.build import Capabilities, build_children, child_key
 from pd_operator.build.config import build_transfer_config
 from pd_operator.build.meta import desired_hash
 from pd_operator.build.names import LABEL_TEMPLATE_HASH
-from tests.factories import example_pdd, make_pdd
-from tests.unit.test_api_crd import EXAMPLES
-
-OWNER = {
-    "apiVersion": "pd.serving.dev/v1alpha1",
-    "kind": "PDDeployment",
-    "name": "tiny",
-    "uid": "uid-1",
-    "controller": True,
-    "blockOwnerDeletion": True,
-}
-
-
-def labels(component: str, **extra: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "pd-deployment",
-        "app.kubernetes.io/instance": "tiny",
-        "app.kubernetes.io/component": component,
-        "app.kubernetes.io/part-of": "pd-operator",
-        "app.kubernetes.io/managed-by": "pd-operator",
-        "pd.serving.dev/deployment": "tiny",
-        **extra,
-    }
-
-
-def tiny(**overrides: Any) -> PDDeployment:
-    pdd = make_pdd(
-        "tiny",
-        "serving",
-        **{
-            "model": {"name": "tiny", "source": "/models/tiny", "numLayers": 4,
-                      "numKVHeads": 2, "headDim": 8},
-            "engine": {"framework": "reference", "image": "pd-operator/reference-engine:0.1.0"},
-            "prefill": {"replicas": 1, "parallelism": {"tensor": 1}},
-            "decode": {"replicas": 2, "parallelism": {"tensor": 2}},
-            "network": {"rdma": {"enabled": False, "required": False}},
-            **overrides,
-        },
-    )
-    pdd.metadata.uid = "uid-1"
-    return pdd
+from pd_testbed.checkout import EXAMPLES
+from pd_testbed.factories import TINY_OWNER, example_pdd, tiny_labels, tiny_pdd
 
 
 def by_key(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -67,7 +28,7 @@ def strip_hash(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_decode_statefulset_whole_object() -> None:
-    sts = by_key(build_children(tiny(), Capabilities()))[("StatefulSet", "tiny-decode")]
+    sts = by_key(build_children(tiny_pdd(), Capabilities()))[("StatefulSet", "tiny-decode")]
     template_hash = sts["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH]
     config_hash = sts["spec"]["template"]["metadata"]["annotations"][
         "pd.serving.dev/transfer-config-hash"
@@ -78,8 +39,8 @@ def test_decode_statefulset_whole_object() -> None:
         "metadata": {
             "name": "tiny-decode",
             "namespace": "serving",
-            "labels": labels("decode", **{"pd.serving.dev/role": "decode"}),
-            "ownerReferences": [OWNER],
+            "labels": tiny_labels("decode", **{"pd.serving.dev/role": "decode"}),
+            "ownerReferences": [TINY_OWNER],
         },
         "spec": {
             "replicas": 2,
@@ -90,7 +51,7 @@ def test_decode_statefulset_whole_object() -> None:
             "updateStrategy": {"type": "RollingUpdate"},
             "template": {
                 "metadata": {
-                    "labels": labels("decode", **{"pd.serving.dev/role": "decode",
+                    "labels": tiny_labels("decode", **{"pd.serving.dev/role": "decode",
                                                   LABEL_TEMPLATE_HASH: template_hash}),
                     "annotations": {"pd.serving.dev/transfer-config-hash": config_hash},
                 },
@@ -176,7 +137,7 @@ def test_decode_statefulset_whole_object() -> None:
 
 
 def test_children_and_apply_order() -> None:
-    keys = [child_key(c) for c in build_children(tiny(), Capabilities())]
+    keys = [child_key(c) for c in build_children(tiny_pdd(), Capabilities())]
     assert keys == [
         ("v1", "ServiceAccount", "serving", "tiny-transfer-agent"),
         ("rbac.authorization.k8s.io/v1", "Role", "serving", "tiny-transfer-agent"),
@@ -191,19 +152,19 @@ def test_children_and_apply_order() -> None:
         ("policy/v1", "PodDisruptionBudget", "serving", "tiny-prefill"),
         ("policy/v1", "PodDisruptionBudget", "serving", "tiny-decode"),
     ]
-    without_pdb = [child_key(c)[1] for c in build_children(tiny(), Capabilities(False))]
+    without_pdb = [child_key(c)[1] for c in build_children(tiny_pdd(), Capabilities(False))]
     assert "PodDisruptionBudget" not in without_pdb
 
 
 def test_every_child_is_owned_and_labelled() -> None:
-    for child in build_children(tiny(router={"enabled": True, "image": "r:1"}), Capabilities()):
-        assert child["metadata"]["ownerReferences"] == [OWNER]
+    for child in build_children(tiny_pdd(router={"enabled": True, "image": "r:1"}), Capabilities()):
+        assert child["metadata"]["ownerReferences"] == [TINY_OWNER]
         assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pd-operator"
         assert child["metadata"]["labels"]["pd.serving.dev/deployment"] == "tiny"
 
 
 def test_agent_role_is_least_privilege() -> None:
-    role = by_key(build_children(tiny(), Capabilities()))[("Role", "tiny-transfer-agent")]
+    role = by_key(build_children(tiny_pdd(), Capabilities()))[("Role", "tiny-transfer-agent")]
     assert role["rules"] == [
         {"apiGroups": ["pd.serving.dev"], "resources": ["transferagents"],
          "verbs": ["get", "list", "watch", "create", "update", "patch"]},
@@ -213,7 +174,7 @@ def test_agent_role_is_least_privilege() -> None:
 
 
 def test_headless_services_publish_not_ready_pods() -> None:
-    svc = by_key(build_children(tiny(), Capabilities()))[("Service", "tiny-prefill")]
+    svc = by_key(build_children(tiny_pdd(), Capabilities()))[("Service", "tiny-prefill")]
     assert svc["spec"] == {
         "clusterIP": "None",
         "publishNotReadyAddresses": True,
@@ -227,7 +188,7 @@ def test_headless_services_publish_not_ready_pods() -> None:
 
 
 def test_transfer_config_in_configmap() -> None:
-    cm = by_key(build_children(tiny(), Capabilities()))[("ConfigMap", "tiny-transfer")]
+    cm = by_key(build_children(tiny_pdd(), Capabilities()))[("ConfigMap", "tiny-transfer")]
     config = json.loads(cm["data"]["transfer.json"])
     assert config["version"] == 1
     assert config["model"] == {"num_layers": 4, "num_kv_heads": 2, "head_dim": 8,
@@ -250,8 +211,8 @@ def template_hashes(pdd: PDDeployment) -> dict[str, str]:
 
 def test_staging_size_change_does_not_roll_pods() -> None:
     """Guards against restarting engines (minutes of model loading) for a pool resize."""
-    before = tiny()
-    after = tiny(transfer={"staging": {"decodePoolMiB": 8192, "prefillBufferMiB": 4096}})
+    before = tiny_pdd()
+    after = tiny_pdd(transfer={"staging": {"decodePoolMiB": 8192, "prefillBufferMiB": 4096}})
     assert template_hashes(before) == template_hashes(after)
     assert build_transfer_config(after).staging.decode_pool_mib == 8192
 
@@ -266,21 +227,21 @@ def test_staging_size_change_does_not_roll_pods() -> None:
     ids=["image", "layer-pipeline", "timeouts"],
 )
 def test_relevant_change_rolls_pods(change: dict[str, Any]) -> None:
-    before, after = template_hashes(tiny()), template_hashes(tiny(**change))
+    before, after = template_hashes(tiny_pdd()), template_hashes(tiny_pdd(**change))
     assert before.keys() == after.keys()
     assert all(before[name] != after[name] for name in before)
 
 
 def test_replica_change_does_not_roll_pods() -> None:
     """Guards against restarting every engine when a role is scaled (e.g. by an autoscaler)."""
-    before = template_hashes(tiny())
-    after = template_hashes(tiny(decode={"replicas": 5, "parallelism": {"tensor": 2}},
+    before = template_hashes(tiny_pdd())
+    after = template_hashes(tiny_pdd(decode={"replicas": 5, "parallelism": {"tensor": 2}},
                                  prefill={"replicas": 3}))
     assert before == after
 
 
 def test_rdma_resources_multus_and_ucx_env() -> None:
-    pdd = tiny(network={"rdma": {"enabled": True, "resourceName": "rdma/rdma_shared_device_a",
+    pdd = tiny_pdd(network={"rdma": {"enabled": True, "resourceName": "rdma/rdma_shared_device_a",
                                  "resourceCount": 2, "ibDevices": ["mlx5_0:1", "mlx5_3:1"],
                                  "networks": ["net-a", "infra/net-b"]}},
                transfer={"transport": {"ucxTransports": ["rc", "cuda_copy"]}})
@@ -298,7 +259,7 @@ def test_rdma_resources_multus_and_ucx_env() -> None:
 
 
 def test_colocation_and_gang_scheduling() -> None:
-    pdd = tiny(placement={"colocationTopologyKey": "example.com/nvlink-domain",
+    pdd = tiny_pdd(placement={"colocationTopologyKey": "example.com/nvlink-domain",
                           "required": True, "gang": {"enabled": True}})
     pod = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")][
         "spec"]["template"]
@@ -313,7 +274,7 @@ def test_colocation_and_gang_scheduling() -> None:
 
 
 def test_sglang_command_and_router() -> None:
-    pdd = tiny(engine={"framework": "sglang", "image": "lmsysorg/sglang:latest"},
+    pdd = tiny_pdd(engine={"framework": "sglang", "image": "lmsysorg/sglang:latest"},
                model={"name": "tiny", "source": "/models/tiny", "numLayers": 4,
                       "numKVHeads": 2, "headDim": 8, "kvDtype": "fp8_e4m3"},
                router={"enabled": True, "image": "lmsysorg/sglang:latest",
@@ -347,7 +308,7 @@ def test_vllm_router_watches_the_engine_pods_with_least_privilege() -> None:
     finds engines by watching pods (so an engine whose readiness gate turns False leaves
     the rotation), may only list and watch pods, and is ready only with engines of both
     roles."""
-    pdd = tiny(engine={"framework": "vllm", "image": "engine:1", "port": 8000},
+    pdd = tiny_pdd(engine={"framework": "vllm", "image": "engine:1", "port": 8000},
                router={"enabled": True, "image": "engine:1", "policy": "least-load"})
     children = by_key(build_children(pdd, Capabilities()))
     pod = children[("Deployment", "tiny-router")]["spec"]["template"]["spec"]
@@ -396,7 +357,7 @@ def test_vllm_router_watches_the_engine_pods_with_least_privilege() -> None:
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tiny-router",
                                     "namespace": "serving"}]
     assert ("ServiceAccount", "tiny-router") in children
-    native = tiny(engine={"framework": "vllm", "image": "engine:1", "port": 8000},
+    native = tiny_pdd(engine={"framework": "vllm", "image": "engine:1", "port": 8000},
                   transfer={"backend": "EngineNative"},
                   router={"enabled": True, "image": "engine:1"})
     env = by_key(build_children(native, Capabilities()))[("Deployment", "tiny-router")][
@@ -406,7 +367,7 @@ def test_vllm_router_watches_the_engine_pods_with_least_privilege() -> None:
 
 
 def test_vllm_command() -> None:
-    pdd = tiny(engine={"framework": "vllm", "image": "vllm/vllm-openai:latest", "port": 8000})
+    pdd = tiny_pdd(engine={"framework": "vllm", "image": "vllm/vllm-openai:latest", "port": 8000})
     sts = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")]
     pod = sts["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -432,7 +393,7 @@ def test_vllm_command() -> None:
 def test_vllm_engine_native_command_and_transfer_agent_sidecar() -> None:
     """EngineNative: vLLM's NixlConnector, and the transfer-agent sidecar that reports it
     (the whole container). Only the sidecar gets an API token; the engine none."""
-    pdd = tiny(engine={"framework": "vllm", "image": "vllm/vllm-openai:latest", "port": 8000},
+    pdd = tiny_pdd(engine={"framework": "vllm", "image": "vllm/vllm-openai:latest", "port": 8000},
                transfer={"backend": "EngineNative"})
     children = by_key(build_children(pdd, Capabilities(agent_image="agent:9")))
     pod = children[("StatefulSet", "tiny-decode")]["spec"]["template"]["spec"]
@@ -509,12 +470,12 @@ def test_every_engine_pod_carries_the_transfer_gate_and_someone_sets_it() -> Non
 
     gate = [{"conditionType": "pd.serving.dev/transfer-ready"}]
     for pdd, reporter in (
-            (tiny(), "engine"),
-            (tiny(engine={"framework": "sglang", "image": "lmsysorg/sglang:latest"}),
+            (tiny_pdd(), "engine"),
+            (tiny_pdd(engine={"framework": "sglang", "image": "lmsysorg/sglang:latest"}),
              "transfer-agent"),
-            (tiny(engine={"framework": "vllm", "image": "v"},
+            (tiny_pdd(engine={"framework": "vllm", "image": "v"},
                   transfer={"backend": "EngineNative"}), "transfer-agent"),
-            (tiny(engine={"framework": "vllm", "image": "v"}), "engine")):
+            (tiny_pdd(engine={"framework": "vllm", "image": "v"}), "engine")):
         spec = pod(pdd)
         assert spec["readinessGates"] == gate
         assert [c["name"] for c in spec["containers"]][-1] == reporter
@@ -524,7 +485,7 @@ def test_engine_network_policy_whole_object() -> None:
     """Guards against engine, bootstrap and metrics ports open to every pod of the cluster
     (docs/failure-modes.md #26): own pods on every port (UCX/TCP picks ports at run time),
     the scraper on HTTP and transfer metrics, listed HTTP clients on HTTP only."""
-    pdd = tiny(network={"rdma": {"enabled": False, "required": False},
+    pdd = tiny_pdd(network={"rdma": {"enabled": False, "required": False},
                         "policy": {"httpClients": [{"namespaceLabels": {"team": "gw"}}]}})
     policy = by_key(build_children(pdd, Capabilities()))[("NetworkPolicy", "tiny-decode")]
     assert strip_hash(policy) == {
@@ -533,8 +494,8 @@ def test_engine_network_policy_whole_object() -> None:
         "metadata": {
             "name": "tiny-decode",
             "namespace": "serving",
-            "labels": labels("decode", **{"pd.serving.dev/role": "decode"}),
-            "ownerReferences": [OWNER],
+            "labels": tiny_labels("decode", **{"pd.serving.dev/role": "decode"}),
+            "ownerReferences": [TINY_OWNER],
         },
         "spec": {
             "podSelector": {"matchLabels": {"pd.serving.dev/deployment": "tiny",
@@ -559,7 +520,7 @@ def test_engine_network_policy_whole_object() -> None:
 
 def test_router_network_policy_opens_only_its_serving_port() -> None:
     """Guards against a router policy that blocks clients or opens more than the front door."""
-    pdd = tiny(router={"enabled": True, "image": "r:1", "port": 8080})
+    pdd = tiny_pdd(router={"enabled": True, "image": "r:1", "port": 8080})
     policy = by_key(build_children(pdd, Capabilities()))[("NetworkPolicy", "tiny-router")]
     assert policy["spec"] == {
         "podSelector": {"matchLabels": {"pd.serving.dev/deployment": "tiny",
@@ -571,7 +532,7 @@ def test_router_network_policy_opens_only_its_serving_port() -> None:
 
 def test_network_policies_can_be_turned_off() -> None:
     """Guards against no escape for clusters whose own policies already govern the pods."""
-    pdd = tiny(network={"rdma": {"enabled": False, "required": False},
+    pdd = tiny_pdd(network={"rdma": {"enabled": False, "required": False},
                         "policy": {"enabled": False}})
     kinds = [c["kind"] for c in build_children(pdd, Capabilities())]
     assert "NetworkPolicy" not in kinds
@@ -580,7 +541,7 @@ def test_network_policies_can_be_turned_off() -> None:
 def test_token_is_mounted_only_where_the_agent_uses_it() -> None:
     """Guards against a ServiceAccount token in pods that never call the API server: SGLang
     and vLLM pods run no agent, and the router is given every engine URL."""
-    pdd = tiny(engine={"framework": "sglang", "image": "lmsysorg/sglang:v0.4"},
+    pdd = tiny_pdd(engine={"framework": "sglang", "image": "lmsysorg/sglang:v0.4"},
                router={"enabled": True, "image": "r:1"})
     children = by_key(build_children(pdd, Capabilities()))
     sts = children[("StatefulSet", "tiny-prefill")]["spec"]["template"]["spec"]

@@ -1,7 +1,7 @@
 """The Helm chart `charts/pd-operator`: lint, render, validate against Kubernetes' own schemas,
 least-privilege RBAC, the values schema, and CRDs in sync with the API models.
 
-Needs the helm binary of the dev-cluster toolchain (`pd-operator dev-cluster build` fetches it;
+Needs the helm binary of the dev-cluster toolchain (`pd-dev cluster build` fetches it;
 CI runs that before the tests). Without it these tests fail and say how to get it: a skipped
 chart test would let a broken chart through. No API server is involved.
 """
@@ -19,16 +19,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pd_devcluster import ToolchainMissingError, helm_path
 from pd_operator.api import crd
 from pd_operator.build.rbac import build_role
 from pd_operator.cli import build_parser
-from pd_operator.devcluster import ToolchainMissingError, helm_path
-from tests.factories import make_pdd
+from pd_testbed.checkout import CHART_DIR, CHART_RELEASE, CHART_RELEASE_NAMESPACE
+from pd_testbed.factories import make_pdd
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CHART = REPO_ROOT / "charts" / "pd-operator"
-RELEASE = "pdo"
-RELEASE_NAMESPACE = "pd-system"
 FULLNAME = "pdo-pd-operator"
 KUBERNETES_VERSIONS = ("1.29", "1.32")
 # Kinds that are not part of Kubernetes itself, so kubernetes-validate has no schema for them.
@@ -98,8 +95,8 @@ def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def render(helm: Path, *args: str) -> list[dict[str, Any]]:
     """`helm template` with the CRDs; the objects in rendering order."""
-    result = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
-                      "--include-crds", *args)
+    result = run_helm(helm, "template", CHART_RELEASE, str(CHART_DIR), "--namespace",
+                      CHART_RELEASE_NAMESPACE, "--include-crds", *args)
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
@@ -131,7 +128,7 @@ def value_set(request: pytest.FixtureRequest, full_values_file: Path) -> list[st
 
 
 def test_chart_lints_strictly(helm: Path, value_set: list[str]) -> None:
-    result = run_helm(helm, "lint", "--strict", str(CHART), *value_set)
+    result = run_helm(helm, "lint", "--strict", str(CHART_DIR), *value_set)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
 
@@ -257,7 +254,7 @@ def test_cluster_wide_rbac_is_exactly_the_operator_permission_list(helm: Path) -
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                   "name": FULLNAME}
     assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": FULLNAME, "namespace": RELEASE_NAMESPACE}]
+        {"kind": "ServiceAccount", "name": FULLNAME, "namespace": CHART_RELEASE_NAMESPACE}]
 
 
 def test_namespaced_rbac_grants_nothing_cluster_wide(helm: Path, full_values_file: Path) -> None:
@@ -275,7 +272,7 @@ def test_namespaced_rbac_grants_nothing_cluster_wide(helm: Path, full_values_fil
         assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                       "name": FULLNAME}
         assert binding["subjects"] == [
-            {"kind": "ServiceAccount", "name": "pd-op", "namespace": RELEASE_NAMESPACE}]
+            {"kind": "ServiceAccount", "name": "pd-op", "namespace": CHART_RELEASE_NAMESPACE}]
 
 
 def test_operator_holds_every_permission_it_grants_the_transfer_agent(helm: Path) -> None:
@@ -331,13 +328,13 @@ def test_metrics_off_turns_the_endpoint_and_the_service_off(helm: Path) -> None:
 def test_values_schema_refuses_invalid_values_naming_the_field(
     helm: Path, override: str, message: str
 ) -> None:
-    result = run_helm(helm, "template", RELEASE, str(CHART), "--set", override)
+    result = run_helm(helm, "template", CHART_RELEASE, str(CHART_DIR), "--set", override)
     assert result.returncode != 0
     assert message in result.stderr
 
 
 def test_service_monitor_without_metrics_is_refused(helm: Path) -> None:
-    result = run_helm(helm, "template", RELEASE, str(CHART),
+    result = run_helm(helm, "template", CHART_RELEASE, str(CHART_DIR),
                       "--set", "serviceMonitor.enabled=true", "--set", "metrics.enabled=false")
     assert result.returncode != 0
     assert "serviceMonitor.enabled needs metrics.enabled" in result.stderr
@@ -358,8 +355,8 @@ def _leaf_paths(values: Any, schema: dict[str, Any], defs: dict[str, Any],
 
 
 def test_values_schema_describes_every_default_value() -> None:
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
     assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
     assert schema["additionalProperties"] is False
     undescribed = [path for path, node in _leaf_paths(values, schema, schema["definitions"])
@@ -370,7 +367,7 @@ def test_values_schema_describes_every_default_value() -> None:
 def test_values_yaml_documents_every_value() -> None:
     """Every top-level key has a comment right above it; in a section without one (`image:`),
     every key of the section has its own. Guards against an undocumented knob."""
-    lines = (CHART / "values.yaml").read_text().splitlines()
+    lines = (CHART_DIR / "values.yaml").read_text().splitlines()
 
     def documented(index: int) -> bool:
         return index > 0 and lines[index - 1].lstrip().startswith("#")
@@ -396,8 +393,8 @@ def test_chart_crds_are_the_generated_crds() -> None:
     """The chart installs the CRDs from its own crds/ directory; they must be byte-for-byte what
     `pd-operator crds` generates. Regenerate with
     `pd-operator crds --write charts/pd-operator/crds`."""
-    assert crd.diff(CHART / "crds") == ""
-    assert sorted(path.name for path in (CHART / "crds").iterdir()) == sorted(
+    assert crd.diff(CHART_DIR / "crds") == ""
+    assert sorted(path.name for path in (CHART_DIR / "crds").iterdir()) == sorted(
         crd.crd_filename(c) for c in crd.all_crds())
 
 
@@ -409,6 +406,7 @@ def test_rbac_and_service_account_can_be_brought_by_the_user(helm: Path) -> None
                              "RoleBinding"})
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "my-operator"
-    result = run_helm(helm, "template", RELEASE, str(CHART), "--set", "serviceAccount.create=false")
+    result = run_helm(helm, "template", CHART_RELEASE, str(CHART_DIR), "--set",
+                      "serviceAccount.create=false")
     assert result.returncode != 0
     assert "serviceAccount.name is required when serviceAccount.create is false" in result.stderr

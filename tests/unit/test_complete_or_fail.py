@@ -1,9 +1,11 @@
 """Complete or fail: a request succeeds only when every cell its plan promised landed once.
 
-Issue 12 items 3-5, reproduced over the loopback transport: a writer (the real prefill
-agent's transport, so the messages pass the sender checks) sends forged notifications and
-the endpoints must refuse to complete; an engine that sends too little fails on prefill;
-hostile messages in a step never skip the rest of the batch or the deadlines.
+Reproduced over the loopback transport, from the bugs a hostile peer found (success counted
+by parts, integers without an upper bound, decoder exceptions that escaped the worker's
+step): a writer (the real prefill agent's transport, so the messages pass the sender
+checks) sends forged notifications and the endpoints must refuse to complete; an engine
+that sends too little fails on prefill; hostile messages in a step never skip the rest of
+the batch or the deadlines.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 
 import pytest
 
+from pd_testbed.transfer_harness import Cluster, Request
 from pd_transfer.auth import Purpose
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.protocol.coverage import Coverage, CoverageError
@@ -24,7 +27,6 @@ from pd_transfer.protocol.messages import (
     StagedPart,
     encode_message,
 )
-from tests.transfer_harness import Cluster, Request
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,7 +72,7 @@ def _decode_failure(receiver: DecodeReceiver, room: str) -> tuple[State, Failure
 
 
 def test_contiguous_part_index_beyond_the_final_count_fails_the_request() -> None:
-    """docs/failure-modes.md #28 (issue 12 item 4): part 1 then PartDone(part=7,
+    """docs/failure-modes.md #28: part 1 then PartDone(part=7,
     final_parts=2) was Succeeded (2 parts counted) though part 0 never landed."""
     cluster, request, receiver = _transferring("contiguous")
     _forge(cluster, _done(request.room, 1, range(0, 2)), _done(request.room, 7, range(2, 4), 2))
@@ -81,7 +83,7 @@ def test_contiguous_part_index_beyond_the_final_count_fails_the_request() -> Non
 
 
 def test_staged_part_index_beyond_the_final_count_fails_the_request() -> None:
-    """docs/failure-modes.md #28 (issue 12 item 4): staged parts 0 and 5 with final_parts=2
+    """docs/failure-modes.md #28: staged parts 0 and 5 with final_parts=2
     were Succeeded though part 1 never existed."""
     cluster, request, receiver = _transferring("staged")
     room = request.room
@@ -105,7 +107,7 @@ def test_staged_part_index_beyond_the_final_count_fails_the_request() -> None:
 
 
 def test_decode_refuses_to_complete_when_the_landed_parts_leave_cells_unwritten() -> None:
-    """docs/failure-modes.md #28 (issue 12 item 4): one part of 2 of 4 pages with
+    """docs/failure-modes.md #28: one part of 2 of 4 pages with
     final_parts=1 counted as the whole request."""
     cluster, request, receiver = _transferring("contiguous")
     _forge(cluster, _done(request.room, 0, range(0, 2), 1))
@@ -145,7 +147,7 @@ def test_overlapping_or_outside_coverage_is_a_counted_violation(
 
 
 def test_staged_layer_stop_beyond_64_bits_is_a_counted_rejection() -> None:
-    """docs/failure-modes.md #27 (issue 12 item 5): layer_stop=2**64 raised OverflowError
+    """docs/failure-modes.md #27: layer_stop=2**64 raised OverflowError
     inside len(range) and failed the request InternalError; the request is untouched now."""
     cluster, request, receiver = _transferring("staged")
     fields = json.loads(encode_message(StagedPart(
@@ -159,7 +161,7 @@ def test_staged_layer_stop_beyond_64_bits_is_a_counted_rejection() -> None:
 
 
 def test_staged_layer_stop_at_the_wire_bound_is_a_protocol_violation() -> None:
-    """docs/failure-modes.md #28 (issue 12 item 5): the largest legal integer must be refused
+    """docs/failure-modes.md #28: the largest legal integer must be refused
     as coverage outside the plan, never computed with (InternalError before)."""
     cluster, request, receiver = _transferring("staged")
     room = request.room
@@ -186,7 +188,7 @@ def test_staged_layer_stop_at_the_wire_bound_is_a_protocol_violation() -> None:
 def test_prefill_fails_a_request_whose_parts_do_not_cover_it(
     mode: str, pages: range | None, layers: range | None, missing: str
 ) -> None:
-    """docs/failure-modes.md #28 (issue 12 item 4): send_part(pages=range(0, 1), last=True)
+    """docs/failure-modes.md #28: send_part(pages=range(0, 1), last=True)
     on a 4-page request (or a one-layer staged send) ended Succeeded on both sides with
     stale KV on decode. The engine broke the send_part contract (a local bug, no peer's
     fault): prefill fails InternalError naming the unsent cells; decode hears Abort."""
@@ -226,7 +228,7 @@ def test_an_overlapping_send_part_is_refused_and_the_request_still_completes() -
 
 
 def test_nested_json_in_a_batch_does_not_lose_the_notification_beside_it() -> None:
-    """docs/failure-modes.md #27 (issue 12 item 3): b"[" * 2000 raised RecursionError out of
+    """docs/failure-modes.md #27: b"[" * 2000 raised RecursionError out of
     step, skipping a legitimate notification in the same batch."""
     cluster, request, receiver = _transferring("contiguous")
     _send_raw(cluster, b"[" * 2000)
@@ -236,7 +238,7 @@ def test_nested_json_in_a_batch_does_not_lose_the_notification_beside_it() -> No
 
 
 def test_a_hostile_message_every_step_still_lets_the_request_fail_at_its_deadline() -> None:
-    """docs/failure-modes.md #27 (issue 12 item 3): with one message per step raising out of
+    """docs/failure-modes.md #27: with one message per step raising out of
     its handler, _check_deadlines never ran (13 s past a 5 s deadline). Each such message is
     counted; the request fails TransferTimeout on the round its deadline passes."""
     cluster, request, receiver = _transferring("contiguous")

@@ -1,5 +1,6 @@
 """Each side imports without the other: the in-pod side without kopf and the operator, the
-operator without torch and NIXL (`pd_contract` is all they share)."""
+operator without torch and NIXL (`pd_contract` is all they share); neither needs the
+development tooling (devtools/), which itself needs neither torch, NIXL nor the in-pod side."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import sys
 import textwrap
 
 import pytest
+
+# The development tooling's packages (devtools/): no image has them.
+DEVTOOLS = ["pd_devcluster", "pd_testbed"]
 
 # Runs in a fresh interpreter: a meta-path finder placed first refuses the named top-level
 # packages (as if they were not installed), then every module of the packages is imported
@@ -67,16 +71,27 @@ def _import_all(refused: list[str], packages: list[str]) -> list[str]:
     return proc.stdout.split()
 
 
-def test_in_pod_side_imports_without_kopf_or_the_operator() -> None:
-    modules = _import_all(["kopf", "pd_operator"], ["pd_contract", "pd_transfer"])
+def test_in_pod_side_imports_without_kopf_the_operator_or_the_dev_tooling() -> None:
+    modules = _import_all(["kopf", "pd_operator", *DEVTOOLS], ["pd_contract", "pd_transfer"])
     # The walk really reached the agent, the engine and the contract's models.
     for name in ("pd_contract.config", "pd_contract.transferagent", "pd_transfer.agent.reporter",
-                 "pd_transfer.engine.service", "pd_transfer.transport.nixl"):
+                 "pd_transfer.reference.engine.service", "pd_transfer.transport.nixl"):
         assert name in modules
 
 
-def test_operator_imports_without_torch_or_nixl() -> None:
-    modules = _import_all(["torch", "nixl", "pd_transfer"], ["pd_contract", "pd_operator"])
+def test_operator_imports_without_torch_nixl_or_the_dev_tooling() -> None:
+    """Guards against the operator image lacking a module the operator imports: the
+    development tooling once lived in the operator package and its CLI."""
+    modules = _import_all(["torch", "nixl", "pd_transfer", *DEVTOOLS],
+                          ["pd_contract", "pd_operator"])
     for name in ("pd_operator.handlers", "pd_operator.build.config", "pd_operator.engines.vllm",
-                 "pd_operator.devcluster.demo"):
+                 "pd_operator.cli"):
+        assert name in modules
+
+
+def test_dev_tooling_imports_without_torch_nixl_or_the_in_pod_side() -> None:
+    """`pd-dev` runs the engines and the agents as processes; it imports none of them."""
+    modules = _import_all(["torch", "nixl", "pd_transfer"], ["pd_devcluster"])
+    for name in ("pd_devcluster.cli", "pd_devcluster.demo", "pd_devcluster.kubelet",
+                 "pd_devcluster.vllm_env"):
         assert name in modules

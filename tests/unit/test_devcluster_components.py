@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pd_operator.devcluster.components import (
+from pd_devcluster.components import (
     Ports,
     build_apiserver_argv,
     build_controller_manager_argv,
     build_etcd_argv,
 )
-from pd_operator.devcluster.pki import Pki
+from pd_devcluster.pki import Pki
 
 
 def make_pki(root: Path = Path("/pki")) -> Pki:

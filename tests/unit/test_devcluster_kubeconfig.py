@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from pd_operator.devcluster.kubeconfig import render_kubeconfig, write_kubeconfig
+from pd_devcluster.kubeconfig import render_kubeconfig, write_kubeconfig
 
 
 def test_render_kubeconfig_embeds_ca_and_token_in_one_context() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from pd_operator.devcluster.pki import ADMIN_USER, ensure_pki, render_token_file
+from pd_devcluster.pki import ADMIN_USER, ensure_pki, render_token_file
 
 
 def test_token_file_puts_admin_and_controller_manager_in_system_masters() -> None:

@@ -13,9 +13,8 @@ import pytest
 from kubernetes import client as k8s_client
 
 from pd_contract.transferagent import Role
-from pd_operator.build.pod import build_pod_template
-from pd_operator.devcluster.kubelet import FakeKubelet, _niceness
-from pd_operator.devcluster.pod_runner import (
+from pd_devcluster.kubelet import FakeKubelet, _niceness
+from pd_devcluster.pod_runner import (
     VLLM_SERVER_MODULE,
     LaunchPlan,
     NotRunnable,
@@ -24,7 +23,8 @@ from pd_operator.devcluster.pod_runner import (
     package_roots,
     plan_launch,
 )
-from tests.factories import make_pdd
+from pd_operator.build.pod import build_pod_template
+from pd_testbed.factories import make_pdd
 
 VLLM_PYTHON = Path("/venvs/vllm/bin/python")
 IP = "127.0.1.7"

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from pd_operator.devcluster.processes import is_running, spawn_daemon, stop_process
+from pd_devcluster.processes import is_running, spawn_daemon, stop_process
 
 SLEEP = shutil.which("sleep") or "/bin/sleep"
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pd_operator.devcluster import toolchain
-from pd_operator.devcluster.errors import DevClusterError, ToolchainMissingError
-from pd_operator.devcluster.toolchain import _helm_from_wheel, ensure_toolchain, find_toolchain
+from pd_devcluster import toolchain
+from pd_devcluster.errors import DevClusterError, ToolchainMissingError
+from pd_devcluster.toolchain import _helm_from_wheel, ensure_toolchain, find_toolchain
 
 
 def fake_cache(root: Path, names: list[str]) -> None:
@@ -33,7 +33,7 @@ def test_missing_binaries_are_named_with_the_command_that_builds_them(
         find_toolchain()
     message = str(caught.value)
     assert "kube-apiserver, kube-controller-manager missing" in message
-    assert "pd-operator dev-cluster build" in message
+    assert "pd-dev cluster build" in message
 
 
 def test_cached_toolchain_is_returned_without_work(
@@ -90,7 +90,7 @@ def test_checkov_without_its_install_marker_is_missing(
     binary.parent.mkdir(parents=True)
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
-    with pytest.raises(ToolchainMissingError, match="pd-operator dev-cluster build"):
+    with pytest.raises(ToolchainMissingError, match="pd-dev cluster build"):
         toolchain.checkov_path()
     (tmp_path / "checkov-venv" / "installed").write_text("checkov==3.3.30\n")
     assert toolchain.checkov_path() == binary

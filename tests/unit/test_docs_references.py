@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.timeout(10)
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("operator", "transfer", "contract", "tests", "benchmarks", "charts", "docs")
+SOURCES = ("operator", "transfer", "contract", "devtools", "tests", "benchmarks", "charts", "docs")
 DOC_REFERENCE = re.compile(r"docs/([a-z0-9-]+\.md)((?: ?#\d+,?)*)")
 ENTRY = re.compile(r"^\| (\d+) \|", re.MULTILINE)
 

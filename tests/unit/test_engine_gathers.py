@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 
+from pd_testbed.transfer_harness import Cluster, Request
 from pd_transfer.protocol.lifecycle import FailureReason, State
 from pd_transfer.sender import PrefillSender
 from pd_transfer.staging import PreparedMove
-from tests.transfer_harness import Cluster, Request
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from pd_transfer.engine.errors import EngineBusy, RequestRejected
-from pd_transfer.engine.faults import FaultKind
-from pd_transfer.engine.http_api import MAX_BODY_BYTES, EngineHTTPServer
+from pd_transfer.reference.engine.errors import EngineBusy, RequestRejected
+from pd_transfer.reference.engine.faults import FaultKind
+from pd_transfer.reference.engine.http_api import MAX_BODY_BYTES, EngineHTTPServer
 
 
 class RecordingBackend:

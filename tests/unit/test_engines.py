@@ -19,7 +19,7 @@ from pd_operator.engines import (
 from pd_operator.engines.reference import ReferenceAdapter
 from pd_operator.engines.sglang import SGLangAdapter
 from pd_operator.engines.vllm import VLLMAdapter
-from tests.factories import make_pdd
+from pd_testbed.factories import make_pdd
 
 PREFILL_URLS = ["http://p-0:30000"]
 DECODE_URLS = ["http://d-0:30000", "http://d-1:30000"]

@@ -11,19 +11,22 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from pd_operator.devcluster.vllm_env import KUBERNETES_REQUIREMENT, NIXL_REQUIREMENT
+from pd_devcluster.vllm_env import KUBERNETES_REQUIREMENT, NIXL_REQUIREMENT
+from pd_testbed.checkout import EXAMPLES
+from pd_testbed.factories import example_pdd
 from pd_transfer.vllm.versions import SUPPORTED_VLLM_VERSIONS
-from tests.factories import example_pdd
-from tests.unit.test_api_crd import EXAMPLES
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = [REPO / "Dockerfile", REPO / "images" / "vllm" / "Dockerfile"]
 VLLM_DOCKERFILE = DOCKERFILES[1]
 ENGINE_IMAGE = "ghcr.io/pd-operator/vllm-pd-transfer"
+# The development tooling: its own distribution (devtools/pyproject.toml), no image's.
+DEVTOOLS = REPO / "devtools"
 
 
 def hadolint() -> str:
@@ -70,3 +73,60 @@ def test_vllm_examples_run_the_engine_image() -> None:
         for image in images:
             repository, _, tag = image.rpartition(":")
             assert (repository, tag in tags) == (ENGINE_IMAGE, True), (name, image)
+
+
+def _dockerignore_patterns() -> list[tuple[bool, re.Pattern[str]]]:
+    """(is an exception `!`, compiled pattern) per line of the root .dockerignore, in order."""
+    patterns = []
+    for raw in (REPO / ".dockerignore").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        glob = line.removeprefix("!").strip("/")
+        # Docker's syntax: `**/` is any number of directories, `*` and `?` stay within one.
+        regex = "".join(
+            "(.*/)?" if part == "**/" else ".*" if part == "**" else "[^/]*" if part == "*"
+            else "[^/]" if part == "?" else re.escape(part)
+            for part in re.split(r"(\*\*/|\*\*|\*|\?)", glob) if part)
+        patterns.append((negated, re.compile(regex)))
+    return patterns
+
+
+def _in_build_context(relative: str, patterns: list[tuple[bool, re.Pattern[str]]]) -> bool:
+    """Whether Docker sends `relative` with the context: the last pattern that matches the
+    path or one of its parent directories decides."""
+    parts = relative.split("/")
+    candidates = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    excluded = False
+    for negated, pattern in patterns:
+        if any(pattern.fullmatch(candidate) for candidate in candidates):
+            excluded = not negated
+    return not excluded
+
+
+def test_images_ship_no_development_tooling() -> None:
+    """Guards against the operator's and the vLLM engine's images shipping the development
+    tooling (the local control plane, the fake kubelet, the toolchain and vLLM-environment
+    builders, the demo), which once lived in the operator package and so in every image.
+    Both images are built from the repository root with the root .dockerignore."""
+    patterns = _dockerignore_patterns()
+    devtools = sorted(str(p.relative_to(REPO)) for p in DEVTOOLS.rglob("*.py"))
+    # The test sees the tooling (the fake kubelet among it), so its check below is not empty.
+    assert "devtools/pd_devcluster/kubelet.py" in devtools
+    assert [p for p in devtools if _in_build_context(p, patterns)] == []
+    assert not _in_build_context("devtools/pyproject.toml", patterns)
+    # What the wheel is built from does go, without bytecode.
+    for shipped in ("pyproject.toml", "operator/pd_operator/cli.py",
+                    "transfer/pd_transfer/cli.py", "contract/pd_contract/__init__.py"):
+        assert _in_build_context(shipped, patterns), shipped
+    assert not _in_build_context("operator/pd_operator/__pycache__/cli.cpython-311.pyc",
+                                 patterns)
+    # No image copies it, and the product's wheel finds its packages outside it only.
+    for dockerfile in DOCKERFILES:
+        sources = re.findall(r"^COPY (?!--from)(.+) \S+$", dockerfile.read_text(), re.MULTILINE)
+        assert sources and not any("devtools" in source for source in sources), dockerfile
+    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]
+    assert find["where"] == ["operator", "transfer", "contract"]
+    assert [p for where in find["where"] for p in (REPO / where).rglob("*devcluster*")] == []

@@ -16,6 +16,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from pd_testbed.transfer_harness import TEST_AUTH, Cluster
 from pd_transfer._paths import (
     choose_path,
     compute_contiguous_spans,
@@ -41,7 +42,6 @@ from pd_transfer.layout import (
 from pd_transfer.plan import HeadSlice, LayerRange, RankCoord, TransferPlan
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.staging import gather, scatter, staged_chunk_bytes
-from tests.transfer_harness import TEST_AUTH, Cluster
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,20 +17,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_testbed.agent_fakes import FakeAgentAPI
+from pd_testbed.native_harness import (
+    AGENT_START_UNIX_S,
+    Run,
+    capture,
+    config,
+    identity_env,
+)
 from pd_transfer.agent.identity import read_identity
 from pd_transfer.native.agent import NativeAgent, NativeOptions
 from pd_transfer.native.errors import ScrapeError, ScrapeTimeout
 from pd_transfer.native.exposition import Histogram
 from pd_transfer.native.scrape import fetch_metrics
 from pd_transfer.native.vllm_nixl import VLLM_0_32_0
-from tests.native_harness import (
-    AGENT_START_UNIX_S,
-    FakeAgentAPI,
-    Run,
-    capture,
-    config,
-    identity_env,
-)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -93,15 +93,26 @@ def test_counters_that_go_down_mean_a_restart_and_the_window_never_shrinks() -> 
     assert run.agent.tracker.incarnations == 2
 
 
-NAMES = [P + n for n in ("decode_fresh.prom", "decode_warm.prom", "decode_healthy.prom",
-                         "decode_kv_heads_mismatch.prom")]
+# Each capture's own counters, read off the file: (transfers, failures, bytes, failures by
+# reason), where transfers = vllm:nixl_xfer_time_seconds_count (the READs that succeeded) +
+# vllm:nixl_num_failed_transfers_total (TransferFailed), bytes =
+# vllm:nixl_bytes_transferred_sum; every other failure counter is 0 in all four.
+OWN_COUNTS: dict[str, tuple[int, int, int, dict[str, int]]] = {
+    P + "decode_fresh.prom": (0, 0, 0, {}),
+    P + "decode_warm.prom": (1, 0, 65536, {}),
+    P + "decode_healthy.prom": (5, 0, 458752, {}),
+    P + "decode_kv_heads_mismatch.prom": (6, 6, 0, {"TransferFailed": 6}),  # 0 READs + 6 failed
+}
+NAMES = list(OWN_COUNTS)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.sampled_from(NAMES), min_size=1, max_size=12))
-def test_window_counts_only_grow_whatever_the_readings(names: list[str]) -> None:
-    """Invariant: the counts the reporter's window is computed from never decrease, and the
-    totals never go negative, for any order of readings (restarts included)."""
+def test_window_counts_only_grow_and_totals_are_the_last_readings_own(names: list[str]) -> None:
+    """Invariant: the counts the reporter's window is computed from never decrease, for any
+    order of readings (restarts included); and the totals are the last reading's own (the
+    current incarnation's, whatever came before: guards a restart's deltas leaking into
+    them)."""
     run = Run(VLLM_0_32_0, "decode")
     previous = (0, 0, 0)
     for at, name in enumerate(names):
@@ -112,11 +123,12 @@ def test_window_counts_only_grow_whatever_the_readings(names: list[str]) -> None
         previous = now
     status = run.report(float(len(names)))
     assert status is not None
-    assert min(status.transfers_total, status.failures_total, status.bytes_total) >= 0
+    assert (status.transfers_total, status.failures_total, status.bytes_total,
+            status.failures_by_reason) == OWN_COUNTS[names[-1]], names
 
 
 def test_a_spec_asking_for_staging_sizes_is_refused_and_never_reported_in_force() -> None:
-    """Guards the issue's STAGING column showing a size no pod confirmed: this agent has no
+    """Guards against a STAGING column showing a size no pod confirmed: this agent has no
     staging pool, so it says so in lastError, reports no staging in force and does not move
     observedGeneration to the spec it cannot apply."""
     run = Run(VLLM_0_32_0, "decode")

@@ -21,8 +21,8 @@ from pd_contract.transferagent import (
     TransferTime,
     WindowCounts,
 )
+from pd_testbed.native_harness import NOW, Run, capture
 from pd_transfer.native.sglang import SGLANG_0_5_23
-from tests.native_harness import NOW, Run, capture
 
 pytestmark = pytest.mark.timeout(10)
 

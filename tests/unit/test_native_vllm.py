@@ -4,7 +4,7 @@ The captures in `tests/unit/data/vllm_0.32.0_nixl_*.prom` come from real vLLM CP
 (`python -m tests.e2e.capture_vllm_nixl_metrics`; each file's header says how). Expected
 statuses are worked out by hand from the samples quoted next to each assert. No engine, no
 network, no NIXL: the agent reads the files through a fake fetch and writes to an in-memory
-API server (`tests/native_harness.py`).
+API server (`pd_testbed.native_harness`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pd_contract.transferagent import (
     TransferTime,
     WindowCounts,
 )
+from pd_testbed.native_harness import NOW, Run, capture
 from pd_transfer.native.vllm_nixl import VLLM_0_32_0
-from tests.native_harness import NOW, Run, capture
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -91,7 +91,7 @@ def test_a_decode_agent_started_after_its_engine_counts_only_what_it_saw() -> No
 
 
 def test_decode_with_other_kv_heads_than_its_prefill_is_unhealthy_with_the_reason() -> None:
-    """Guards the issue's fleet that looks Ready and serves nothing: every request fails with
+    """Guards against a fleet that looks Ready and serves nothing: every request fails with
     HTTP 500 ('compatibility hash mismatch') while /health stays 200; only
     vllm:nixl_num_failed_transfers_total grows (6 after 3 requests: a failed handshake is
     counted per handshake, and each request tried two)."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from pd_transfer.kvdata import verify_pool
+from pd_testbed.transfer_harness import Cluster, Request
 from pd_transfer.protocol.lifecycle import State
-from tests.transfer_harness import Cluster, Request
+from pd_transfer.reference.kvdata import verify_pool
 
 PAGE = 4
 TOKENS = 30  # 8 pages, the last one partial

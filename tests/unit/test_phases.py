@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from pd_transfer.bench_phases import STAGED_PHASES, compute_phases
+from pd_testbed.transfer_harness import Cluster
+from pd_transfer.bench.phases import STAGED_PHASES, compute_phases
 from pd_transfer.phases import PartTimes, PhaseLog, RequestTimes, Stamp
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.staging import staged_chunk_bytes
-from tests.transfer_harness import Cluster
 
 pytestmark = pytest.mark.timeout(60)
 

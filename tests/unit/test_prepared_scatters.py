@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
+from pd_testbed.transfer_harness import Cluster, Request
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.protocol.lifecycle import State
-from tests.transfer_harness import Cluster, Request
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,6 +9,7 @@ import itertools
 import pytest
 from prometheus_client import CollectorRegistry
 
+from pd_testbed.transfer_harness import Cluster
 from pd_transfer.errors import LocalProtocolError
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.protocol.lifecycle import Role, State
@@ -23,7 +24,6 @@ from pd_transfer.protocol.parts import (
     Quarantined,
 )
 from pd_transfer.ring import Region
-from tests.transfer_harness import Cluster
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -28,6 +28,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pd_testbed.transfer_harness import TEST_AUTH, Cluster, Request, seal_as
 from pd_transfer.auth import Purpose
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.protocol.messages import (
@@ -42,7 +43,6 @@ from pd_transfer.protocol.messages import (
 )
 from pd_transfer.ring import Region
 from pd_transfer.transport import Envelope, FaultAction, FaultRule
-from tests.transfer_harness import TEST_AUTH, Cluster, Request, seal_as
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -159,8 +159,8 @@ def _start(cluster: Cluster, request: Request, parts: int) -> None:
 def test_hostile_interleavings_end_in_time_restore_baseline_and_never_corrupt(
     scenario: Scenario,
 ) -> None:
-    """docs/failure-modes.md #27, #28 (also #3, #11): issue 12 found a hostile message that
-    skipped deadlines, notifications that completed requests without their data, and
+    """docs/failure-modes.md #27, #28 (also #3, #11): a hostile peer once found a message
+    that skipped deadlines, notifications that completed requests without their data, and
     decoder crashes; random interleavings of such messages with real traffic must leave
     every request ended in time, every structure at baseline and the memory unharmed."""
     TALLY["cases"] += 1

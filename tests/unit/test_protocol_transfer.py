@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+from pd_testbed.transfer_harness import Cluster, Request, message_type, of_type, seal_as
 from pd_transfer._endpoint import Endpoint
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.protocol.lifecycle import FailureReason, State
@@ -26,7 +27,6 @@ from pd_transfer.protocol.messages import (
 )
 from pd_transfer.protocol.parts import PartState
 from pd_transfer.transport import Envelope, FaultAction, FaultRule
-from tests.transfer_harness import Cluster, Request, message_type, of_type, seal_as
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pd_operator.build import Capabilities, build_children
 from pd_operator.reconcile import first_difference, is_subset, needs_apply
-from tests.factories import make_pdd
+from pd_testbed.factories import make_pdd
 
 
 def test_live_may_hold_more_than_desired() -> None:

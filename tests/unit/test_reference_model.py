@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pd_transfer.layout import KVPart, KVPool
-from pd_transfer.reference_model import (
+from pd_transfer.reference.model import (
     ChunkForward,
     GraphedChunkForward,
     ModelConfig,

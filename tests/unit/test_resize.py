@@ -12,6 +12,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from pd_testbed.transfer_harness import Cluster, Request, message_type, seal_as
 from pd_transfer._endpoint import ResizeResult
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.errors import ResizeError
@@ -19,7 +20,6 @@ from pd_transfer.protocol.lifecycle import FailureReason, State
 from pd_transfer.protocol.messages import StagedPart
 from pd_transfer.protocol.parts import PartState
 from pd_transfer.transport import FaultAction, FaultRule
-from tests.transfer_harness import Cluster, Request, message_type, seal_as
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,22 +1,26 @@
-"""The rollout executor's pure helpers, as data: pairing pods with TransferAgents, the stamps
-it reads and writes, the apply body, when it stamps, and when it asks to look again.
-No cluster needed; `RolloutExecutor.execute` is exercised against a recording client."""
+"""The rollout's reconcile half, as data: the planner's step (pairing pods with
+TransferAgents, the stamps it reads, when it stamps, when it asks to look again), the apply
+body it builds, and `RolloutExecutor.execute` against a recording client (the executor's
+only job: the API calls). No cluster needed."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from pd_contract.transferagent import AgentStaging
 from pd_operator.api.spec import StagingRollout, TransferHealthPolicy
 from pd_operator.api.status import RolloutMode, RolloutPhase, StagingRolloutStatus
 from pd_operator.kube import KubeClient
-from pd_operator.rollout import RolloutDecision, SpecWrite, StagingTarget
-from pd_operator.rollout.executor import (
+from pd_operator.rollout.executor import RolloutExecutor
+from pd_operator.rollout.planner import (
     ANNOTATION_APPLIED_AT,
     ANNOTATION_WRITTEN_AT,
     MAX_RECHECK_S,
-    RolloutExecutor,
+    PodRollout,
+    RolloutDecision,
     RolloutStep,
+    SpecWrite,
     applied_stamps,
     parse_stamp,
     plan_step,
@@ -24,14 +28,13 @@ from pd_operator.rollout.executor import (
     rollout_pods,
     staging_apply,
 )
-from pd_operator.rollout.planner import PodRollout
 from pd_operator.status import FleetObservation, observe_fleet
-from tests.factories import make_spec
-from tests.kube_factories import make_agent
+from pd_testbed.factories import make_spec
+from pd_testbed.kube_factories import make_agent
 
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
-OLD = StagingTarget(4096, 4096)
-BIG = StagingTarget(6144, 4096)
+OLD = AgentStaging(decode_pool_mib=4096, prefill_buffer_mib=4096)
+BIG = AgentStaging(decode_pool_mib=6144, prefill_buffer_mib=4096)
 POLICY = StagingRollout(max_unavailable=1, analysis_seconds=10)
 
 Obj = dict[str, Any]
@@ -42,14 +45,14 @@ def pod(name: str, role: str) -> Obj:
                          "labels": {"pd.serving.dev/role": role}}}
 
 
-def agent(name: str, role: str, *, spec: StagingTarget = OLD, reported: StagingTarget = OLD,
+def agent(name: str, role: str, *, spec: AgentStaging = OLD, reported: AgentStaging = OLD,
           since: datetime | None = None, annotations: dict[str, str] | None = None,
           uid: str | None = None) -> Obj:
     body = make_agent(name, role=role, namespace="ns", pod_uid=uid or f"uid-{name}",
                       report_time=T0, staging_mib=(reported.decode_pool_mib,
                                                    reported.prefill_buffer_mib),
                       window=(50, 0))
-    body["spec"]["staging"] = spec.to_agent().to_wire()
+    body["spec"]["staging"] = spec.to_wire()
     body["metadata"]["uid"] = f"agent-{name}"
     if since is not None:
         body["status"]["stagingSince"] = since.strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -164,7 +167,7 @@ def test_recheck_comes_back_when_the_earliest_analysis_ends_at_most_5s_away() ->
         assert recheck_seconds(step(phase, fleet), POLICY) is None
 
 
-def spec_with(size: StagingTarget) -> Any:
+def spec_with(size: AgentStaging) -> Any:
     return make_spec(transfer={"staging": {
         "mode": "Always", "decodePoolMiB": size.decode_pool_mib,
         "prefillBufferMiB": size.prefill_buffer_mib,

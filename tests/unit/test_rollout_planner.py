@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from pd_contract.transferagent import Role
+from pd_contract.transferagent import AgentStaging, Role
 from pd_operator.api.spec import StagingRollout, TransferHealthPolicy
 from pd_operator.api.status import (
     RollbackReason,
@@ -22,28 +22,33 @@ from pd_operator.api.status import (
     RolloutPhase,
     StagingRolloutStatus,
 )
-from pd_operator.rollout import (
+from pd_operator.rollout.planner import (
     PodHealth,
     PodRollout,
     RolloutDecision,
     RolloutReason,
-    StagingTarget,
     compute_minimum_staging,
     observe_pod,
     plan_rollout,
 )
 from pd_operator.status import PodObservation, ReportState, observe_fleet
-from tests.factories import make_spec
-from tests.kube_factories import make_agent, make_pod
+from pd_testbed.factories import make_spec
+from pd_testbed.kube_factories import make_agent, make_pod
 
 T0 = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
+
+
+def staging(decode_pool_mib: int, prefill_buffer_mib: int) -> AgentStaging:
+    return AgentStaging(decode_pool_mib=decode_pool_mib, prefill_buffer_mib=prefill_buffer_mib)
+
+
 TICK = timedelta(seconds=30)
 STALE_S = 60.0
-OLD = StagingTarget(4096, 2048)
-BIG = StagingTarget(6144, 2048)
-SMALL = StagingTarget(2048, 2048)
+OLD = staging(4096, 2048)
+BIG = staging(6144, 2048)
+SMALL = staging(2048, 2048)
 # Grows what both roles allocate (decode ring and prefill buffer): prefill pods are batched too.
-BOTH = StagingTarget(6144, 3072)
+BOTH = staging(6144, 3072)
 FLEET = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 
 
@@ -62,8 +67,8 @@ class SimPod:
     """One pod and its agent: applies its spec one tick after it is written."""
 
     name: str
-    spec: StagingTarget | None
-    reported: StagingTarget | None
+    spec: AgentStaging | None
+    reported: AgentStaging | None
     report_time: datetime | None = T0
     transfers: int = 100
     failures: int = 0
@@ -80,12 +85,12 @@ class Fleet:
     pods: dict[str, SimPod]
     now: datetime = T0
     status: StagingRolloutStatus = field(default_factory=StagingRolloutStatus)
-    last_good: StagingTarget | None = None
+    last_good: AgentStaging | None = None
     trace: list[tuple[str, str]] = field(default_factory=list)
     batches: list[tuple[str, ...]] = field(default_factory=list)
 
     @classmethod
-    def at(cls, size: StagingTarget, names: tuple[str, ...] = FLEET) -> Fleet:
+    def at(cls, size: AgentStaging, names: tuple[str, ...] = FLEET) -> Fleet:
         fleet = cls({n: SimPod(n, size, size) for n in names})
         fleet.status = StagingRolloutStatus(
             phase=RolloutPhase.IDLE, to_decode_pool_mib=size.decode_pool_mib,
@@ -105,11 +110,11 @@ class Fleet:
             for p in self.pods.values()
         ]
 
-    def decide(self, desired: StagingTarget, pol: StagingRollout) -> RolloutDecision:
+    def decide(self, desired: AgentStaging, pol: StagingRollout) -> RolloutDecision:
         return plan_rollout(desired, self.last_good, self.observe(), policy=pol,
                             previous=self.status, now=self.now, stale_after_s=STALE_S)
 
-    def step(self, desired: StagingTarget, pol: StagingRollout) -> RolloutDecision:
+    def step(self, desired: AgentStaging, pol: StagingRollout) -> RolloutDecision:
         """One reconcile: decide, write the status, then the specs (the executor's order)."""
         decision = self.decide(desired, pol)
         self.status = decision.status
@@ -144,7 +149,7 @@ class Fleet:
                 pod.reported, pod.applied_at = pod.spec, None
             pod.report_time = self.now
 
-    def run(self, desired: StagingTarget, pol: StagingRollout, *, until: set[RolloutPhase],
+    def run(self, desired: AgentStaging, pol: StagingRollout, *, until: set[RolloutPhase],
             max_steps: int = 60) -> RolloutDecision:
         for _ in range(max_steps):
             decision = self.step(desired, pol)
@@ -154,7 +159,7 @@ class Fleet:
         raise AssertionError(f"no {until} after {max_steps} steps: {self.trace[-3:]}")
 
 
-def allocates(role: Role, size: StagingTarget) -> int:
+def allocates(role: Role, size: AgentStaging) -> int:
     """The MiB of `size` a pod of `role` allocates (its ring, or its buffer)."""
     return size.decode_pool_mib if role is Role.DECODE else size.prefill_buffer_mib
 
@@ -201,7 +206,7 @@ def dedup(trace: list[tuple[str, str]]) -> list[tuple[str, str]]:
     ids=["grow-mu1", "grow-mu2", "grow-both-mu1", "shrink-mu1", "shrink-mu2"],
 )
 def test_rollout_moves_rings_and_limits_in_safe_batches(
-    target: StagingTarget, max_unavailable: int, batches: list[tuple[str, ...]],
+    target: AgentStaging, max_unavailable: int, batches: list[tuple[str, ...]],
     summaries: list[str],
 ) -> None:
     """Exact batches and printer-column sequence; invariants after every step.
@@ -394,9 +399,9 @@ def test_size_below_one_chunk_is_refused_with_the_minimum() -> None:
     in a prefill buffer."""
     minimum = compute_minimum_staging(make_spec(prefill={"parallelism": {"tensor": 4}},
                                                 decode={"parallelism": {"tensor": 2}}))
-    assert minimum == StagingTarget(1280, 640)
+    assert minimum == staging(1280, 640)
     fleet = Fleet.at(OLD)
-    too_small = StagingTarget(1024, 2048)
+    too_small = staging(1024, 2048)
     decision = plan_rollout(too_small, None, fleet.observe(), policy=policy(),
                             previous=fleet.status, now=T0, stale_after_s=STALE_S,
                             minimum=minimum)
@@ -411,11 +416,27 @@ def test_size_below_one_chunk_is_refused_with_the_minimum() -> None:
                          minimum=minimum)
     assert (again.status, again.events) == (decision.status, ())
     # A valid size afterwards starts from the last good size.
-    fixed = plan_rollout(StagingTarget(1280, 2048), None, fleet.observe(), policy=policy(),
+    fixed = plan_rollout(staging(1280, 2048), None, fleet.observe(), policy=policy(),
                          previous=again.status, now=T0, stale_after_s=STALE_S,
                          minimum=minimum)
     assert fixed.status.phase is RolloutPhase.PROGRESSING
     assert fixed.status.from_decode_pool_mib == 4096
+
+
+def test_a_recorded_size_below_one_mib_counts_as_no_record() -> None:
+    """The status allows 0 in its from/to fields, a staging size does not (1 MiB at least):
+    a hand-edited `toDecodePoolMiB: 0` records no size, and the last good size then comes
+    from what the pods' specs ask for. Guards against a rollout from a 0 MiB ring (a spec
+    write the API server refuses on every reconcile) or a planner that raises on it."""
+    fleet = Fleet.at(OLD)
+    edited = fleet.status.model_copy(update={"to_decode_pool_mib": 0})
+    decision = plan_rollout(BIG, None, fleet.observe(), policy=policy(), previous=edited,
+                            now=T0, stale_after_s=STALE_S)
+    assert decision.status.phase is RolloutPhase.PROGRESSING
+    assert (decision.status.from_decode_pool_mib, decision.status.to_decode_pool_mib) == (
+        4096, 6144)
+    assert decision.status.summary == "4096→6144MiB 0/4"
+    assert [w.pod for w in decision.writes] == ["decode-0"]
 
 
 def test_steady_fleet_is_idle_and_writes_nothing() -> None:
@@ -446,7 +467,7 @@ def test_report_of_a_previous_incarnation_is_ignored() -> None:
     agent = make_agent("decode-0", role="decode", pod_uid="old", report_time=T0,
                        window=(10, 0), staging_mib=(BIG.decode_pool_mib,
                                                     BIG.prefill_buffer_mib))
-    agent["spec"]["staging"] = BIG.to_agent().to_wire()
+    agent["spec"]["staging"] = BIG.to_wire()
 
     def pod(uid: str) -> PodObservation:
         (observed,) = observe_fleet([make_pod("decode-0", role="decode", uid=uid)], [agent], T0,
@@ -467,7 +488,7 @@ def test_random_histories_keep_both_invariants_and_settle(seed: int) -> None:
     vary; after every step at most maxUnavailable pods resize and the ring rule holds (checked
     in `Fleet.step`), and a healthy fleet then settles. Guards against mixed states (three
     sizes in play) that the grow/shrink orders alone do not cover."""
-    sizes = [OLD, BIG, SMALL, StagingTarget(8192, 2048), StagingTarget(4096, 1024)]
+    sizes = [OLD, BIG, SMALL, staging(8192, 2048), staging(4096, 1024)]
     for offset in range(30):
         rng = random.Random(seed + offset)
         names = (tuple(f"prefill-{i}" for i in range(rng.randint(1, 3)))
@@ -519,7 +540,7 @@ def test_a_stopped_rollout_is_read_back_from_its_fields_never_its_message() -> N
 
 
 def test_decode_pool_only_rollout_skips_prefill_pods() -> None:
-    """A decodePoolMiB-only rollout (issue 12 item 8; docs/failure-modes.md #25) walks only
+    """A decodePoolMiB-only rollout (docs/failure-modes.md #25) walks only
     the decode pods through write → in force → analysisSeconds; the prefill pods, whose buffer
     does not change, get their spec in one write that is neither a batch (no
     StagingBatchResizing event) nor analysed, and the rollout completes on the next reconcile.
@@ -556,7 +577,7 @@ def test_prefill_buffer_only_rollout_skips_decode_pods() -> None:
     pods get their spec in one unbatched write; never more than maxUnavailable (1) pods
     resizing at any step (checked by `Fleet.step`). Guards against #25's invariant being
     bought by walking unchanged pods."""
-    target = StagingTarget(4096, 3072)
+    target = staging(4096, 3072)
     fleet = Fleet.at(OLD)
     final = fleet.run(target, policy(1), until={RolloutPhase.COMPLETE})
     # The first write resizes prefill-0 and brings both decode specs along (not counted).
@@ -571,8 +592,8 @@ def test_prefill_buffer_only_rollout_skips_decode_pods() -> None:
 
 
 def test_unchanged_pods_count_only_once_their_reports_confirm_the_target() -> None:
-    """Guards docs/failure-modes.md #30 (issue 12 item 8): a pod whose size in force does not
-    change is written without a batch, but it is neither updated nor lets the rollout
+    """Guards docs/failure-modes.md #30 for the pods a rollout skips: a pod whose size in
+    force does not change is written without a batch, but it is neither updated nor lets the rollout
     complete, and in a shrink no decode ring shrinks, until its own report says the target;
     a pod that never confirms fails like one that never resizes (NOT_APPLIED at 2 × 60 +
     120 = 240 s), and is rolled back. Prefill pods here report on time but never take a

@@ -15,9 +15,9 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from pd_contract.transferagent import Role
+from pd_testbed.polling import wait_for
 from pd_transfer.router import Endpoint, EndpointTable, EnginePorts, PodWatch
 from pd_transfer.router.pods import pod_endpoint, pod_selector
-from tests.polling import wait_for
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""The P/D router over real HTTP against stand-in engines (`tests/router_engines.py`): the
+"""The P/D router over real HTTP against stand-in engines (`pd_testbed.router_engines`): the
 exact bodies each protocol sends to prefill and decode, streams passed through as they
 arrive and byte for byte, engines' errors relayed, unreachable engines, bounded bodies,
 health and draining. Real vLLM behind the router is exercised by the e2e tests
@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from pd_contract.transferagent import Role
+from pd_testbed.router_engines import Answer, Recorded, StandInEngine, call, closed_port, sse
 from pd_transfer.router import EndpointTable, PDProtocol, PolicyName, Router, RouterSettings
 from pd_transfer.router.endpoints import Endpoint
-from tests.router_engines import Answer, Recorded, StandInEngine, call, closed_port, sse
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,5 +1,5 @@
 """The router's Prometheus metrics after a known mix of requests, read back through its own
-`GET /metrics` as a scraper would. Stand-in engines (`tests/router_engines.py`) answer;
+`GET /metrics` as a scraper would. Stand-in engines (`pd_testbed.router_engines`) answer;
 real vLLM is exercised by the e2e tests. Needs neither NIXL, torch nor a GPU."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_contract.transferagent import Role
+from pd_testbed.polling import wait_for
+from pd_testbed.router_engines import Answer, StandInEngine, call, closed_port, sse
 from pd_transfer.router import Endpoint, EndpointTable, Router, RouterSettings
-from tests.polling import wait_for
-from tests.router_engines import Answer, StandInEngine, call, closed_port, sse
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,6 +1,6 @@
 """Which engine the router picks: round robin, least load, cache-aware prefix affinity;
 the pure policies on hand-made endpoints, then the same behaviour through the router's
-HTTP path against stand-in engines (`tests/router_engines.py`; real vLLM is exercised by
+HTTP path against stand-in engines (`pd_testbed.router_engines`; real vLLM is exercised by
 the e2e tests). Needs neither NIXL, torch nor a GPU."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import pytest
 
 from pd_contract.transferagent import Role
+from pd_testbed.router_engines import Answer, StandInEngine, call, sse
 from pd_transfer.router import Endpoint, PolicyName, Router, RouterSettings
 from pd_transfer.router.inflight import InFlight
 from pd_transfer.router.policies import CacheAware, LeastLoad, RoundRobin, rendezvous_score
 from pd_transfer.router.prompts import affinity_key
-from tests.router_engines import Answer, StandInEngine, call, sse
 
 pytestmark = pytest.mark.timeout(30)
 

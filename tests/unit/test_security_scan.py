@@ -2,7 +2,7 @@
 
 Every finding is either fixed or listed in ACCEPTED with the reason it stays; a new finding,
 or an accepted one that disappears, fails the test so the list stays true. checkov lives in
-its own virtualenv in the dev-cluster cache (`pd-operator dev-cluster build` installs it);
+its own virtualenv in the dev-cluster cache (`pd-dev cluster build` installs it);
 without it these tests fail and say how to get it.
 """
 
@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pd_devcluster import ToolchainMissingError, checkov_path, helm_path
 from pd_operator.api import parse_pdd
 from pd_operator.build import Capabilities, build_children
-from pd_operator.devcluster import ToolchainMissingError, checkov_path, helm_path
-from tests.factories import example_pdd
-from tests.unit.test_api_crd import EXAMPLES
-from tests.unit.test_chart import CHART, RELEASE, RELEASE_NAMESPACE
+from pd_testbed.checkout import CHART_DIR, CHART_RELEASE, CHART_RELEASE_NAMESPACE, EXAMPLES
+from pd_testbed.factories import example_pdd
 
 # check id -> why it stays.
 ACCEPTED: dict[str, str] = {
@@ -87,7 +86,8 @@ def render_chart() -> str:
     except ToolchainMissingError as exc:
         pytest.fail(str(exc))
     return subprocess.run(
-        [str(helm), "template", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE],
+        [str(helm), "template", CHART_RELEASE, str(CHART_DIR), "--namespace",
+         CHART_RELEASE_NAMESPACE],
         check=True, capture_output=True, text=True,
     ).stdout
 
@@ -134,7 +134,7 @@ def test_remaining_findings_are_exactly_the_accepted_ones(
 
 
 def test_llama_70b_fixed_findings_stay_fixed(scan: dict[str, dict[str, set[str]]]) -> None:
-    """The fixes of issue 12, per resource: seccomp (CKV_K8S_31), capabilities dropped
+    """The engine pods' lock-down, per resource: seccomp (CKV_K8S_31), capabilities dropped
     (CKV_K8S_28/37), a NetworkPolicy per pod (CKV2_K8S_6), and no unused token (CKV_K8S_38:
     only the pods whose agent or router uses it mount it)."""
     failed = scan["llama-70b.yaml"]

@@ -17,8 +17,8 @@ from pd_operator.status import (
     find_condition,
     observe_fleet,
 )
-from tests.factories import make_pdd
-from tests.kube_factories import make_pod, make_pods, make_router_deployment
+from pd_testbed.factories import make_pdd
+from pd_testbed.kube_factories import make_pod, make_pods, make_router_deployment
 
 NOW = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 SEL_P = "pd.serving.dev/deployment=llama,pd.serving.dev/role=prefill"
@@ -168,8 +168,8 @@ def _workload(kind: str, name: str, *conditions: dict[str, str]) -> dict[str, ob
 
 def test_child_workload_failures_make_degraded_with_the_childs_reason() -> None:
     """A StatefulSet's ReplicaFailure and a Deployment's progress deadline surface as
-    Degraded=True with the child's reason and message (issue 12 item 6; docs/failure-modes.md
-    #29: StatefulSets whose pods could not be created left the PDDeployment "Progressing:
+    Degraded=True with the child's reason and message (docs/failure-modes.md #29:
+    StatefulSets whose pods could not be created left the PDDeployment "Progressing:
     Creating" forever without a word). Healthy conditions (ReplicaFailure=False,
     Progressing=True) change nothing."""
     sts = _workload("StatefulSet", "llama-prefill", {
@@ -239,10 +239,10 @@ QUOTA = ('create Pod llama-prefill-1 in StatefulSet llama-prefill failed error: 
 def test_statefulset_failed_create_events_make_degraded_while_pods_are_missing() -> None:
     """A StatefulSet that cannot create its pods reports it only as Warning FailedCreate
     Events, never as a condition: they must surface as Degraded=True/FailedCreate naming the
-    StatefulSet and the Event's message (issue 12 item 6; docs/failure-modes.md #29: the
-    PDDeployment said "Progressing: Creating" forever). Only the newest current Event
-    counts: one no newer than the StatefulSet's newest pod (a pod was created since) or its
-    own creation, or about a deleted namesake (other uid), is history."""
+    StatefulSet and the Event's message (docs/failure-modes.md #29: the PDDeployment said
+    "Progressing: Creating" forever). Only the newest current Event counts: one no newer
+    than the StatefulSet's newest pod (a pod was created since) or its own creation, or
+    about a deleted namesake (other uid), is history."""
     pod0 = _owned_pod("llama-prefill-0", "2024-05-01T11:00:05Z")
     older = _failed_create("2024-05-01T11:00:30Z", "older message")
     newest = _failed_create("2024-05-01T11:59:00Z", QUOTA)

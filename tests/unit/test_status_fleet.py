@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 
 from pd_operator.api import Role
 from pd_operator.api.spec import TransferHealthPolicy
-from pd_operator.rollout import observe_pod
+from pd_operator.rollout.planner import observe_pod
 from pd_operator.status import ReportState, observe_fleet
-from tests.kube_factories import make_agent, make_pod
+from pd_testbed.kube_factories import make_agent, make_pod
 
 NOW = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 FRESH = NOW - timedelta(seconds=5)

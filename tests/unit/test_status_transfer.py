@@ -30,8 +30,8 @@ from pd_operator.status import (
     observe_fleet,
 )
 from pd_operator.status.transfer import TransportClass, classify_transport
-from tests.factories import make_pdd, make_spec
-from tests.kube_factories import make_agent, make_pod
+from pd_testbed.factories import make_pdd, make_spec
+from pd_testbed.kube_factories import make_agent, make_pod
 
 NOW = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 FRESH = NOW - timedelta(seconds=5)
@@ -397,8 +397,9 @@ def test_gate_changes_only_when_status_or_reason_changes() -> None:
 
 
 def test_demo_pools_are_not_told_256_mib() -> None:
-    """Issue 12 item 7: the local-reference demo (4 layers, 2 KV heads, head dim 32, bf16,
-    256-token chunks, prefill TP1 -> decode TP2, 8 MiB pools) with a 0.1 MiB high-water mark.
+    """The recommended pool size agrees with admission and with what runs: the
+    local-reference demo (4 layers, 2 KV heads, head dim 32, bf16, 256-token chunks, prefill
+    TP1 -> decode TP2, 8 MiB pools) with a 0.1 MiB high-water mark was told 256 MiB.
     One chunk per decode rank = 256 tokens × 1 head × 32 × 2 B × 2 × 4 layers = 131072 bytes
     -> 1 MiB (the admission minimum, which 8 MiB passes); 0.1 MiB × 1.25 = 0.125 MiB fits in
     one chunk -> 1 MiB, not 256. Guards against a recommendation that disagrees with

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from pd_contract.transferagent import Role
+from pd_devcluster.kubelet import write_secret_volume
 from pd_operator.build.meta import desired_hash
 from pd_operator.build.pod import build_pod_template
 from pd_operator.build.secret import (
@@ -22,10 +23,9 @@ from pd_operator.build.secret import (
     key_file_text,
     read_transfer_keys,
 )
-from pd_operator.devcluster.kubelet import write_secret_volume
 from pd_operator.kube import KindRef
 from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
-from tests.unit.test_build_children import OWNER, labels, tiny
+from pd_testbed.factories import TINY_OWNER, tiny_labels, tiny_pdd
 
 KEY_0 = "00" * 32
 KEY_1 = "11" * 32
@@ -62,12 +62,12 @@ def fixed() -> bytes:
 def test_secret_whole_object() -> None:
     """The Secret the pods mount: name, owner (GC with the PDDeployment), rotation annotation,
     one key line. Guards #26: pods of one PDDeployment share exactly this key file."""
-    secret = build_transfer_key_secret(tiny(), [KEY_0], 0)
+    secret = build_transfer_key_secret(tiny_pdd(), [KEY_0], 0)
     expected_meta = {
         "name": "tiny-transfer-key",
         "namespace": "serving",
-        "labels": labels("transfer-key"),
-        "ownerReferences": [OWNER],
+        "labels": tiny_labels("transfer-key"),
+        "ownerReferences": [TINY_OWNER],
         "annotations": {"pd.serving.dev/key-rotation": "0"},
     }
     without_data = {"apiVersion": "v1", "kind": "Secret", "metadata": expected_meta,
@@ -86,7 +86,7 @@ def test_secret_whole_object() -> None:
 def test_secret_two_keys_in_force_first() -> None:
     """After a rotation the file holds the new key, then the previous one, newline-ended
     (the format pd_transfer parses). Guards #26: pods not yet re-read still verify."""
-    secret = build_transfer_key_secret(tiny(), [KEY_1, KEY_0], 3)
+    secret = build_transfer_key_secret(tiny_pdd(), [KEY_1, KEY_0], 3)
     text = base64.b64decode(secret["data"]["transfer.key"]).decode()
     assert text == f"{KEY_1}\n{KEY_0}\n"
     assert secret["metadata"]["annotations"]["pd.serving.dev/key-rotation"] == "3"
@@ -95,9 +95,9 @@ def test_secret_two_keys_in_force_first() -> None:
 def test_desired_hash_never_digests_the_key() -> None:
     """No digest of key material is written anywhere: the hash is the same for any key and
     changes only with the rotation number (the keys still differ field by field)."""
-    a = build_transfer_key_secret(tiny(), [KEY_0], 0)["metadata"]["annotations"]
-    b = build_transfer_key_secret(tiny(), [KEY_1, KEY_2], 0)["metadata"]["annotations"]
-    c = build_transfer_key_secret(tiny(), [KEY_0], 1)["metadata"]["annotations"]
+    a = build_transfer_key_secret(tiny_pdd(), [KEY_0], 0)["metadata"]["annotations"]
+    b = build_transfer_key_secret(tiny_pdd(), [KEY_1, KEY_2], 0)["metadata"]["annotations"]
+    c = build_transfer_key_secret(tiny_pdd(), [KEY_0], 1)["metadata"]["annotations"]
     hash_key = "pd.serving.dev/desired-hash"
     assert a[hash_key] == b[hash_key]
     assert a[hash_key] != c[hash_key]
@@ -232,7 +232,7 @@ def test_reconcile_keeps_the_listed_secret_without_a_get() -> None:
     live = live_secret({"transfer.key": encoded(f"{KEY_0}\n")}, "0")
     reader = FakeReader(None)
     desired = desired_transfer_key_secret(
-        reader, tiny(), {("v1", "Secret", "serving", "tiny-transfer-key"): live}, never)
+        reader, tiny_pdd(), {("v1", "Secret", "serving", "tiny-transfer-key"): live}, never)
     assert _keys_of(desired) == f"{KEY_0}\n"
     assert reader.gets == []
 
@@ -241,7 +241,7 @@ def test_reconcile_reads_an_unlabelled_secret_by_name() -> None:
     """A Secret whose labels were edited away is not listed; it is read by name and its key
     kept, not overwritten with a new one (#26: that would cut the pods off)."""
     reader = FakeReader(live_secret({"transfer.key": encoded(f"{KEY_1}\n")}, "0"))
-    desired = desired_transfer_key_secret(reader, tiny(), {}, never)
+    desired = desired_transfer_key_secret(reader, tiny_pdd(), {}, never)
     assert _keys_of(desired) == f"{KEY_1}\n"
     assert reader.gets == [("Secret", "serving", "tiny-transfer-key")]
 
@@ -249,7 +249,7 @@ def test_reconcile_reads_an_unlabelled_secret_by_name() -> None:
 def test_reconcile_rotates_on_a_spec_change() -> None:
     """spec.transfer.auth.keyRotation bumped: the manifest carries the new number and keys."""
     reader = FakeReader(live_secret({"transfer.key": encoded(f"{KEY_0}\n")}, "0"))
-    pdd = tiny(transfer={"auth": {"keyRotation": 1}})
+    pdd = tiny_pdd(transfer={"auth": {"keyRotation": 1}})
     desired = desired_transfer_key_secret(reader, pdd, {}, fixed)
     assert _keys_of(desired) == f"{NEW_HEX}\n{KEY_0}\n"
     assert desired["metadata"]["annotations"]["pd.serving.dev/key-rotation"] == "1"
@@ -263,7 +263,7 @@ def test_native_connector_pods_get_no_key(framework: str) -> None:
     """Only pd_transfer reads the key: an engine with its own connector gets neither the
     volume nor the variable (the reference engine's whole template is checked in
     test_build_children)."""
-    pdd = tiny(engine={"framework": framework, "image": f"{framework}:1"},
+    pdd = tiny_pdd(engine={"framework": framework, "image": f"{framework}:1"},
                transfer={"backend": "EngineNative"})
     spec = build_pod_template(pdd, Role.PREFILL)["spec"]
     assert [v["name"] for v in spec["volumes"]] == ["dshm", "transfer-config",
@@ -276,7 +276,7 @@ def test_native_connector_pods_get_no_key(framework: str) -> None:
 def test_user_env_cannot_redirect_the_key_file() -> None:
     """The key file variable comes after the user's variables, so it wins (Kubernetes keeps
     the last of duplicate names): a spec cannot point pd_transfer at another key."""
-    pdd = tiny(engine={"framework": "reference", "image": "r:1",
+    pdd = tiny_pdd(engine={"framework": "reference", "image": "r:1",
                        "env": [{"name": "PD_TRANSFER_AUTH_KEY_FILE", "value": "/tmp/k"}]})
     env = build_pod_template(pdd, Role.DECODE)["spec"]["containers"][0]["env"]
     assert env[-1] == {"name": "PD_TRANSFER_AUTH_KEY_FILE",

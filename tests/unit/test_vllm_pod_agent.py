@@ -1,7 +1,7 @@
 """The vLLM pod agent without vLLM: rank control routes on real bootstrap servers (real
 sender/receiver state machines over the loopback transport, stepped by their worker
 threads), the pod agent reading them over HTTP, the reporter writing into an in-process
-fake API server (tests/unit/test_agent.py's ``FakeAPI``)."""
+fake API server (``pd_testbed.agent_fakes.FakeAgentAPI``)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pd_contract.config import TransferConfig
 from pd_contract.transferagent import AgentStaging, PeerTransport, WindowCounts
+from pd_testbed.agent_fakes import POD_ENV, FakeAgentAPI
+from pd_testbed.transfer_harness import TEST_AUTH, Cluster
 from pd_transfer.agent.identity import read_identity
 from pd_transfer.agent.report import build_status
 from pd_transfer.auth import PeerAuth, Purpose
@@ -49,8 +51,6 @@ from pd_transfer.vllm.rank_control import (
     seal_control,
 )
 from pd_transfer.worker import Worker
-from tests.transfer_harness import TEST_AUTH, Cluster
-from tests.unit.test_agent import ENV, FakeAPI
 
 MIB = 1 << 20
 CONFIG = TransferConfig.model_validate({
@@ -242,7 +242,7 @@ def test_the_pod_report_merges_every_rank() -> None:
         agent = PodAgent(options(base), scheduler_live=lambda: 3)
         agent.refresh()
         assert agent.unreadable() == {}
-        facts = agent.facts(read_identity(ENV, started_unix_s=1.0))
+        facts = agent.facts(read_identity(POD_ENV, started_unix_s=1.0))
         status = build_status(facts, agent.snapshots(), agent.transports(),
                               WindowCounts(seconds=60), datetime(2026, 1, 1, tzinfo=UTC))
     assert status.bytes_total == 1000 + 2000
@@ -265,7 +265,7 @@ def test_the_pod_report_merges_every_rank() -> None:
 
 def test_an_unreachable_rank_is_reported_as_such_never_as_zeros() -> None:
     base = free_ports(2)
-    api = FakeAPI()
+    api = FakeAgentAPI()
     with canned_ranks(base, [0]) as servers:
         agent = PodAgent(options(base), scheduler_live=lambda: 0)
         agent.refresh()
@@ -277,7 +277,7 @@ def test_an_unreachable_rank_is_reported_as_such_never_as_zeros() -> None:
         assert metrics[(RANK_REACHABLE, (("rank", "1"),))] == 0.0
         assert not any(dict(labels).get("rank") == "1" and name != RANK_REACHABLE
                        for name, labels in metrics)
-        agent.start(environ=ENV, client_factory=lambda: api)
+        agent.start(environ=POD_ENV, client_factory=lambda: api)
         try:
             deadline = time.monotonic() + 10
             while not api.status_writes and time.monotonic() < deadline:
@@ -373,14 +373,14 @@ def test_a_resize_reaches_every_rank_and_yields_the_new_registration_version() -
 
 def test_the_agent_reports_a_transfer_and_applies_a_spec_resize_to_every_rank() -> None:
     """The non-Kubernetes part of the pod agent's round trip (the API server is the
-    in-process FakeAPI): create + status with the bytes moved, then a spec change."""
+    in-process FakeAgentAPI): create + status with the bytes moved, then a spec change."""
     base = free_ports(2)
-    api = FakeAPI()
+    api = FakeAgentAPI()
     with live_ranks(base, transfers=2) as cluster:
         moved = sum(r.metrics.snapshot().bytes_transferred for r in cluster.receivers)
         assert moved > 0
         agent = PodAgent(options(base), scheduler_live=lambda: 0).start(
-            environ=ENV, client_factory=lambda: api)
+            environ=POD_ENV, client_factory=lambda: api)
         try:
             wait(lambda: api.status_writes)
             created = api.objects[("ns", "demo-decode-0")]

@@ -9,10 +9,10 @@ import time
 import torch
 
 from pd_contract.config import LayerPipelineConfig
+from pd_testbed.transfer_harness import TEST_AUTH, Cluster
 from pd_transfer.pod_peers import PodConnections
 from pd_transfer.vllm.rank import IDLE_WAIT_S, RankSide
 from pd_transfer.vllm.steps import DecodeLoad, StepPlan
-from tests.transfer_harness import TEST_AUTH, Cluster
 
 PIPELINE = LayerPipelineConfig(enabled=True, min_tokens=8, min_groups=2, max_groups=4,
                                saturation=4.0)

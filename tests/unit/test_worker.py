@@ -12,10 +12,10 @@ import time
 
 import pytest
 
+from pd_testbed.transfer_harness import Cluster
 from pd_transfer._endpoint import CUDA_POLL, PollIntervals
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.worker import Worker
-from tests.transfer_harness import Cluster
 
 pytestmark = pytest.mark.timeout(60)
 PR_GET_TIMERSLACK = 30  # <linux/prctl.h>

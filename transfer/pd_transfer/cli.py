@@ -12,10 +12,13 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pd_transfer.bench_cli import add_bench_parser
-from pd_transfer.engine.cli import add_engine_parser
-from pd_transfer.load import add_load_parser
+# The one product module that imports the benchmarks (pd_transfer.bench) and the reference
+# tooling (pd_transfer.reference), for their subcommands: an import-linter contract keeps
+# every other product module from importing them.
+from pd_transfer.bench.cli import add_bench_parser
 from pd_transfer.native.cli import add_agent_parser
+from pd_transfer.reference.engine.cli import add_engine_parser
+from pd_transfer.reference.load import add_load_parser
 from pd_transfer.router.cli import add_router_parser, add_vllm_proxy_parser
 
 __all__ = ["add_selftest_parser", "main"]
@@ -60,7 +63,7 @@ def add_selftest_parser(subparsers: argparse._SubParsersAction[argparse.Argument
 def _run_selftest(args: argparse.Namespace) -> int:
     # Imported here, not at the top: parsing arguments (and --help) must not load torch/NIXL.
     from pd_transfer.errors import PlanError  # noqa: PLC0415
-    from pd_transfer.selftest import (  # noqa: PLC0415
+    from pd_transfer.reference.selftest import (  # noqa: PLC0415
         SelftestConfig,
         check_selftest_config,
         run_selftest,

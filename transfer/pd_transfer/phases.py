@@ -5,7 +5,7 @@ kept on the part itself). With a ``PhaseLog`` attached (``PrefillSender(..., pha
 ``DecodeReceiver(..., phases=log)``), a request that ends hands its parts' stamps to the log
 as one ``RequestTimes``; ``take(room)`` pops it. Without a log nothing is kept beyond the
 request's own lifetime. ``pd-transfer bench transfer`` splits a request's latency into
-phases from these records (``bench_phases``).
+phases from these records (``bench.phases``).
 
 The clock is the endpoint's (``time.monotonic`` by default: CLOCK_MONOTONIC, one clock for
 every process of a host), so prefill and decode stamps of one host share an axis.

@@ -239,7 +239,7 @@ class PartSink(Protocol):
 GroupForward = Callable[[range], object]
 """Runs the forward of the current chunk over a layer range, writing that range's KV into
 the pool (enqueued on the current CUDA stream on GPU). Its return value is ignored; the
-engine carries hidden states between calls itself (see ``reference_model``)."""
+engine carries hidden states between calls itself (see ``reference.model``)."""
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pd_contract.transferagent import BYTES_PER_MIB
 from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.types import KV_DTYPE_BYTES, Attention, StagingMode, TransferBackend
-
-MIB = 1024 * 1024
 
 
 def local_kv_heads(num_kv_heads: int, attention_tp: int) -> int:
@@ -62,11 +61,11 @@ class StagingFootprint:
 
     @property
     def min_decode_pool_mib(self) -> int:
-        return ceil_div(self.decode_chunk_bytes, MIB)
+        return ceil_div(self.decode_chunk_bytes, BYTES_PER_MIB)
 
     @property
     def min_prefill_buffer_mib(self) -> int:
-        return ceil_div(self.prefill_chunk_bytes, MIB)
+        return ceil_div(self.prefill_chunk_bytes, BYTES_PER_MIB)
 
 
 def compute_staging_footprint(spec: PDDeploymentSpec) -> StagingFootprint:

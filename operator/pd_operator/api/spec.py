@@ -9,6 +9,7 @@ from pydantic import Field
 
 from pd_contract import defaults
 from pd_contract.api import APIModel
+from pd_contract.transferagent import AgentStaging
 from pd_operator.api.common import ContainerResources, EnvVar, PodOverlay
 from pd_operator.api.types import (
     FRAMEWORK_BACKENDS,
@@ -310,6 +311,14 @@ class Staging(APIModel):
         return [alias for name, alias in (("prefill_buffer_mib", "prefillBufferMiB"),
                                           ("decode_pool_mib", "decodePoolMiB"))
                 if name in self.model_fields_set]
+
+    @property
+    def sizes(self) -> AgentStaging:
+        """The desired sizes as a TransferAgent spec carries them (what the rollout moves
+        pods to, and what their reports are compared with)."""
+        return AgentStaging(decode_pool_mib=self.decode_pool_mib,
+                            prefill_buffer_mib=self.prefill_buffer_mib)
+
     rollout: StagingRollout = Field(
         default_factory=StagingRollout, description="Rollout policy for size changes."
     )

@@ -16,7 +16,7 @@
    (`status.observe_fleet`): every later step reads that one `FleetObservation`; only while
    a StatefulSet has fewer pods than it wants, also list the namespace's `FailedCreate`
    Warning Events (all the StatefulSet controller says about a pod it cannot create);
-5. plan the next staging rollout step (`rollout.executor.plan_step`, pure: the planner on the
+5. plan the next staging rollout step (`rollout.planner.plan_step`, pure: the planner on the
    fleet and the stored `status.stagingRollout`);
 6. compute the status (pure, `status.compute_status`), the rollout's part from step 5;
 7. write it through the status subresource only if it differs from the stored one;
@@ -86,12 +86,8 @@ from pd_operator.reconcile.diff import needs_apply, owned_by
 from pd_operator.reconcile.events import EventSpec, gate_events, transition_events
 from pd_operator.reconcile.gates import GateChange, transfer_gate_changes
 from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
-from pd_operator.rollout.executor import (
-    RolloutExecutor,
-    RolloutStep,
-    plan_step,
-    recheck_seconds,
-)
+from pd_operator.rollout.executor import RolloutExecutor
+from pd_operator.rollout.planner import RolloutStep, plan_step, recheck_seconds
 from pd_operator.status import (
     FleetObservation,
     Observed,

@@ -19,9 +19,9 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Final
 
-from pd_contract.transferagent import TransferFailure
+from pd_contract.transferagent import BYTES_PER_MIB, Role, TransferFailure
 from pd_operator.api.conditions import Condition, ConditionStatus
-from pd_operator.api.sizing import MIB, compute_staging_footprint, staging_in_use
+from pd_operator.api.sizing import compute_staging_footprint, staging_in_use
 from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import (
     ObservedTransport,
@@ -97,15 +97,13 @@ def _names(pods: Sequence[str]) -> str:
 
 
 def _mib(nbytes: float) -> float:
-    return round(nbytes / MIB, 1)
+    return round(nbytes / BYTES_PER_MIB, 1)
 
 
 def _pool_mib(report: PodReport) -> int:
-    """Staging size in force per rank: the decode pool for decode pods, else the buffer."""
+    """Staging size in force per rank, the one the pod's role allocates (0: none reported)."""
     staging = report.report.staging if report.report is not None else None
-    if staging is None:
-        return 0
-    return staging.decode_pool_mib if report.role == "decode" else staging.prefill_buffer_mib
+    return staging.mib_for(Role(report.role)) if staging is not None else 0
 
 
 def _per_rank_high_water_bytes(report: PodReport) -> float:
@@ -113,7 +111,8 @@ def _per_rank_high_water_bytes(report: PodReport) -> float:
     by (pool per rank / capacity), i.e. divide by the number of equal rings."""
     assert report.report is not None
     ring = report.report.ring
-    pool_bytes = _pool_mib(report) * MIB
+    staging = report.report.staging
+    pool_bytes = staging.bytes_for(Role(report.role)) if staging is not None else 0
     if ring.capacity_bytes <= 0 or pool_bytes <= 0:
         return float(ring.high_water_bytes)
     return ring.high_water_bytes * pool_bytes / ring.capacity_bytes
@@ -146,9 +145,9 @@ def recommend_decode_pool_mib(
         return None
     footprint = compute_staging_footprint(spec)
     chunk_mib = footprint.min_decode_pool_mib
-    wanted_mib = worst * POOL_HEADROOM / MIB
+    wanted_mib = worst * POOL_HEADROOM / BYTES_PER_MIB
     chunks = max(1, math.ceil(wanted_mib / chunk_mib))
-    seen = (f"the highest per-rank decode occupancy, {worst / MIB:.1f} MiB ({pod}), × "
+    seen = (f"the highest per-rank decode occupancy, {worst / BYTES_PER_MIB:.1f} MiB ({pod}), × "
             f"{POOL_HEADROOM} headroom = {wanted_mib:.1f} MiB")
     minimum = (f"one prefill chunk ({footprint.decode_chunk_bytes} bytes per decode rank, "
                f"rounded up to {chunk_mib} MiB: the admission minimum)")
@@ -285,9 +284,9 @@ def _staging_pool_ready(
     if resizing:
         return cond(STAGING_POOL_READY, F, Reason.RESIZING,
                      f"{_names(resizing)} are resizing their staging pools.", at)
-    want = {"decode": staging.decode_pool_mib, "prefill": staging.prefill_buffer_mib}
-    mismatched = [f"{r.pod} has {_pool_mib(r) or 'no'} MiB (want {want[r.role]})"
-                  for r in fresh if r.role in want and _pool_mib(r) != want[r.role]]
+    want = staging.sizes
+    mismatched = [f"{r.pod} has {_pool_mib(r) or 'no'} MiB (want {want.mib_for(Role(r.role))})"
+                  for r in fresh if _pool_mib(r) != want.mib_for(Role(r.role))]
     if mismatched:
         return cond(STAGING_POOL_READY, F, Reason.SIZE_MISMATCH,
                      f"Staging sizes in force differ from the spec: "

@@ -402,8 +402,8 @@ class Reporter:
             return False
         if paused or generation == self._failed_generation:
             return False
-        if _allocated(staging, self.facts.identity.role) == _allocated(
-                self.facts.staging, self.facts.identity.role):
+        role = Role(self.facts.identity.role)
+        if staging.mib_for(role) == self.facts.staging.mib_for(role):
             # Only the other role's size moved: nothing of ours to drain or re-register, so
             # the new sizes are in force now (the rollout counts this pod as never resizing).
             self.facts = replace(self.facts, staging=staging)
@@ -417,8 +417,3 @@ class Reporter:
         self._resize = (self.resizer(staging), staging, generation)
         return True
 
-
-def _allocated(staging: AgentStaging, role: str) -> int:
-    """The MiB of `staging` a pod of `role` allocates: the decode ring (decode) or the
-    prefill buffer (prefill); the other size is the peers' business."""
-    return staging.decode_pool_mib if role == Role.DECODE else staging.prefill_buffer_mib

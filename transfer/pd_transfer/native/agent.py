@@ -131,8 +131,7 @@ class NativeAgent:
                            if options.bootstrap_port else ""),
                 engine=f"{ident.ip}:{options.engine_port}" if options.engine_port else "",
                 metrics=f"{ident.ip}:{options.metrics_port}"),
-            staging=AgentStaging(decode_pool_mib=self.config.staging.decode_pool_mib,
-                                 prefill_buffer_mib=self.config.staging.prefill_buffer_mib),
+            staging=self.config.staging.sizes,
             window_seconds=self.config.reporting.window_seconds,
             max_failure_ratio=self.config.reporting.max_failure_ratio,
         )

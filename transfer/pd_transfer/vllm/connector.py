@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pd_contract.names import ENV_POD_NAME
+from pd_contract.transferagent import Role
 from pd_transfer._endpoint import RankIdentity, Timeouts
 from pd_transfer.agent.transport_probe import UcxLogTail
 from pd_transfer.auth import PeerAuth
@@ -176,11 +177,11 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._engine_role == "prefill":
             endpoint = PrefillSender(transport, cache.pool, identity, auth=auth,
                                      timeouts=timeouts,
-                                     staging_bytes=config.staging.prefill_buffer_mib << 20)
+                                     staging_bytes=config.staging.sizes.bytes_for(Role.PREFILL))
         else:
             endpoint = DecodeReceiver(transport, cache.pool, identity, auth=auth,
                                       timeouts=timeouts,
-                                      ring_bytes=config.staging.decode_pool_mib << 20,
+                                      ring_bytes=config.staging.sizes.bytes_for(Role.DECODE),
                                       mode=settings.path)
         port = (settings.bootstrap_port or config.network.bootstrap_port) + tp_rank
         self._server = BootstrapServer(endpoint.document, auth, settings.bind_host, port)

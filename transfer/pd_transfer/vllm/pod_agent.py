@@ -23,9 +23,9 @@ control routes each rank's bootstrap server carries (``rank_control``: rank ``r`
   (``side="scheduler"``; ``side="rank",rank="r"``) and
   ``pd_transfer_connector_rank_reachable{rank}``.
 
-Reporter + SpecWatch + KubeAgentClient run as in ``engine/main.py`` when the pod identity
-(downward API) and Kubernetes credentials are there; otherwise one log line says health
-reporting is OFF and why, and the metrics are still served. Nothing here raises into vLLM.
+Reporter + SpecWatch + KubeAgentClient run as in ``reference/engine/main.py`` when the pod
+identity (downward API) and Kubernetes credentials are there; otherwise one log line says
+health reporting is OFF and why, and the metrics are still served. Nothing here raises into vLLM.
 """
 
 from __future__ import annotations
@@ -275,8 +275,7 @@ class PodAgent:
             endpoints=AgentEndpoints(bootstrap=f"{identity.ip}:{options.bootstrap_port}",
                                      engine=engine,
                                      metrics=f"{identity.ip}:{options.metrics_port}"),
-            staging=AgentStaging(decode_pool_mib=config.staging.decode_pool_mib,
-                                 prefill_buffer_mib=config.staging.prefill_buffer_mib),
+            staging=config.staging.sizes,
             window_seconds=config.reporting.window_seconds,
             max_failure_ratio=config.reporting.max_failure_ratio,
             registration_version=1 if options.role == "decode" else 0,

@@ -34,7 +34,7 @@ from typing import Final, Literal, TypeVar
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pd_contract.transferagent import AgentStaging, PeerTransport
+from pd_contract.transferagent import AgentStaging, PeerTransport, Role
 from pd_transfer.agent.transport_probe import ProtoInfoParser, UcxLogTail, configure_environment
 from pd_transfer.auth import PeerAuth, Purpose, Unauthenticated
 from pd_transfer.bootstrap import BootstrapServer
@@ -207,7 +207,7 @@ def open_control(raw: bytes, model: type[M], auth: PeerAuth, *, tp_rank: int, ro
 
 def start_transport_probe() -> tuple[ProtoInfoParser, UcxLogTail | None]:
     """This process's UCX transport probe (``agent.transport_probe``); call it BEFORE the
-    process's first NIXL agent exists, as ``engine/main.py`` does."""
+    process's first NIXL agent exists, as ``reference/engine/main.py`` does."""
     path = configure_environment(os.environ, Path(tempfile.gettempdir()) / "pd-transfer-ucx")
     probe = ProtoInfoParser()
     return probe, UcxLogTail(path, probe).start() if path is not None else None
@@ -271,9 +271,9 @@ class RankControl:
         """Resize this rank as ``EngineService.resize_staging`` does one of its ranks."""
         endpoint, deadline = self.endpoint, self.transfer_timeout_s
         if isinstance(endpoint, DecodeReceiver):
-            future = endpoint.resize_ring(staging.decode_pool_mib << 20, deadline)
+            future = endpoint.resize_ring(staging.bytes_for(Role.DECODE), deadline)
         else:
-            future = endpoint.resize_buffer(staging.prefill_buffer_mib << 20, deadline)
+            future = endpoint.resize_buffer(staging.bytes_for(Role.PREFILL), deadline)
         try:
             result = future.result(deadline + _RESIZE_MARGIN_S)
         except FutureTimeout:

@@ -1,0 +1,145 @@
+"""Test-side access to the local control plane for operator tests: the example
+PDDeployment (`example_body`; `reference_body`, run by the reference engine), `Cluster`
+(reads and writes through the admin client; pods marked Ready as a kubelet would, since there
+is none), and a client acting as the deployment's agents (`agent_api_client`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, cast
+
+import yaml
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from pd_devcluster import ControlPlaneHandle, service_account_kubeconfig
+from pd_operator.api import parse_pdd
+from pd_operator.build import Capabilities, build_children, child_key
+from pd_operator.build.names import agent_service_account
+from pd_operator.kube import CHILD_KINDS, PDB, PODS, KubeClient
+from pd_operator.reconcile import first_difference
+from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
+from pd_testbed.checkout import EXAMPLES_DIR
+from pd_testbed.polling import wait_for
+
+__all__ = ["CAPS", "GROUP", "KINDS", "NAME", "PLURAL", "STALE_AFTER_S", "VERSION", "Cluster",
+           "agent_api_client", "example_body", "reference_body"]
+
+GROUP, VERSION, PLURAL = "pd.serving.dev", "v1alpha1", "pddeployments"
+CAPS = Capabilities(pod_disruption_budgets=False)  # v1.20 serves no policy/v1
+KINDS = tuple(k for k in CHILD_KINDS if k != PDB)
+NAME = "llama-70b"
+STALE_AFTER_S = 10  # the smallest staleAfterSeconds the API allows
+
+Obj = dict[str, Any]
+
+
+def example_body(namespace: str) -> Obj:
+    """examples/llama-70b.yaml (PDDeployment `NAME`) in `namespace`."""
+    body: Obj = yaml.safe_load((EXAMPLES_DIR / "llama-70b.yaml").read_text())
+    body["metadata"]["namespace"] = namespace
+    return body
+
+
+def reference_body(namespace: str) -> Obj:
+    """The example, run by the reference engine (so its pods carry the transfer gate), with
+    no router and the shortest staleness limit."""
+    body = example_body(namespace)
+    body["spec"]["engine"]["framework"] = "reference"
+    body["spec"]["router"] = {"enabled": False}
+    body["spec"]["transfer"]["health"] = {"staleAfterSeconds": STALE_AFTER_S,
+                                          "reportIntervalSeconds": 5}
+    return body
+
+
+def agent_api_client(control_plane: ControlPlaneHandle, namespace: str) -> k8s.ApiClient:
+    """A client with the token of `NAME`'s agent ServiceAccount in `namespace`, as the pods'
+    agents have."""
+    path = service_account_kubeconfig(control_plane, namespace, agent_service_account(NAME))
+    client: k8s.ApiClient = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=str(path))
+    return client
+
+
+class Cluster:
+    """Test-side reads and writes, through the admin client."""
+
+    def __init__(self, api: k8s.ApiClient, kube: KubeClient, namespace: str) -> None:
+        self.api, self.kube, self.ns = api, kube, namespace
+        self.objects = k8s.CustomObjectsApi(api)
+        self.core = k8s.CoreV1Api(api)
+        self.apps = k8s.AppsV1Api(api)
+
+    def create(self, body: Obj) -> Obj:
+        return cast(Obj, self.objects.create_namespaced_custom_object(
+            GROUP, VERSION, self.ns, PLURAL, body))
+
+    def pdd(self, name: str = NAME) -> Obj:
+        return cast(Obj, self.objects.get_namespaced_custom_object(GROUP, VERSION, self.ns,
+                                                                   PLURAL, name))
+
+    def patch_spec(self, patch: Obj, name: str = NAME) -> None:
+        self.objects.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name,
+                                                    {"spec": patch})
+
+    def desired(self, name: str = NAME) -> list[Obj]:
+        """The builders' children plus the transfer key Secret holding the live keys (a
+        random key when there is none: then it shows as missing)."""
+        pdd = parse_pdd(self.pdd(name))
+        secret = desired_transfer_key_secret(self.kube, pdd, self.live(name))
+        return [secret, *build_children(pdd, CAPS)]
+
+    def live(self, name: str = NAME) -> dict[tuple[str, str, str, str], Obj]:
+        selector = f"pd.serving.dev/deployment={name}"
+        return {child_key(o): o for o in self.kube.list_children(self.ns, selector, KINDS)}
+
+    def children_match(self, name: str = NAME) -> list[str]:
+        """Problems: children missing or differing from the builder's manifests."""
+        live = self.live(name)
+        problems = []
+        for want in self.desired(name):
+            have = live.get(child_key(want))
+            if have is None:
+                problems.append(f"missing {want['kind']}/{want['metadata']['name']}")
+                continue
+            diff = first_difference(want, have)
+            if diff is not None:
+                problems.append(f"{want['kind']}/{want['metadata']['name']} differs at {diff}")
+            if have["metadata"]["ownerReferences"] != want["metadata"]["ownerReferences"]:
+                problems.append(f"{want['kind']}/{want['metadata']['name']} owner refs differ")
+        return problems
+
+    def status(self, name: str = NAME) -> Obj:
+        return self.pdd(name).get("status") or {}
+
+    def condition(self, type_: str, name: str = NAME) -> Obj:
+        for c in self.status(name).get("conditions", []):
+            if c["type"] == type_:
+                return dict(c)
+        return {}
+
+    def pods(self, role: str | None = None) -> list[Obj]:
+        """Engine pods (the router's pods carry no role label)."""
+        selector = f"pd.serving.dev/deployment={NAME},pd.serving.dev/role" + \
+            (f"={role}" if role else "")
+        return self.kube.list_objects(PODS, self.ns, selector)
+
+    def mark_all_ready(self) -> None:
+        """Every pod of the PDDeployment, the router's included, becomes Running and Ready.
+        The router's pods are awaited first: the controller-manager makes them through a
+        ReplicaSet, on a loaded host after the engines' pods."""
+        router = self.pdd()["spec"].get("router") or {}
+        wanted = router.get("replicas", 1) if router.get("enabled") else 0
+        selector = f"pd.serving.dev/deployment={NAME},app.kubernetes.io/component=router"
+        wait_for(f"{wanted} router pod(s)", lambda: len(
+            self.kube.list_objects(PODS, self.ns, selector)) >= wanted, 60)
+        for pod in self.kube.list_objects(PODS, self.ns, f"pd.serving.dev/deployment={NAME}"):
+            self.mark_ready(pod)
+
+    def mark_ready(self, pod: Mapping[str, Any]) -> None:
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        conditions = [{"type": t, "status": "True", "lastTransitionTime": now}
+                      for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]
+        self.core.patch_namespaced_pod_status(pod["metadata"]["name"], self.ns, {
+            "status": {"phase": "Running", "conditions": conditions}})

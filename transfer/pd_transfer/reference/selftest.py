@@ -1,0 +1,405 @@
+"""``pd-transfer selftest``: a prefill group and a decode group as processes on this machine,
+real NIXL between them, every transferred byte checked.
+
+``SelftestGroup`` spawns one process per rank ('spawn' start method, one NIXL agent each,
+``UCX_NET_DEVICES=lo`` unless set, no progress thread), connects them through their
+bootstrap servers, and drives waves of requests: decode ranks ``expect`` (random
+non-contiguous pages), prefill ranks fill their pools with seeded bytes (``reference.kvdata``),
+register and send; decode ranks then compare their pages with the expected head slices,
+computed from first principles (not from the transfer path). ``run_selftest`` is the CLI's
+whole run; the integration tests reuse the group (several modes per group, and killing a
+rank mid-transfer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import random
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from pd_contract.transferagent import AgentStaging, Role
+from pd_transfer._endpoint import RankIdentity, Timeouts
+from pd_transfer._paths import PathMode, choose_path
+from pd_transfer.auth import PeerAuth
+from pd_transfer.bootstrap import (
+    DTYPES,
+    BootstrapServer,
+    GeometryDoc,
+    PackingName,
+    PageFormatName,
+)
+from pd_transfer.decode import DecodeReceiver
+from pd_transfer.errors import TransferError
+from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
+from pd_transfer.plan import (
+    Parallelism,
+    RankCoord,
+    compute_local_heads,
+    compute_transfer_topology,
+)
+from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool
+from pd_transfer.sender import PrefillSender
+from pd_transfer.transport.nixl import NixlTransport
+from pd_transfer.worker import Worker
+
+__all__ = [
+    "RequestSpec",
+    "SelftestConfig",
+    "SelftestGroup",
+    "check_selftest_config",
+    "run_selftest",
+]
+
+READY_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class SelftestConfig:
+    prefill_tp: int = 2
+    decode_tp: int = 4
+    prefill_pp: int = 1
+    layers: int = 4
+    kv_heads: int = 4
+    head_dim: int = 64
+    page_size: int = 16
+    tokens: int = 1000
+    dtype: str = "bfloat16"
+    mode: PathMode = "auto"
+    requests: int = 8
+    concurrency: int = 4
+    device: str = "cpu"
+    decode_pool_mib: int = 64
+    prefill_buffer_mib: int = 64
+    timeout_s: float = 60.0
+    seed: int = 0
+    page_format: PageFormatName = "nhd"  # anything but nhd/separate is a per-layer pool
+    packing: PackingName = "separate"
+    per_layer: bool = False  # vLLM-shaped per-layer tensors (always, unless nhd/separate)
+
+    @property
+    def pages_per_request(self) -> int:
+        return -(-self.tokens // self.page_size)
+
+    @property
+    def num_pages(self) -> int:
+        """Room for ``concurrency`` requests with page ids spread over twice that."""
+        return 2 * self.concurrency * self.pages_per_request
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    room: str
+    num_tokens: int
+    src_pages: tuple[int, ...]
+    dst_pages: tuple[int, ...]
+    seed: int
+    mode: PathMode
+
+
+def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional args
+    conn: Connection, role: str, pp_rank: int, tp_rank: int, config: SelftestConfig,
+    auth: PeerAuth,
+) -> None:
+    """One rank's process: build the endpoint, serve the parent's commands."""
+    torch.set_num_threads(1)
+    geometry = _geometry(config)
+    kv = geometry.kv_geometry()
+    parallelism = (Parallelism(config.prefill_tp, config.prefill_pp) if role == "prefill"
+                   else Parallelism(config.decode_tp, 1))
+    coord = RankCoord(pp_rank, tp_rank)
+    device = torch.device("cpu")
+    if config.device == "cuda":
+        index = pp_rank * parallelism.tp + tp_rank + (0 if role == "prefill" else 1000)
+        device = torch.device(f"cuda:{index % torch.cuda.device_count()}")
+        torch.cuda.set_device(device)
+    heads = compute_local_heads(config.kv_heads, parallelism.tp, tp_rank)
+    layout = KVLayout(config.layers // parallelism.pp, config.num_pages, config.page_size,
+                      heads.count, config.head_dim, DTYPES[config.dtype],
+                      page_format=PageFormat(config.page_format),
+                      packing=KVPacking(config.packing))
+    pool = (KVPool.allocate_per_layer(layout, device)
+            if config.per_layer or not layout.is_token_major else KVPool.allocate(layout, device))
+    transport = NixlTransport(f"{role}-{pp_rank}-{tp_rank}-{uuid.uuid4().hex[:8]}")
+    identity = RankIdentity(f"{role}-0", coord, parallelism, geometry)
+    timeouts = Timeouts(transfer_s=config.timeout_s, kv_lease_s=2 * config.timeout_s,
+                        bootstrap_s=config.timeout_s, grant_s=1.0, stall_s=config.timeout_s / 2,
+                        quarantine_grace_s=config.timeout_s)
+    endpoint: PrefillSender | DecodeReceiver
+    sizes = AgentStaging(decode_pool_mib=config.decode_pool_mib,
+                         prefill_buffer_mib=config.prefill_buffer_mib)
+    if role == "prefill":
+        endpoint = PrefillSender(transport, pool, identity, auth=auth, timeouts=timeouts,
+                                 staging_bytes=sizes.bytes_for(Role.PREFILL))
+    else:
+        endpoint = DecodeReceiver(transport, pool, identity, auth=auth, timeouts=timeouts,
+                                  ring_bytes=sizes.bytes_for(Role.DECODE), mode=config.mode)
+    server = BootstrapServer(endpoint.document, auth)
+    worker = Worker(endpoint, name=f"pd-transfer-{role}-{pp_rank}-{tp_rank}").start()
+    conn.send(("ready", server.address))
+    specs: dict[str, RequestSpec] = {}
+    while True:
+        command, *args = conn.recv()
+        if command == "peers":
+            try:
+                conn.send([endpoint.add_peer(a).result(READY_TIMEOUT_S) for a in args[0]])
+            except TransferError as exc:  # a refused peer (e.g. unauthenticated): keep serving
+                conn.send(("error", str(exc)))
+        elif command == "register":
+            futures = []
+            for spec in args[0]:
+                specs[spec.room] = spec
+                if isinstance(endpoint, PrefillSender):
+                    source = compute_request_source(spec.seed, kv,
+                                                    len(spec.src_pages) * config.page_size)
+                    fill_pool(pool, geometry=kv, parallelism=parallelism, coord=coord,
+                              pages=spec.src_pages, source=source)
+                    futures.append(endpoint.register_request(spec.room, spec.src_pages,
+                                                             spec.num_tokens))
+                else:
+                    futures.append(endpoint.expect(spec.room, spec.dst_pages, spec.num_tokens,
+                                                   mode=spec.mode))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            conn.send([f.result(READY_TIMEOUT_S) for f in futures])
+        elif command == "send":
+            assert isinstance(endpoint, PrefillSender)
+            conn.send([endpoint.send_part(room, last=True) is not None for room in args[0]])
+        elif command == "states":
+            conn.send({room: s.state.value if (s := endpoint.poll(room)) is not None else None
+                       for room in args[0]})
+        elif command == "wait":
+            rooms, deadline = args[0], time.monotonic() + args[1]
+            done: dict[str, float] = {}
+            while len(done) < len(rooms) and time.monotonic() < deadline:
+                for room in rooms:
+                    status = endpoint.poll(room)
+                    if room not in done and status is not None and status.finished:
+                        done[room] = time.monotonic()
+                time.sleep(0.0005)
+            results = []
+            for room in rooms:
+                status = endpoint.poll(room)
+                verified = None
+                if isinstance(endpoint, DecodeReceiver) and status is not None and (
+                        status.state.value == "Succeeded"):
+                    spec = specs[room]
+                    source = compute_request_source(spec.seed, kv,
+                                                    len(spec.dst_pages) * config.page_size)
+                    verified = verify_pool(pool, geometry=kv, parallelism=parallelism,
+                                           coord=coord, pages=spec.dst_pages, source=source,
+                                           num_tokens=spec.num_tokens)
+                results.append({
+                    "room": room, "done_at": done.get(room),
+                    "state": status.state.value if status is not None else None,
+                    "reason": (status.reason.value if status is not None and status.reason
+                               else None),
+                    "detail": status.detail if status is not None else "",
+                    "bytes": status.bytes_transferred if status is not None else 0,
+                    "verified": verified,
+                })
+                endpoint.forget(room)
+                specs.pop(room, None)
+            conn.send(results)
+        elif command == "stats":
+            stats = transport.stats
+            snapshot = endpoint.metrics.snapshot()
+            conn.send({
+                "writes_posted": stats.transfers_posted,
+                "descriptors": stats.descriptors_posted,
+                "bytes_posted": stats.bytes_posted,
+                "alloc_requests": getattr(endpoint, "alloc_requests_sent", 0),
+                "pregrants_taken": getattr(endpoint, "pregrants_taken", 0),
+                "rejected": snapshot.rejected_by_reason,
+                "debug_counts": endpoint.debug_counts(),
+            })
+        elif command == "exit":
+            worker.stop()
+            server.close()
+            conn.send("bye")
+            return
+
+
+class SelftestGroup:
+    """The rank processes of one prefill deployment and one decode deployment."""
+
+    def __init__(self, config: SelftestConfig, auth: PeerAuth | None = None) -> None:
+        """``auth``: the transfer key the ranks share; by default a random one of their own
+        (pass another group's ``auth`` to let its ranks authenticate this group's)."""
+        self.config = config
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")  # inherited by the spawned ranks
+        ctx = mp.get_context("spawn")
+        auth = auth or PeerAuth.generate()
+        self.auth = auth
+        self.ranks: dict[tuple[str, int, int], tuple[Any, Connection]] = {}
+        coords = [("prefill", pp, tp) for pp, tp in itertools.product(
+            range(config.prefill_pp), range(config.prefill_tp))]
+        coords += [("decode", 0, tp) for tp in range(config.decode_tp)]
+        for key in coords:
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=_rank_main, args=(child, *key, config, auth),
+                                  daemon=True)
+            process.start()
+            self.ranks[key] = (process, parent)
+        addresses = {key: self._expect(key, "ready")[1] for key in coords}
+        self.addresses = addresses  # bootstrap address of each rank
+        prefill = [a for k, a in addresses.items() if k[0] == "prefill"]
+        decode = [a for k, a in addresses.items() if k[0] == "decode"]
+        self.broadcast("prefill", "peers", decode)
+        self.broadcast("decode", "peers", prefill)
+        self._rng = random.Random(config.seed)
+        self._rooms = itertools.count()
+
+    def _expect(self, key: tuple[str, int, int], _tag: str,
+                timeout_s: float = READY_TIMEOUT_S) -> Any:
+        process, conn = self.ranks[key]
+        if not conn.poll(timeout_s):
+            raise TimeoutError(f"rank {key} did not answer within {timeout_s} s "
+                               f"(alive={process.is_alive()})")
+        return conn.recv()
+
+    def broadcast(self, role: str, *command: Any, timeout_s: float = READY_TIMEOUT_S) -> list[Any]:
+        keys = [k for k in self.ranks if k[0] == role]
+        for key in keys:
+            self.ranks[key][1].send(command)
+        return [self._expect(key, command[0], timeout_s) for key in keys]
+
+    def make_requests(self, count: int, mode: PathMode | None = None,
+                      tokens: int | None = None) -> list[RequestSpec]:
+        """``count`` requests on disjoint random pages (non-contiguous on both sides)."""
+        config = self.config
+        num_tokens = tokens or config.tokens
+        per = -(-num_tokens // config.page_size)
+        src = self._rng.sample(range(config.num_pages), per * count)
+        dst = self._rng.sample(range(config.num_pages), per * count)
+        return [RequestSpec(f"room-{next(self._rooms)}", num_tokens,
+                            tuple(src[i * per:(i + 1) * per]), tuple(dst[i * per:(i + 1) * per]),
+                            self._rng.randrange(1 << 30), mode or config.mode)
+                for i in range(count)]
+
+    def run_wave(self, specs: list[RequestSpec]) -> tuple[float, list[dict[str, Any]]]:
+        """Register, send, wait; returns (seconds from send to the last decode completion,
+        every rank's results)."""
+        rooms = [s.room for s in specs]
+        self.broadcast("decode", "register", specs)
+        self.broadcast("prefill", "register", specs)
+        start = time.monotonic()
+        self.broadcast("prefill", "send", rooms)
+        results: list[dict[str, Any]] = []
+        for role in ("decode", "prefill"):
+            for rank_results in self.broadcast(role, "wait", rooms, self.config.timeout_s * 2,
+                                               timeout_s=self.config.timeout_s * 3):
+                results.extend(dict(r, role=role) for r in rank_results)
+        ends = [r["done_at"] for r in results if r["role"] == "decode" and r["done_at"]]
+        return (max(ends) - start if ends else float("nan")), results
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [dict(s, role=role) for role in ("prefill", "decode")
+                for s in self.broadcast(role, "stats")]
+
+    def kill(self, role: str) -> None:
+        for key, (process, _) in self.ranks.items():
+            if key[0] == role:
+                process.kill()
+                process.join(10)
+
+    def close(self) -> None:
+        for process, conn in self.ranks.values():
+            if process.is_alive():
+                try:
+                    conn.send(("exit",))
+                    if conn.poll(15):
+                        conn.recv()
+                except (BrokenPipeError, EOFError, OSError):
+                    pass  # the process died meanwhile: it is killed and reaped below
+        for process, _ in self.ranks.values():
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+
+
+def check_selftest_config(config: SelftestConfig) -> None:
+    """Raise PlanError / ValueError for a configuration that cannot run, before spawning:
+    uneven splits, or ``contiguous`` for a head split that cannot be contiguous."""
+    if config.dtype not in DTYPES or config.device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown dtype {config.dtype!r} or device {config.device!r}")
+    geometry = _geometry(config).kv_geometry()
+    prefill, decode = Parallelism(config.prefill_tp, config.prefill_pp), Parallelism(
+        config.decode_tp, 1)
+
+    def local(tp: int, rank: int) -> KVLayout:
+        heads = compute_local_heads(config.kv_heads, tp, rank).count
+        return KVLayout(1, 1, config.page_size, heads, config.head_dim, DTYPES[config.dtype],
+                        page_format=PageFormat(config.page_format),
+                        packing=KVPacking(config.packing))
+
+    for plan in compute_transfer_topology(geometry, prefill, decode).plans:
+        choose_path(config.mode, plan, local(prefill.tp, plan.prefill.tp_rank),
+                    local(decode.tp, plan.decode.tp_rank))
+
+
+def _geometry(config: SelftestConfig) -> GeometryDoc:
+    return GeometryDoc(num_layers=config.layers, total_kv_heads=config.kv_heads,
+                       head_dim=config.head_dim, dtype=config.dtype,
+                       page_size=config.page_size,
+                       page_format=config.page_format, packing=config.packing)
+
+
+def run_selftest(config: SelftestConfig) -> dict[str, Any]:
+    """The whole CLI run; ``verified`` is true iff every request succeeded on every rank and
+    every decode rank's pages matched bit for bit."""
+    geometry = _geometry(config).kv_geometry()
+    topology = compute_transfer_topology(geometry, Parallelism(config.prefill_tp,
+                                                               config.prefill_pp),
+                                         Parallelism(config.decode_tp, 1))
+    payload_per_request = sum(p.bytes_per_token for p in topology.plans) * config.tokens
+    group = SelftestGroup(config)
+    try:
+        seconds = 0.0
+        results: list[dict[str, Any]] = []
+        left = config.requests
+        while left > 0:
+            wave = group.make_requests(min(left, config.concurrency))
+            left -= len(wave)
+            elapsed, wave_results = group.run_wave(wave)
+            seconds += elapsed
+            results.extend(wave_results)
+        stats = group.stats()
+    finally:
+        group.close()
+    prefill_stats = [s for s in stats if s["role"] == "prefill"]
+    failures = Counter(r["reason"] for r in results if r["state"] != "Succeeded")
+    ok = (all(r["state"] == "Succeeded" for r in results)
+          and all(r["verified"] for r in results if r["role"] == "decode"))
+    payload = payload_per_request * config.requests
+    writes = sum(s["writes_posted"] for s in prefill_stats)
+    report: dict[str, Any] = {
+        "config": asdict(config),
+        "pairs": len(topology.plans),
+        "payload_bytes": payload,
+        "bytes_posted": sum(s["bytes_posted"] for s in prefill_stats),
+        "seconds": seconds,
+        "gb_per_s": payload / seconds / 1e9 if seconds > 0 else 0.0,
+        "transfer_requests_posted": writes,
+        "descriptors": sum(s["descriptors"] for s in prefill_stats),
+        "alloc_requests": sum(s["alloc_requests"] for s in prefill_stats),
+        "pregrants_taken": sum(s["pregrants_taken"] for s in prefill_stats),
+        "failures": dict(failures),
+        "rejected": sum(sum(s["rejected"].values()) for s in stats),
+        "verified": ok,
+        "first_failures": [r for r in results if r["state"] != "Succeeded"][:3],
+    }
+    if config.mode == "staged":
+        expected = config.requests * len(topology.plans)
+        report["one_write_per_pair_and_chunk"] = writes == expected
+        report["verified"] = ok and writes == expected
+    return report

@@ -36,7 +36,7 @@ PREFILL_CALLS = (
     ("Poster", "_post", "_post"), ("PrefillSender", "_on_message", "_on_message"),
     ("PrefillSender", "_check_deadlines", "_check_deadlines"),
 )
-DECODE_CALLS = ("_on_message", "_on_staged", "_progress", "_check_deadlines")
+DECODE_CALLS = ("_on_message", "_progress", "_check_deadlines")
 NIXL_CALLS = ("post", "write", "state", "send_message")
 
 
@@ -63,7 +63,7 @@ def _wrap(owner: Any, name: str, label: str, *, always: bool = False) -> None:
 def _install() -> None:
     # Imported only when asked for: every Python process on the path runs this file.
     from pd_transfer import _endpoint as endpoint  # noqa: PLC0415
-    from pd_transfer import receiver  # noqa: PLC0415
+    from pd_transfer.decode import arrivals, receiver  # noqa: PLC0415
     from pd_transfer.prefill import gathers, parts, posting, sender  # noqa: PLC0415
     from pd_transfer.transport import nixl  # noqa: PLC0415
 
@@ -89,6 +89,7 @@ def _install() -> None:
         _wrap(owners[owner], name, "P." + label)
     for name in DECODE_CALLS:
         _wrap(receiver.DecodeReceiver, name, "D." + name)
+    _wrap(arrivals._Arrivals, "on_staged", "D._on_staged")  # its label in earlier results
     for name in NIXL_CALLS:
         _wrap(nixl.NixlTransport, name, "nixl." + name)
     _wrap(endpoint.Endpoint, "authenticate", "authenticate")

@@ -68,13 +68,14 @@ def _install(path: str) -> None:
     import torch  # noqa: PLC0415 - only when timing is asked for
     from nixl._api import nixl_agent  # noqa: PLC0415
 
-    from pd_transfer import _endpoint, receiver, staging, worker  # noqa: PLC0415
+    from pd_transfer import _endpoint, staging, worker  # noqa: PLC0415
+    from pd_transfer.decode import arrivals, receiver, scatter  # noqa: PLC0415
     from pd_transfer.prefill import parts, posting  # noqa: PLC0415
     from pd_transfer.transport import nixl as nixl_transport  # noqa: PLC0415
 
     for owner, name, label in (
         (parts, "gather", "gather()"),
-        (receiver, "prepare_scatter", "prepare_scatter()"),
+        (scatter, "prepare_scatter", "prepare_scatter()"),
         (staging.PreparedMove, "launch", "PreparedMove.launch"),
         (staging, "_validate", "staging._validate"),
         (staging, "_layer_ids", "staging._layer_ids"),
@@ -86,7 +87,7 @@ def _install(path: str) -> None:
         (torch.cuda.Event, "query", "Event.query"),
         (_endpoint.Endpoint, "step", "Endpoint.step"),
         (parts.PartMaker, "enqueue_gathers", "sender._enqueue_gathers"),
-        (receiver.DecodeReceiver, "_on_staged", "receiver._on_staged"),
+        (arrivals._Arrivals, "on_staged", "receiver._on_staged"),  # the label of earlier results
         (receiver.DecodeReceiver, "_on_message", "receiver._on_message"),
         (posting.Poster, "try_post_staged", "sender._try_post_staged"),
         (_endpoint.Endpoint, "seal", "Endpoint.seal"),

@@ -288,7 +288,7 @@ def test_staged_scatter_waits_for_engine_work_queued_on_its_pages_before_the_req
     queues a ~1 s kernel and then zeroes the request's pages on that stream just before
     ``expect``: a scatter that did not wait would be overwritten by the zeros, and the KV
     would not match. The stream is ordered once per request, when it starts; the scatters,
-    of a pre-granted whole request, were prepared then too (receiver.py)."""
+    of a pre-granted whole request, were prepared then too (decode/__init__.py)."""
     prefill, decode = gpu_staged
     for room, busy_cycles in (("warm-up", 0), ("busy-decode-stream", 2_000_000_000)):
         before = decode.ask("scatters")

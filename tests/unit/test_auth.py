@@ -23,10 +23,10 @@ from pd_transfer.auth import (
     Unauthenticated,
 )
 from pd_transfer.bootstrap import DOCUMENT_VERSION, open_document, seal_document
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.errors import BootstrapError, TransportError
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.protocol.messages import PROTOCOL_VERSION, Release, RingUpdate, encode_message
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.reference.engine.errors import EngineConfigError
 from pd_transfer.reference.engine.main import load_auth
 from pd_transfer.transport import LoopbackTransport, Transport

@@ -16,6 +16,7 @@ import pytest
 
 from pd_testbed.transfer_harness import Cluster, Request
 from pd_transfer.auth import Purpose
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.protocol.coverage import Coverage, CoverageError
 from pd_transfer.protocol.lifecycle import FailureReason, State
 from pd_transfer.protocol.messages import (
@@ -26,7 +27,6 @@ from pd_transfer.protocol.messages import (
     StagedPart,
     encode_message,
 )
-from pd_transfer.receiver import DecodeReceiver
 
 pytestmark = pytest.mark.timeout(60)
 

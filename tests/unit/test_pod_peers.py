@@ -12,9 +12,9 @@ import pytest
 from pd_testbed.transfer_harness import TEST_AUTH, Cluster
 from pd_transfer._endpoint import RankIdentity
 from pd_transfer.bootstrap import BootstrapServer, RankDocument
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.plan import RankCoord
 from pd_transfer.pod_peers import RECHECK_S, PodConnections
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.worker import Worker
 
 

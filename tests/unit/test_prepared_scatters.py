@@ -1,5 +1,5 @@
-"""Decode's scatter of a pre-granted region, prepared with the grant (receiver.py), over the
-loopback transport, stepped by hand.
+"""Decode's scatter of a pre-granted region, prepared with the grant (decode/__init__.py),
+over the loopback transport, stepped by hand.
 
 When decode pre-grants a staged writer's part 0 the whole share of the request, it prepares
 that share's scatter at once (ids on the device, arguments checked, the kernel bound), so
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 
 from pd_testbed.transfer_harness import Cluster, Request
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.protocol.lifecycle import State
-from pd_transfer.receiver import DecodeReceiver
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,6 +14,7 @@ import torch
 
 from pd_testbed.transfer_harness import Cluster, Request, message_type, of_type, seal_as
 from pd_transfer._endpoint import Endpoint
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.protocol.lifecycle import FailureReason, State
 from pd_transfer.protocol.messages import (
     AllocRequest,
@@ -25,7 +26,6 @@ from pd_transfer.protocol.messages import (
     compute_runs,
 )
 from pd_transfer.protocol.parts import PartState
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.transport import Envelope, FaultAction, FaultRule
 
 pytestmark = pytest.mark.timeout(60)
@@ -314,7 +314,7 @@ def test_a_notification_of_another_room_leaves_a_quarantined_region_held() -> No
     cluster.run(lambda: cluster.finished(stuck.room))
     sender, receiver = cluster.senders[0], cluster.receivers[0]
     assert receiver.ring.quarantined_regions == 1
-    held = receiver._quarantine[0]
+    held = receiver.grants.quarantined[0]
     stale = StagedPart(room="finished-room", part=0, sender_id=0,
                        ring_offset=held.region.offset_bytes, size_bytes=held.region.size_bytes,
                        layer_start=0, layer_stop=2, page_start=0, page_count=2,
@@ -557,7 +557,7 @@ def test_a_write_that_never_completes_fails_on_decode_and_prefill_logs_where_it_
         lines[0]), lines[0]
 
 
-# Pre-grants (protocol v5: receiver.py's module docstring) ---------------------------------
+# Pre-grants (protocol v5: the decode package's docstring) --------------------------------
 
 
 def _pregranted_rooms(receiver: DecodeReceiver) -> list[str]:

@@ -14,11 +14,11 @@ import pytest
 
 from pd_testbed.transfer_harness import Cluster, Request, message_type, seal_as
 from pd_transfer._endpoint import ResizeResult
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.errors import ResizeError
 from pd_transfer.protocol.lifecycle import FailureReason, State
 from pd_transfer.protocol.messages import StagedPart
 from pd_transfer.protocol.parts import PartState
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.transport import FaultAction, FaultRule
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,7 +77,7 @@ def test_resize_under_a_steady_stream_fails_nothing(new_bytes: int) -> None:
 
     def done() -> bool:
         nonlocal queued
-        queued = max([queued, *(len(r._queue) for r in cluster.receivers)])
+        queued = max([queued, *(r.grants.queued for r in cluster.receivers)])
         return _all_done(cluster, before + during, futures)
 
     cluster.run(done)

@@ -234,7 +234,7 @@ def test_random_operations_keep_every_invariant(seed: int) -> None:
 
 
 def test_shrink_keeps_the_start_frees_the_tail_and_voids_the_old_region() -> None:
-    """A pre-granted region whose part filled only its start (receiver.py)."""
+    """A pre-granted region whose part filled only its start (decode/__init__.py)."""
     ring = StagingRing(4096, alignment_bytes=256)
     region = ring.allocate("room", 2048)
     assert region is not None

@@ -249,7 +249,7 @@ class TransferMetrics:
             self._refused_transitions[f"{state.value}:{event.value}"] += 1
 
     def pregrant(self, outcome: str) -> None:
-        """A pre-grant was granted, used, or returned (receiver.py's module docstring)."""
+        """A pre-grant was granted, used, or returned (the decode package's docstring)."""
         self._child(self.pregrants, outcome).inc()
 
     def gathers_launched(self, thread: str, count: int) -> None:

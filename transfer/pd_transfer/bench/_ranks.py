@@ -33,6 +33,7 @@ import torch
 from pd_transfer._endpoint import PollIntervals, RankIdentity, Timeouts
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import DTYPES, BootstrapServer, DtypeName, GeometryDoc
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.layout import KVLayout, KVPart, KVPool
 from pd_transfer.phases import PhaseLog, RequestTimes
 from pd_transfer.pipeline import record_ready_event
@@ -46,7 +47,6 @@ from pd_transfer.plan import (
     compute_transfer_topology,
 )
 from pd_transfer.prefill import PrefillSender
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.staging import staged_chunk_bytes
 from pd_transfer.transport.base import TransferState
 from pd_transfer.transport.nixl import NixlConfig, NixlTransport

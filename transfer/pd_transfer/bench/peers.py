@@ -30,12 +30,12 @@ import torch
 from pd_transfer._endpoint import RankIdentity, Timeouts
 from pd_transfer.auth import PeerAuth, outgoing_body
 from pd_transfer.bootstrap import GeometryDoc, RankDocument
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.layout import KVLayout, KVPool, compute_page_runs
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.protocol.messages import PartDone, StagedPart, decode_message
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.reference.model import ModelConfig, ReferenceModel
 from pd_transfer.transport.base import (
     PreparedWrite,

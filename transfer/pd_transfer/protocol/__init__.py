@@ -1,6 +1,6 @@
 """The transfer protocol as data: wire messages (``messages``), request lifecycles
 (``lifecycle``) and part states of the grant/write protocol (``parts``). No I/O and no
-transport import here; ``sender``/``receiver`` drive it."""
+transport import here; ``sender``/``decode`` drive it."""
 
 from pd_transfer.protocol.lifecycle import (
     TERMINAL,

@@ -37,6 +37,7 @@ from pd_transfer.bootstrap import (
     PackingName,
     PageFormatName,
 )
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.errors import TransferError
 from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
 from pd_transfer.plan import (
@@ -46,7 +47,6 @@ from pd_transfer.plan import (
     compute_transfer_topology,
 )
 from pd_transfer.prefill import PrefillSender
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool
 from pd_transfer.transport.nixl import NixlTransport
 from pd_transfer.worker import Worker

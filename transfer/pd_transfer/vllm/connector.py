@@ -35,10 +35,10 @@ from pd_transfer.agent.transport_probe import UcxLogTail
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import BootstrapServer
 from pd_transfer.config_file import load_transfer_config
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.plan import Parallelism, RankCoord
 from pd_transfer.pod_peers import PodConnections
 from pd_transfer.prefill import PrefillSender
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.vllm.cache import map_kv_caches
 from pd_transfer.vllm.params import ConnectorSettings, ParamsError
 from pd_transfer.vllm.pod_agent import PodAgent, start_pod_agent

@@ -38,10 +38,10 @@ from pd_contract.transferagent import AgentStaging, PeerTransport, Role
 from pd_transfer.agent.transport_probe import ProtoInfoParser, UcxLogTail, configure_environment
 from pd_transfer.auth import PeerAuth, Purpose, Unauthenticated
 from pd_transfer.bootstrap import BootstrapServer
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.errors import TransferError
 from pd_transfer.metrics import RecentFailure, RingWatermark, TransferSnapshot
 from pd_transfer.prefill import PrefillSender
-from pd_transfer.receiver import DecodeReceiver
 
 __all__ = [
     "CONTROL_VERSION",

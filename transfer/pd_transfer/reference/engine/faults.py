@@ -1,7 +1,7 @@
 """TEST-ONLY fault injection for the reference engine (``POST /v1/faults``).
 
 Faults live in a ``Transport`` wrapper the engine puts between its endpoints and NIXL, so
-``sender.py`` and ``receiver.py`` carry no test hook at all: the protocol code sees exactly
+``sender.py`` and ``decode/`` carry no test hook at all: the protocol code sees exactly
 what it would see if the network or a peer misbehaved.
 
 - ``drop_grants``: outgoing ``Grant`` messages are dropped (a decode pod whose grants are

@@ -51,6 +51,7 @@ from pd_transfer.bootstrap import (
     GeometryDoc,
     RankDocument,
 )
+from pd_transfer.decode import DecodeReceiver
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.metrics import TransferSnapshot
 from pd_transfer.pipeline import LayerPipeline, compute_chunk_plan
@@ -58,7 +59,6 @@ from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.pod_peers import PodConnections
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import RequestStatus, State
-from pd_transfer.receiver import DecodeReceiver
 from pd_transfer.reference.engine.errors import EngineBusy, EngineConfigError, RequestRejected
 from pd_transfer.reference.engine.faults import FaultPlan, FaultyTransport
 from pd_transfer.reference.model import ChunkForward, ModelConfig, ReferenceModel

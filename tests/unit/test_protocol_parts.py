@@ -27,7 +27,7 @@ from pd_transfer.ring import Region
 
 pytestmark = pytest.mark.timeout(30)
 
-# Written from the protocol (README "Part states"), not from the code's table.
+# Written from the protocol (PROTOCOL.md "Part states"), not from the code's table.
 EXPECTED = {
     ("WaitingReady", "ready"): "WaitingStaging",
     ("WaitingReady", "post"): "Writing",

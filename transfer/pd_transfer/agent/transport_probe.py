@@ -24,7 +24,7 @@ forwarded to the ``pd_transfer.ucx`` logger, so they still reach the pod's log.
 ``posix``, ``xpmem``, ``knem``, ``cuda_ipc``, ``cuda_copy``, ``self``, ``tcp``; anything
 else is kept as UCX names it (lower case).
 
-Limits (documented in the package README):
+Limits (documented in the package's PROTOCOL.md, "The agent"):
 - UCX prints only the first 31 characters of a worker's name; the engine names its agents
   ``r<rank>-<incarnation hash>-<pod>`` so those characters are unique per rank and process.
 - UCX prints each endpoint configuration once per worker and does not name the remote

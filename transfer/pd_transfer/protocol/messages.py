@@ -90,7 +90,7 @@ MAX_WIRE_INT: Final = (1 << 63) - 1  # every count, size and offset fits a signe
 MAX_PARTS: Final = 1 << 16  # parts per (request, writer); bounds every per-part structure
 
 Path = Literal["staged", "sliced", "contiguous"]
-"""How a (prefill rank, decode rank) pair moves a request's KV (see README)."""
+"""How a (prefill rank, decode rank) pair moves a request's KV (see PROTOCOL.md, "Paths")."""
 
 _PRINTABLE: Final = r"^[^\x00-\x1f\x7f]+$"
 Room = Annotated[str, Field(min_length=1, max_length=256, pattern=_PRINTABLE)]

@@ -237,7 +237,9 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
             window = healthy.window
             assert healthy.healthy is (window.failures <= 0.05 * window.transfers)
         on_prefill = status_of(objects, namespace, "prefill")
-        assert on_prefill is not None and on_prefill.healthy is True
+        assert on_prefill is not None and on_prefill.healthy is True, (
+            on_prefill and on_prefill.last_error,
+            (tmp_path / "agent-prefill.log").read_text()[-3000:])
         assert {"bytesTotal", "transfersTotal", "window.transfers"} <= set(on_prefill.unknown)
         assert scrape(f"127.0.0.1:{decode_metrics}", "pd_transfer_native_engine_reading_ok",
                       engine="vllm", version="0.32.0") == 1.0

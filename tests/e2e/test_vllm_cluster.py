@@ -540,7 +540,7 @@ def _wait_serving(cluster: Cluster, name: str) -> None:
     NixlConnector on 2 cores a decode waiting for its KV spins and starves the prefill engine
     (docs/failure-modes.md #33): the prefill's /metrics then goes unanswered past its
     sidecar's busy grace, its pod is taken out of rotation until a reading succeeds again,
-    and a request sent meanwhile is answered 503 (a client retries; this test waits)."""
+    and a request sent meanwhile waits in the router for it (`--endpoint-wait-seconds`)."""
     wait_for(f"{name}'s router serving (a prefill and a decode in rotation)", lambda: all(
         cluster.router_metric_of(name, "pd_router_endpoints", role=role) == 1.0
         for role in ("prefill", "decode")), 300)

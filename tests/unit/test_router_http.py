@@ -355,7 +355,7 @@ def test_health_is_ready_only_with_a_prefill_and_a_decode_endpoint() -> None:
     """The router Deployment's readiness probe: 503 names the role without an endpoint."""
     table = EndpointTable()
     router = Router(RouterSettings(host="127.0.0.1", port=0, prefill=("http://p:1@p:2",),
-                                   decode=("http://d:1@d:2",)), table)
+                                   decode=("http://d:1@d:2",), endpoint_wait_s=0), table)
     prefill = Endpoint(Role.PREFILL, "10.0.0.1", 8000, PREFILL_BOOT)
     decode = Endpoint(Role.DECODE, "10.0.0.2", 8000, DECODE_BOOT)
     try:
@@ -364,7 +364,10 @@ def test_health_is_ready_only_with_a_prefill_and_a_decode_endpoint() -> None:
                                          "missing": ["prefill", "decode"],
                                          "message": "no ready prefill or decode engine"})
         status, body = call(router.url, "POST", COMPLETIONS, {"prompt": "x"})[::2]
-        assert status == 503 and json.loads(body)["error"]["type"] == "no_ready_endpoint"
+        assert status == 503 and json.loads(body)["error"] == {
+            "message": "no ready prefill engine: the router has none in rotation "
+                       "(see GET /health)",
+            "type": "no_ready_endpoint", "code": 503}
         table.replace(Role.PREFILL, [prefill])
         assert _health(router)[0] == 503 and _health(router)[1]["missing"] == ["decode"]
         table.replace(Role.DECODE, [decode])
@@ -373,6 +376,68 @@ def test_health_is_ready_only_with_a_prefill_and_a_decode_endpoint() -> None:
                                          "missing": [], "message": "ready"})
         table.replace(Role.PREFILL, [])
         assert _health(router)[1]["missing"] == ["prefill"]
+    finally:
+        router.close()
+
+
+def _wait_sample(router: Router, role: str, outcome: str, name: str = "count") -> float:
+    return float(router.metrics.registry.get_sample_value(
+        f"pd_router_endpoint_wait_seconds_{name}", {"role": role, "outcome": outcome}) or 0)
+
+
+def test_a_request_waits_for_a_decode_to_rejoin_the_rotation_then_is_served() -> None:
+    """A decode briefly out of rotation (a restart, a missed readiness probe) costs the
+    request latency, not a 503: it waits, is counted as waiting, and goes to the decode that
+    joins."""
+    prefill, decode = StandInEngine("prefill"), StandInEngine("decode")
+    decode.answer = lambda _: Answer(chunks=[b'{"from":"decode"}'])
+    table = EndpointTable()
+    router = Router(RouterSettings(host="127.0.0.1", port=0, prefill=("http://p:1@p:2",),
+                                   decode=("http://d:1@d:2",), endpoint_wait_s=20), table)
+    table.replace(Role.PREFILL, [Endpoint(Role.PREFILL, "127.0.0.1", prefill.port,
+                                          PREFILL_BOOT)])
+    answers: list[tuple[int, dict[str, str], bytes]] = []
+    client = threading.Thread(target=lambda: answers.append(
+        call(router.url, "POST", COMPLETIONS, {"prompt": "x", "max_tokens": 3})))
+    try:
+        client.start()
+        deadline = time.monotonic() + 10
+        while table.waiting()[Role.DECODE] != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert table.waiting() == {Role.PREFILL: 0, Role.DECODE: 1}
+        assert router.metrics.registry.get_sample_value(
+            "pd_router_endpoint_waiting_requests", {"role": "decode"}) == 1.0
+        time.sleep(0.3)
+        assert answers == [] and decode.requests == []
+        table.replace(Role.DECODE, [Endpoint(Role.DECODE, "127.0.0.1", decode.port,
+                                             DECODE_BOOT)])
+        client.join(10)
+        assert [(status, body) for status, _, body in answers] == [(200, b'{"from":"decode"}')]
+        assert len(decode.requests) == 1 and table.waiting()[Role.DECODE] == 0
+        assert _wait_sample(router, "decode", "served") == 1.0
+        assert _wait_sample(router, "decode", "served", "sum") >= 0.3
+        assert _wait_sample(router, "decode", "refused") == 0.0
+        assert _wait_sample(router, "prefill", "served") == 0.0  # found one at once
+    finally:
+        router.close(drain_s=5)
+        prefill.close()
+        decode.close()
+
+
+def test_a_request_is_refused_503_once_its_endpoint_wait_ends() -> None:
+    table = EndpointTable()
+    router = Router(RouterSettings(host="127.0.0.1", port=0, prefill=("http://p:1@p:2",),
+                                   decode=("http://d:1@d:2",), endpoint_wait_s=0.5), table)
+    try:
+        started = time.monotonic()
+        status, _, body = call(router.url, "POST", COMPLETIONS, {"prompt": "x"})
+        waited = time.monotonic() - started
+        assert status == 503 and json.loads(body)["error"]["message"] == (
+            "no ready prefill engine: the router has none in rotation after waiting 0.5 s for "
+            "one (see GET /health)")
+        assert 0.5 <= waited < 5
+        assert _wait_sample(router, "prefill", "refused") == 1.0
+        assert table.waiting() == {Role.PREFILL: 0, Role.DECODE: 0}
     finally:
         router.close()
 

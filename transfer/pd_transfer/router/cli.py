@@ -57,6 +57,9 @@ _HELP: dict[str, tuple[str | None, str]] = {  # setting → (metavar, help)
     "connect_timeout_s": ("SECONDS", "connecting to an engine (default 5)"),
     "upstream_timeout_s": ("SECONDS", "longest silence of an engine (default 600)"),
     "max_body_bytes": ("BYTES", "largest request body read (default 16 MiB)"),
+    "endpoint_wait_s": ("SECONDS", "how long a request waits for an engine of a role that "
+                                   "has none in rotation before it is answered 503 "
+                                   "(default 30; 0: at once)"),
     "drain_s": ("SECONDS", "on SIGTERM, how long requests in flight may finish "
                            "(default 20)"),
     "log_level": ("LEVEL", "DEBUG, INFO, WARNING or ERROR (default INFO)"),
@@ -69,7 +72,8 @@ _CHOICES: dict[str, list[str]] = {
 _TYPES: dict[str, type] = {"port": int, "engine_port": int, "bootstrap_port": int,
                            "affinity_prefix": int, "balance_threshold": int,
                            "max_body_bytes": int, "connect_timeout_s": float,
-                           "upstream_timeout_s": float, "drain_s": float}
+                           "upstream_timeout_s": float, "endpoint_wait_s": float,
+                           "drain_s": float}
 
 
 def add_router_parser(

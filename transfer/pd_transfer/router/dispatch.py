@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
@@ -205,7 +206,11 @@ class Dispatcher:
     def _pick(self, role: Role, key: str | None) -> Endpoint:
         endpoints = self._table.ready(role)
         if not endpoints:
-            raise NoEndpoint(role)
+            started = time.monotonic()
+            endpoints = self._table.wait_ready(role, self._settings.endpoint_wait_s)
+            self._metrics.endpoint_wait(role, time.monotonic() - started, bool(endpoints))
+            if not endpoints:
+                raise NoEndpoint(role, self._settings.endpoint_wait_s)
         return self._policy.pick(role, endpoints, key)
 
     def _send(self, endpoint: Endpoint, method: str, path: str, body: bytes | None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -68,11 +69,15 @@ def parse_engine(spec: str, role: Role, bootstrap_port: int | None) -> Endpoint:
 
 
 class EndpointTable:
-    """The ready endpoints of each role; thread-safe; each role replaced whole."""
+    """The ready endpoints of each role; thread-safe; each role replaced whole. A request
+    that finds a role empty can wait for it (``wait_ready``): a pod briefly out of rotation
+    (a restart, a readiness probe that missed) then costs latency, not an error."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._ready: dict[Role, tuple[Endpoint, ...]] = {role: () for role in Role}
+        self._waiting: dict[Role, int] = {role: 0 for role in Role}
 
     def replace(self, role: Role, endpoints: Iterable[Endpoint]) -> None:
         """Make ``endpoints`` (all of ``role``) the role's rotation, sorted by name; logs
@@ -85,6 +90,8 @@ class EndpointTable:
         with self._lock:
             old = self._ready[role]
             self._ready[role] = new
+            if new:
+                self._changed.notify_all()
         for endpoint in sorted(set(new) - set(old), key=lambda e: e.name):
             _log.info("%s endpoint %s joined the rotation", role.value, endpoint.describe())
         for endpoint in sorted(set(old) - set(new), key=lambda e: e.name):
@@ -93,6 +100,29 @@ class EndpointTable:
     def ready(self, role: Role) -> tuple[Endpoint, ...]:
         with self._lock:
             return self._ready[role]
+
+    def wait_ready(self, role: Role, timeout_s: float) -> tuple[Endpoint, ...]:
+        """The role's rotation, waiting up to ``timeout_s`` for one to join while it is
+        empty (empty again after the timeout)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            if self._ready[role] or timeout_s <= 0:
+                return self._ready[role]
+            self._waiting[role] += 1
+            try:
+                while not self._ready[role]:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._changed.wait(left)
+                return self._ready[role]
+            finally:
+                self._waiting[role] -= 1
+
+    def waiting(self) -> dict[Role, int]:
+        """Requests waiting now, per role, for an endpoint to join the rotation."""
+        with self._lock:
+            return dict(self._waiting)
 
     def counts(self) -> dict[Role, int]:
         with self._lock:

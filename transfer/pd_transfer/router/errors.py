@@ -77,9 +77,10 @@ class NoEndpoint(RouterError):
     code: ClassVar[str] = "no_ready_endpoint"
     status = 503
 
-    def __init__(self, role: Role) -> None:
-        super().__init__(f"no ready {role.value} engine: the router has none in rotation "
-                         f"(see GET /health)")
+    def __init__(self, role: Role, waited_s: float = 0.0) -> None:
+        waited = f" after waiting {waited_s:g} s for one" if waited_s else ""
+        super().__init__(f"no ready {role.value} engine: the router has none in rotation"
+                         f"{waited} (see GET /health)")
         self.role = role
 
 

@@ -10,11 +10,16 @@
   ``UpstreamFailure`` (``status``: an engine answered 5xx, or a pd-transfer prefill
   answered anything but 2xx behind decode's answer);
 - ``pd_router_endpoints{role}`` (gauge): ready endpoints in rotation;
+- ``pd_router_endpoint_waiting_requests{role}`` (gauge): requests waiting now for an
+  endpoint of a role that has none in rotation;
+- ``pd_router_endpoint_wait_seconds{role,outcome}`` (histogram): how long a request waited
+  for one (``served``: one joined; ``refused``: none did, answered 503); requests that
+  found one at once are not in it;
 - ``pd_router_in_flight_requests{role,endpoint}`` (gauge): requests on an engine now;
 - ``pd_router_discovery_errors_total``: failed lists or watches of the engine pods.
 
 ``route`` is one of the router's routes or ``other``, so a client cannot grow the label
-set. The two gauges are read at scrape time from the endpoint table and ``InFlight``, so
+set. The three gauges are read at scrape time from the endpoint table and ``InFlight``, so
 an engine that has left and has nothing in flight has no series.
 """
 
@@ -50,13 +55,18 @@ class _Live(Collector):
                                       "Ready endpoints in rotation, per role.", labels=["role"])
         for role, count in self._table.counts().items():
             endpoints.add_metric([role.value], count)
+        waiting = GaugeMetricFamily("pd_router_endpoint_waiting_requests",
+                                    "Requests waiting for an endpoint of a role that has none "
+                                    "in rotation.", labels=["role"])
+        for role, count in self._table.waiting().items():
+            waiting.add_metric([role.value], count)
         in_flight = GaugeMetricFamily("pd_router_in_flight_requests",
                                       "Requests in flight on an engine.",
                                       labels=["role", "endpoint"])
         for endpoint, count in sorted(self._inflight.snapshot().items(),
                                       key=lambda item: (item[0].role, item[0].name)):
             in_flight.add_metric([endpoint.role.value, endpoint.name], count)
-        return iter((endpoints, in_flight))
+        return iter((endpoints, waiting, in_flight))
 
 
 class RouterMetrics:
@@ -79,6 +89,11 @@ class RouterMetrics:
         self.upstream_errors = Counter("pd_router_upstream_errors", "Engine exchanges that "
                                        "failed, by role and reason.", ["role", "reason"],
                                        registry=self.registry)
+        self.endpoint_waits = Histogram("pd_router_endpoint_wait_seconds",
+                                        "How long a request waited for an endpoint of a role "
+                                        "that had none in rotation, by outcome.",
+                                        ["role", "outcome"], buckets=LATENCY_BUCKETS_S,
+                                        registry=self.registry)
         self.discovery_errors = Counter("pd_router_discovery_errors", "Failed lists or watches "
                                         "of the engine pods.", registry=self.registry)
         for role in Role:  # every series exists from the start (rate() sees the first error)
@@ -96,6 +111,10 @@ class RouterMetrics:
         self.duration.labels(route).observe(duration_s)
         if first_byte_s is not None:
             self.first_byte.labels(route).observe(first_byte_s)
+
+    def endpoint_wait(self, role: Role, waited_s: float, served: bool) -> None:
+        self.endpoint_waits.labels(role.value, "served" if served else "refused").observe(
+            waited_s)
 
     def upstream_error(self, role: Role, failure: UpstreamFailure) -> None:
         self.upstream_errors.labels(role.value, failure.value).inc()

@@ -86,6 +86,8 @@ class RouterSettings(BaseModel):
     connect_timeout_s: float = Field(default=5.0, gt=0, le=300)
     upstream_timeout_s: float = Field(default=600.0, gt=0, le=86400)
     max_body_bytes: int = Field(default=16 << 20, ge=1024, le=1 << 30)
+    # a request finding a role with none in rotation waits this long for one before a 503
+    endpoint_wait_s: float = Field(default=30.0, ge=0, le=3600)
     # on SIGTERM: /health answers 503 while requests in flight finish, at most this long
     drain_s: float = Field(default=20.0, ge=0, le=3600)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -146,12 +148,14 @@ ENVIRONMENT: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType({
     "connect_timeout_s": ("PD_ROUTER_CONNECT_TIMEOUT_SECONDS",),
     "upstream_timeout_s": ("PD_ROUTER_UPSTREAM_TIMEOUT_SECONDS",),
     "max_body_bytes": ("PD_ROUTER_MAX_BODY_BYTES",),
+    "endpoint_wait_s": ("PD_ROUTER_ENDPOINT_WAIT_SECONDS",),
     "drain_s": ("PD_ROUTER_DRAIN_SECONDS",),
     "log_level": ("PD_ROUTER_LOG_LEVEL",),
 })
 _LISTS: Final = frozenset({"prefill", "decode"})
 _FLAGS: Final = MappingProxyType({"connect_timeout_s": "--connect-timeout-seconds",
                                   "upstream_timeout_s": "--upstream-timeout-seconds",
+                                  "endpoint_wait_s": "--endpoint-wait-seconds",
                                   "drain_s": "--drain-seconds"})
 
 

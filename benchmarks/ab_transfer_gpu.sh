@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # A before/after run of one change to the staged path, in one machine call (Python 3.12 and
-# torch preinstalled, no registry): the GPU tests (staging kernels, pipeline, reference
-# model, the staged path, the NIXL transport over GPU memory; --noconftest: the test
+# torch preinstalled, no registry): the GPU tests (staging kernels, pipeline, reference model,
+# the staged path, the NIXL transport over GPU memory, staging resizes; --noconftest: the test
 # conftests need the operator's dependencies, which this machine lacks, and these tests use
-# none of their fixtures), the CPU unit tests of the gathers launched on the engine's
-# thread, the scatters prepared with the grant and decode's ring grants, the selftest's
-# staged runs (bit-exact); then `pd-transfer bench transfer --ready-events` (one request in
-# flight, and 8), alternating BEFORE_TREE (a copy of the previous commit's transfer/
-# directory) and this tree for each round of ROUNDS (seq's arguments: "2" is rounds 1 and
-# 2, "3 5" rounds 3 to 5; default 1). NAME names the log (NAME_gpu_<gpu>.txt) and the
-# results (bench_transfer_gpu_<gpu>_NAME_<before|after>_
-# <round>.json); benchmarks/ab_table.py prints their table. AB_LENGTHS (default 1024,4096)
-# and AB_COMBOS (default: the bench's own TP combinations) choose the points; where
-# BEFORE_TREE has a contract/ directory beside it, the before runs import that contract.
+# none of their fixtures), the CPU unit tests of the gathers launched on the engine's thread,
+# the scatters prepared with the grant and decode's ring grants, the selftest's staged runs
+# (bit-exact); then `pd-transfer bench transfer --ready-events` (one request in flight, and
+# 8), alternating BEFORE_TREE (a copy of the previous commit's transfer/ directory) and this
+# tree for each round of ROUNDS (seq's arguments: "2" is rounds 1 and 2, "3 5" rounds 3 to 5;
+# default 1). NAME names the log (NAME_gpu_<gpu>.txt) and the results
+# (bench_transfer_gpu_<gpu>_NAME_<before|after>_<round>.json); benchmarks/ab_table.py prints
+# their table. AB_LENGTHS (default 1024,4096) and AB_COMBOS (default: the bench's own TP
+# combinations) choose the points; where BEFORE_TREE has a contract/ directory beside it, the
+# before runs import that contract.
 # Usage: benchmarks/ab_transfer_gpu.sh NAME OUT_DIR WHEELS BEFORE_TREE [ROUNDS] [SKIP_TESTS]
 set -o pipefail
 usage="usage: ab_transfer_gpu.sh NAME OUT_DIR WHEELS BEFORE_TREE [ROUNDS] [SKIP_TESTS]"
@@ -33,7 +33,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 if [ -z "${6:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu -o addopts="" \
     tests/unit/test_staging.py tests/unit/test_pipeline.py tests/unit/test_reference_model.py \
-    tests/integration/test_pipeline_nixl.py tests/integration/test_nixl_transport.py 2>&1 \
+    tests/integration/test_pipeline_nixl.py tests/integration/test_nixl_transport.py \
+    tests/unit/test_resize.py 2>&1 \
     | tail -4 | tee -a "$log"
   python3 -m pytest -q -p no:cacheprovider --noconftest -o addopts="" \
     tests/unit/test_engine_gathers.py tests/unit/test_prepared_scatters.py \

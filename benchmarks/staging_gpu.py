@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from pd_transfer import _staging_kernel, staging
+from pd_transfer import staging, staging_kernel
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.staging import TRITON_AVAILABLE, gather, scatter, staged_chunk_bytes
 
@@ -169,7 +169,7 @@ class Case:
         pool = self.dst if scatter_ else self.pool
 
         def step(i: int) -> None:
-            _staging_kernel.plan(
+            staging_kernel.plan(
                 pool, layers, self.page_ids[i % self.rot].device,
                 head_start=SCATTER_HEAD if scatter_ else GATHER_HEAD, num_heads=SLICE,
                 staged=self.region(i), scatter=scatter_, tile_bytes=tile,
@@ -241,7 +241,7 @@ def main() -> int:
     props = torch.cuda.get_device_properties(device)
     header = {"device": torch.cuda.get_device_name(device), "sms": props.multi_processor_count,
               "torch": torch.__version__, "triton": TRITON_AVAILABLE,
-              "tile_bytes": _staging_kernel.TILE_BYTES, "num_warps": _staging_kernel.NUM_WARPS,
+              "tile_bytes": staging_kernel.TILE_BYTES, "num_warps": staging_kernel.NUM_WARPS,
               "runs": args.runs, "layers": LAYERS, "heads": f"{SLICE}-of-{HEADS}",
               "head_dim": DIM, "dtype": "bfloat16"}
     print(json.dumps(header))

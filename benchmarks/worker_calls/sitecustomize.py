@@ -68,7 +68,7 @@ def _install(path: str) -> None:
     import torch  # noqa: PLC0415 - only when timing is asked for
     from nixl._api import nixl_agent  # noqa: PLC0415
 
-    from pd_transfer import _endpoint, staging, worker  # noqa: PLC0415
+    from pd_transfer import endpoint, staging, worker  # noqa: PLC0415
     from pd_transfer.decode import arrivals, receiver, scatter  # noqa: PLC0415
     from pd_transfer.prefill import parts, posting  # noqa: PLC0415
     from pd_transfer.transport import nixl as nixl_transport  # noqa: PLC0415
@@ -85,13 +85,13 @@ def _install(path: str) -> None:
         (staging.PageIds, "select", "PageIds.select"),
         (torch.cuda.Event, "record", "Event.record"),
         (torch.cuda.Event, "query", "Event.query"),
-        (_endpoint.Endpoint, "step", "Endpoint.step"),
+        (endpoint.Endpoint, "step", "Endpoint.step"),
         (parts.PartMaker, "enqueue_gathers", "sender._enqueue_gathers"),
         (arrivals._Arrivals, "on_staged", "receiver._on_staged"),  # the label of earlier results
         (receiver.DecodeReceiver, "_on_message", "receiver._on_message"),
         (posting.Poster, "try_post_staged", "sender._try_post_staged"),
-        (_endpoint.Endpoint, "seal", "Endpoint.seal"),
-        (_endpoint.Endpoint, "authenticate", "Endpoint.authenticate"),
+        (endpoint.Endpoint, "seal", "Endpoint.seal"),
+        (endpoint.Endpoint, "authenticate", "Endpoint.authenticate"),
         (nixl_transport.NixlTransport, "write", "NixlTransport.write"),
         (nixl_transport.NixlTransport, "poll_messages", "NixlTransport.poll_messages"),
         (nixl_agent, "get_xfer_descs", "nixl.get_xfer_descs"),
@@ -102,9 +102,9 @@ def _install(path: str) -> None:
     ):
         _wrap(owner, name, label)
     if staging.TRITON_AVAILABLE:
-        from pd_transfer import _staging_kernel  # noqa: PLC0415
+        from pd_transfer import staging_kernel  # noqa: PLC0415
 
-        _wrap(_staging_kernel.Launch, "run", "kernel.launch")
+        _wrap(staging_kernel.Launch, "run", "kernel.launch")
     stop = worker.Worker.stop
 
     def stop_and_report(self: worker.Worker, *args: Any, **kwargs: Any) -> None:

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from pd_transfer._endpoint import Endpoint, RankIdentity, Timeouts
-from pd_transfer._paths import PathMode
 from pd_transfer.auth import PeerAuth, Purpose, outgoing_body
 from pd_transfer.bootstrap import DTYPES, GeometryDoc, PackingName, PageFormatName
 from pd_transfer.decode import PREGRANT_SHARE, DecodeReceiver
+from pd_transfer.endpoint import Endpoint, RankIdentity, Timeouts
 from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
+from pd_transfer.paths import PathMode
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import FailureReason, RequestStatus, State
@@ -86,6 +86,7 @@ class Cluster:
     per_layer: bool = False  # vLLM-shaped per-layer tensors (always unless nhd/separate)
     pregrant_share: float | None = PREGRANT_SHARE  # 0: none; None: the receiver default
     engine_gathers: bool = False  # send_part gathers pre-granted requests (CPU: a test mode)
+    device: str = "cpu"  # the pools' (and so the staging memory's) device
     clock: ManualClock = field(default_factory=ManualClock)
     senders: list[PrefillSender] = field(default_factory=list)
     receivers: list[DecodeReceiver] = field(default_factory=list)
@@ -138,8 +139,8 @@ class Cluster:
 
     def _pool(self, layout: KVLayout) -> KVPool:
         if self.per_layer or not layout.is_token_major:
-            return KVPool.allocate_per_layer(layout)
-        return KVPool.allocate(layout)
+            return KVPool.allocate_per_layer(layout, self.device)
+        return KVPool.allocate(layout, self.device)
 
     @property
     def endpoints(self) -> list[Endpoint[Any]]:

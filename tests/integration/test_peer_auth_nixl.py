@@ -22,10 +22,10 @@ from collections.abc import Iterator
 import pytest
 
 from pd_testbed.transfer_harness import seal_as
-from pd_transfer._endpoint import RankIdentity
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import DTYPES, BootstrapServer, RankDocument, fetch_document
 from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import RankIdentity
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.plan import Parallelism, RankCoord
 from pd_transfer.protocol.messages import RingUpdate, encode_message

@@ -20,7 +20,7 @@ from pd_contract.config import TimeoutsConfig
 from pd_operator.api.spec import Timeouts as SpecTimeouts
 from pd_operator.build.config import build_transfer_config
 from pd_testbed.factories import make_pdd
-from pd_transfer._endpoint import Timeouts as PodTimeouts
+from pd_transfer.endpoint import Timeouts as PodTimeouts
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ DEVTOOLS = ["pd_devcluster", "pd_testbed"]
 # Runs in a fresh interpreter: a meta-path finder placed first refuses the named top-level
 # packages (as if they were not installed), then every module of the packages is imported
 # (but `__main__`, which would run the command line). A module that needs an optional
-# dependency that is absent here (`OPTIONAL`) is skipped: `_staging_kernel` needs Triton,
+# dependency that is absent here (`OPTIONAL`) is skipped: `staging_kernel` needs Triton,
 # which only CUDA images have (`staging` falls back to torch without it), and
 # `vllm.connector` needs vLLM, which only vLLM engine images have (the project's tests run
 # it inside the cached vLLM virtualenv).

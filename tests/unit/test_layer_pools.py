@@ -17,12 +17,6 @@ import torch
 from pydantic import ValidationError
 
 from pd_testbed.transfer_harness import TEST_AUTH, Cluster
-from pd_transfer._paths import (
-    choose_path,
-    compute_contiguous_spans,
-    compute_layout,
-    compute_sliced_spans,
-)
 from pd_transfer.bootstrap import (
     MAX_KV_REGIONS,
     BootstrapServer,
@@ -38,6 +32,12 @@ from pd_transfer.layout import (
     KVPool,
     PageFormat,
     PageRun,
+)
+from pd_transfer.paths import (
+    choose_path,
+    compute_contiguous_spans,
+    compute_layout,
+    compute_sliced_spans,
 )
 from pd_transfer.plan import HeadSlice, LayerRange, RankCoord, TransferPlan
 from pd_transfer.protocol.lifecycle import State

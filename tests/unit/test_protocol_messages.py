@@ -7,6 +7,7 @@ Needs neither NIXL nor a GPU.
 from __future__ import annotations
 
 import json
+from typing import get_args
 
 import pytest
 from pydantic import TypeAdapter
@@ -16,6 +17,7 @@ from pd_transfer.protocol.messages import (
     MAX_DEPTH,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
+    RECEIVED_BY,
     Abort,
     AllocRequest,
     Finish,
@@ -229,3 +231,20 @@ def test_messages_are_frozen() -> None:
     grant = EVERY_TYPE[2]
     with pytest.raises(ValueError, match="frozen"):
         grant.room = "other"  # type: ignore[misc]
+
+
+def test_every_message_has_its_receiving_side_and_no_other() -> None:
+    """The one direction table both endpoints check before their handlers (PROTOCOL.md,
+    "Who sends what"): written out here by hand, so a new message type fails this test until
+    someone decides which side receives it."""
+    union_tags = {str(kind.model_fields["type"].default)
+                  for kind in get_args(get_args(Message)[0])}
+    assert {
+        "request_kv": {"prefill"}, "grant": {"prefill"}, "grant_refused": {"prefill"},
+        "watermark": {"prefill"}, "release": {"prefill"}, "ring_update": {"prefill"},
+        "withdraw": {"prefill"},
+        "alloc_request": {"decode"}, "staged_part": {"decode"}, "part_done": {"decode"},
+        "finish": {"decode"}, "withdrawn": {"decode"},
+        "abort": {"prefill", "decode"},
+    } == RECEIVED_BY
+    assert set(RECEIVED_BY) == union_tags

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pd_testbed.transfer_harness import Cluster, Request, message_type, of_type, seal_as
-from pd_transfer._endpoint import Endpoint
 from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import Endpoint
 from pd_transfer.protocol.lifecycle import FailureReason, State
 from pd_transfer.protocol.messages import (
     AllocRequest,

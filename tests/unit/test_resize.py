@@ -11,10 +11,11 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 import pytest
+import torch
 
 from pd_testbed.transfer_harness import Cluster, Request, message_type, seal_as
-from pd_transfer._endpoint import ResizeResult
 from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import ResizeResult
 from pd_transfer.errors import ResizeError
 from pd_transfer.protocol.lifecycle import FailureReason, State
 from pd_transfer.protocol.messages import StagedPart
@@ -57,7 +58,21 @@ def _posted(cluster: Cluster) -> int:
 
 @pytest.mark.parametrize("new_bytes", [4096, 32768], ids=["shrink", "grow"])
 def test_resize_under_a_steady_stream_fails_nothing(new_bytes: int) -> None:
-    cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2, ring_bytes=8192)
+    _resize_under_a_steady_stream(new_bytes, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("new_bytes", [4096, 32768], ids=["shrink", "grow"])
+def test_resize_of_cuda_staging_under_a_steady_stream_fails_nothing(new_bytes: int) -> None:
+    """The same on CUDA pools: gathers and scatters on the endpoints' staging streams, whose
+    queued work a swap must wait for before the old memory goes (``StagingMemory.swap``)."""
+    _resize_under_a_steady_stream(new_bytes, "cuda")
+
+
+def _resize_under_a_steady_stream(new_bytes: int, device: str) -> None:
+    cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2, ring_bytes=8192,
+                      device=device)
     # Writes take a while (50 ms), so regions are live when the resize starts.
     cluster.fabric.inject(FaultRule(FaultAction.DELAY, lambda e: message_type(e)
                                     == "staged_part", delay_s=0.05, remaining=None))
@@ -198,9 +213,12 @@ def test_a_second_resize_while_one_runs_is_refused_and_bad_sizes_too() -> None:
     assert cluster.states(hold.room) == SUCCEEDED
 
 
-def test_prefill_buffer_resize_under_a_stream() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_prefill_buffer_resize_under_a_stream(device: str) -> None:
     cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2,
-                      staging_bytes=8192)
+                      staging_bytes=8192, device=device)
     before = [cluster.new_request(num_tokens=16) for _ in range(6)]
     for request in before:
         _start_multipart(cluster, request)

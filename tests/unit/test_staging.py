@@ -337,7 +337,7 @@ def test_repeated_cuda_launches_stay_bit_exact() -> None:
     launcher (no Triton binding per call): later chunks of the same shape, on other pages and
     at other buffer offsets, must still move exactly the CPU path's bytes."""
     pytest.importorskip("triton")
-    from pd_transfer import _staging_kernel  # noqa: PLC0415 - needs Triton
+    from pd_transfer import staging_kernel  # noqa: PLC0415 - needs Triton
 
     rng = random.Random(11)
     layout = KVLayout(num_layers=4, num_pages=64, page_size=16, kv_heads=4, head_dim=128,
@@ -346,7 +346,7 @@ def test_repeated_cuda_launches_stay_bit_exact() -> None:
     gpu = KVPool(layout, cpu.k.cuda(), cpu.v.cuda() if cpu.v is not None else None)
     nbytes = staged_chunk_bytes(layout, 3, 10, 2)
     out = torch.zeros(4 * nbytes, dtype=torch.uint8, device="cuda")
-    before = len(_staging_kernel._COMPILED)
+    before = len(staging_kernel._COMPILED)
     for i in range(4):
         pages = rng.sample(range(64), 10)
         ids = staging.prepare_pages(gpu, pages)
@@ -361,7 +361,7 @@ def test_repeated_cuda_launches_stay_bit_exact() -> None:
         scatter(region, dst, range(1, 4), ids, head_start=0, num_heads=2)
         assert all(torch.equal(as_bytes(g).cpu(), as_bytes(c))
                    for g, c in zip(dst.tensors(), dst_cpu.tensors(), strict=True)), i
-    assert len(_staging_kernel._COMPILED) - before <= 2  # one gather, one scatter key
+    assert len(staging_kernel._COMPILED) - before <= 2  # one gather, one scatter key
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pd_testbed.transfer_harness import Cluster
-from pd_transfer._endpoint import CUDA_POLL, PollIntervals
+from pd_transfer.endpoint import CUDA_POLL, PollIntervals
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.worker import Worker
 

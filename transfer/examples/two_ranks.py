@@ -16,10 +16,10 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from pd_transfer._endpoint import RankIdentity
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import BootstrapServer, GeometryDoc
 from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import RankIdentity
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.plan import Parallelism, RankCoord
 from pd_transfer.prefill import PrefillSender

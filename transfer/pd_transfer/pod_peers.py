@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Final
 
-from pd_transfer._endpoint import Endpoint
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import GeometryDoc, RankDocument, check_compatible, fetch_document
+from pd_transfer.endpoint import Endpoint
 from pd_transfer.errors import BootstrapError
 
 __all__ = ["PodConnections", "fetch_pod_documents"]

@@ -67,8 +67,8 @@ __all__ = [
 ]
 
 try:  # Triton is optional: CPU builds and images without it take the torch path.
-    from pd_transfer import _staging_kernel
-    from pd_transfer._staging_kernel import Launch as _Launch
+    from pd_transfer import staging_kernel
+    from pd_transfer.staging_kernel import Launch as _Launch
 
     TRITON_AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installation
@@ -297,7 +297,7 @@ def _prepare(  # noqa: PLR0917 - private; gather/scatter name every argument
                        scatter)
     kernel = None
     if nbytes and pool.is_stacked and not force_torch and TRITON_AVAILABLE and staged.is_cuda:
-        kernel = _staging_kernel.plan(pool, layer_ids, pages.device, head_start=head_start,
+        kernel = staging_kernel.plan(pool, layer_ids, pages.device, head_start=head_start,
                                       num_heads=num_heads, staged=staged, scatter=scatter)
     return PreparedMove(pool, layers, layer_ids, pages, head_start, num_heads, staged,
                         nbytes, scatter, kernel)

@@ -53,7 +53,7 @@ _COMPILED: dict[tuple[Any, ...], Any] = {}  # specialisation key -> Triton Compi
 
 # Triton is untyped, and its kernels must stay unannotated (see the module docstring).
 @triton.jit(do_not_specialize=["pool_pages", "chunk_pages", "chunk_layers"])  # type: ignore[untyped-decorator,misc,unused-ignore]
-def _staging_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
+def staging_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     k_ptr,
     v_ptr,
     staged_ptr,
@@ -197,7 +197,7 @@ class Launch:
                 page_size, row, rows, cols, even, scatter_ = self.constexprs
                 with (torch.cuda.stream(stream) if stream is not None
                       else contextlib.nullcontext()):
-                    _COMPILED[self.key] = _staging_kernel[grid](
+                    _COMPILED[self.key] = staging_kernel[grid](
                         *self.tensors, *self.ints, PAGE_SIZE=page_size, ROW_WORDS=row,
                         BLOCK_R=rows, BLOCK_C=cols, EVEN_ROWS=even, SCATTER=scatter_,
                         num_warps=self.num_warps)

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from pd_transfer._endpoint import PollIntervals, RankIdentity, Timeouts
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import DTYPES, BootstrapServer, DtypeName, GeometryDoc
 from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import PollIntervals, RankIdentity, Timeouts
 from pd_transfer.layout import KVLayout, KVPart, KVPool
 from pd_transfer.phases import PhaseLog, RequestTimes
 from pd_transfer.pipeline import record_ready_event

@@ -27,10 +27,10 @@ from typing import Any, Literal
 
 import torch
 
-from pd_transfer._endpoint import RankIdentity, Timeouts
 from pd_transfer.auth import PeerAuth, outgoing_body
 from pd_transfer.bootstrap import GeometryDoc, RankDocument
 from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import RankIdentity, Timeouts
 from pd_transfer.layout import KVLayout, KVPool, compute_page_runs
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.prefill import PrefillSender

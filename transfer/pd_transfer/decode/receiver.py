@@ -15,14 +15,6 @@ from concurrent.futures import Future
 
 import torch
 
-from pd_transfer._endpoint import (
-    Endpoint,
-    PollIntervals,
-    RankIdentity,
-    ResizeResult,
-    Timeouts,
-)
-from pd_transfer._paths import PathMode, choose_path, compute_layout
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import RankDocument
 from pd_transfer.decode.allocations import _Allocations
@@ -30,8 +22,18 @@ from pd_transfer.decode.arrivals import _Arrivals
 from pd_transfer.decode.grants import RingGrants
 from pd_transfer.decode.scatter import _Scatters
 from pd_transfer.decode.transfer import ReceiveTransfer, _Writer
+from pd_transfer.endpoint import (
+    Endpoint,
+    PollIntervals,
+    RankIdentity,
+    ResizeResult,
+    StagingMemory,
+    StagingSide,
+    Timeouts,
+)
 from pd_transfer.layout import KVPool
 from pd_transfer.metrics import TransferMetrics
+from pd_transfer.paths import PathMode, choose_path, compute_layout
 from pd_transfer.phases import PhaseLog
 from pd_transfer.plan import compute_transfer_topology
 from pd_transfer.protocol import messages as wire
@@ -54,7 +56,6 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
     """One decode rank's receiving endpoint, with its staging ring (decode/__init__.py)."""
 
     role = Role.DECODE
-    staging_side = "ring"
 
     def __init__(self, transport: Transport, pool: KVPool, identity: RankIdentity, *,
                  auth: PeerAuth, ring_bytes: int, mode: PathMode = "auto",
@@ -69,12 +70,15 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             pregrant_share = PREGRANT_SHARE if pool.device.type == "cuda" else 0.0
         if not 0.0 <= pregrant_share <= 1.0:
             raise ValueError(f"pregrant_share must be in [0, 1], got {pregrant_share}")
-        super().__init__(transport, pool, identity, auth=auth, timeouts=timeouts,
-                         metrics=metrics, clock=clock, phases=phases, poll=poll)
+        staging = StagingSide[ReceiveTransfer](
+            "ring", allocator=lambda: self.ring, version=lambda: self.ring_version,
+            holds=lambda transfer: transfer.holds_staging(), swap=self._swap_ring)
+        super().__init__(transport, pool, identity, auth=auth, staging=staging,
+                         timeouts=timeouts, metrics=metrics, clock=clock, phases=phases,
+                         poll=poll)
         self.mode: PathMode = mode
-        self.ring_buffer = torch.zeros(ring_bytes, dtype=torch.uint8, device=pool.device)
-        self.ring_region = transport.register(self.ring_buffer,
-                                              name=f"{transport.agent_name}/ring")
+        self._memory = StagingMemory(transport, pool.device, ring_bytes, label="ring",
+                                     stream=self._stream)
         self.grants = RingGrants(ring_bytes, pregrant_share=pregrant_share,
                                  resend_s=self.timeouts.grant_s, transfers=self._transfers,
                                  parts=self.part_machine, clock=self.clock,
@@ -93,8 +97,19 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
 
     @property
     def ring_version(self) -> int:
-        """The registration version of the ring in force (1, then + 1 per resize)."""
-        return self.grants.version
+        """The registration version of the ring in force (1, then + 1 per resize; the
+        grants' version follows the memory's)."""
+        return self._memory.version
+
+    @property
+    def ring_buffer(self) -> torch.Tensor:
+        """The ring's memory in force."""
+        return self._memory.memory
+
+    @property
+    def ring_region(self) -> RegisteredRegion:
+        """The ring's registration in force."""
+        return self._memory.region
 
     @property
     def pregrant_share(self) -> float:
@@ -222,10 +237,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
     # Messages ------------------------------------------------------------------------------
 
     def _on_message(self, peer: str, message: wire.Message) -> None:
-        if isinstance(message, wire.RequestKV | wire.Grant | wire.GrantRefused | wire.Release
-                      | wire.Watermark | wire.RingUpdate | wire.Withdraw):
-            self.reject("wrong_direction", f"{message.type} from {peer} to a decode rank")
-            return
+        assert isinstance(message, wire.TO_DECODE)  # Endpoint.step refused the others
         transfer = self._transfers.get(message.room)
         if transfer is None:
             self._on_unknown_room(peer, message)
@@ -282,9 +294,9 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
 
     def _progress(self) -> bool:
         busy = self._arrivals.progress()
-        if self._resize is not None:
+        if self.resizing:
             self._allocations.withdraw_pregrants()
-        if self._resize is not None and not self._step_resize():
+        if self.resizing and not self._step_resize():
             return busy  # still draining: nothing is granted meanwhile
         return self._allocations.serve_queue() or busy
 
@@ -343,36 +355,20 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
 
     # Resize ----------------------------------------------------------------------------------
 
-    def _staging_pool(self) -> StagingRing:
-        return self.ring
-
-    def _staging_version(self) -> int:
-        return self.ring_version
-
-    def _holds_staging(self, transfer: ReceiveTransfer) -> bool:
-        return transfer.holds_staging()
-
-    def _swap_staging(self, new_bytes: int) -> None:
-        # Uninitialised: every region is written before it is read, and a zero-fill would
-        # be a kernel that a peer's WRITE into the new buffer does not wait for.
-        new_buffer = torch.empty(new_bytes, dtype=torch.uint8, device=self.pool.device)
-        old_buffer, old_region, version = self.ring_buffer, self.ring_region, self.ring_version
-        name = f"{self.transport.agent_name}/ring-v{version + 1}"
-        self.transport.deregister(old_region)
-        try:
-            region = self.transport.register(new_buffer, name=name)
-        except Exception:
-            self.ring_region = self.transport.register(old_buffer, name=old_region.name)
-            raise
+    def _swap_ring(self, new_bytes: int) -> None:
+        """The drained ring's memory replaced (``StagingMemory.swap``), its bookkeeping too,
+        and every prefill peer told (RingUpdate)."""
+        version = self.ring_version
+        old_buffer = self._memory.swap(new_bytes)
         if self.grants.pins(version):
             self._retired[version] = old_buffer  # a late write may still land in it
-        self.ring_buffer, self.ring_region = new_buffer, region
         self.grants.swap(new_bytes)
+        assert self.grants.version == self.ring_version
         self.metrics.attach_ring(self.ring)
         update = self._ring_update()
-        for name_, document in list(self.peers.items()):
+        for name, document in list(self.peers.items()):
             if document.role == "prefill":
-                self.send(name_, update)
+                self.send(name, update)
 
     def _ring_update(self) -> wire.RingUpdate:
         region = self.ring_region

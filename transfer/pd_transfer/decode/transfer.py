@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd_transfer._endpoint import Transfer
-from pd_transfer._paths import PathMode
+from pd_transfer.endpoint import Transfer
 from pd_transfer.layout import KVLayout
+from pd_transfer.paths import PathMode
 from pd_transfer.plan import TransferPlan
 from pd_transfer.protocol.coverage import Coverage
 from pd_transfer.protocol.lifecycle import Role

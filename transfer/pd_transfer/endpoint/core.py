@@ -1,27 +1,25 @@
-"""What prefill and decode endpoints share: peers, commands, message intake, statuses.
+"""What prefill and decode endpoints share: commands, message intake, peers, statuses.
 
 An endpoint is driven by exactly one thread (its ``Worker``, or a unit test calling
 ``step``): that thread alone touches the transport and the per-request state. Engine
 threads talk to it only through ``submit`` (a command queue, answered by a Future) and
-read published ``RequestStatus`` snapshots under a lock.
+read published ``RequestStatus`` snapshots (``StatusBoard``).
 
-Per-request isolation (docs/failure-modes.md #12): everything done on behalf of one request runs
-under
-``_guard``; an exception fails that request with InternalError and the loop goes on.
-Peers are keyed by agent name, which carries an incarnation id; a peer that is unreachable
-is pruned at once and every request bound to it fails with PeerUnreachable (docs/failure-modes.md
-#10).
+A message is authenticated before it is decoded, and one its side never receives
+(``protocol.messages.RECEIVED_BY``) is refused before the side's handler sees it.
+Per-request isolation (docs/failure-modes.md #12): everything done on behalf of one request
+runs under ``guard``; an exception fails that request with InternalError and the loop goes
+on. Peers are keyed by agent name, which carries an incarnation id; a peer that is
+unreachable is pruned at once and every request bound to it fails with PeerUnreachable
+(docs/failure-modes.md #10).
 
 A request on either side is a ``Transfer`` (room, lifecycle, bytes, status); admitting one
 (``_check_new``, ``_admit``) and ending one (``_fail`` tells its peers first, ``_violation``,
 ``_failer``, ``_abort``, ``_apply``) is done here for both. Its parts change state only
-through ``part_machine`` (protocol/parts.py), whose refusals go to the metrics.
-
-Staging resizes (decode ring, prefill buffer) share one lifecycle, here: ``_begin_resize``
-validates and records a ``PendingResize``; each ``_step_resize`` drains (the role stops
-handing out staging space while ``resizing``), fails the requests still holding space at
-the deadline (``_fail_staging_holders``), then swaps the memory (``_swap_staging``) and
-finishes the Future. The role hooks say what the staging memory is and how it is swapped.
+through ``part_machine`` (protocol/parts.py), whose refusals go to the metrics. Staging
+resizes run through ``StagingResizes`` (``resize.py``) with the ``StagingSide`` each side
+gives; what is left to a side is its protocol: ``_on_message``, ``_progress``,
+``_check_deadlines``, ``_on_peer_lost`` and ``_moving``.
 """
 
 from __future__ import annotations
@@ -32,20 +30,11 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
-from pd_contract.config import TimeoutsConfig
-from pd_contract.defaults import (
-    BOOTSTRAP_SECONDS,
-    GRANT_SECONDS,
-    KV_LEASE_SECONDS,
-    TRANSFER_SECONDS,
-)
 from pd_transfer.auth import PeerAuth, Purpose
 from pd_transfer.bootstrap import (
     GeometryDoc,
@@ -54,105 +43,37 @@ from pd_transfer.bootstrap import (
     check_compatible,
     fetch_document,
 )
-from pd_transfer.errors import PeerUnreachable, RemoteProtocolError, ResizeError, TransportError
+from pd_transfer.endpoint.resize import StagingResizes, StagingSide
+from pd_transfer.endpoint.statuses import StatusBoard
+from pd_transfer.endpoint.types import (
+    CUDA_POLL,
+    PollIntervals,
+    RankIdentity,
+    ResizeResult,
+    Timeouts,
+)
+from pd_transfer.errors import PeerUnreachable, RemoteProtocolError, TransportError
 from pd_transfer.layout import KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.phases import PartTimes, PhaseLog, RequestTimes
-from pd_transfer.plan import Parallelism, RankCoord
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Lifecycle, RequestStatus, Role
 from pd_transfer.protocol.messages import (
     PROTOCOL_VERSION,
+    RECEIVED_BY,
     Abort,
     Message,
     decode_message,
     encode_message,
 )
 from pd_transfer.protocol.parts import PartMachine
-from pd_transfer.ring import StagingRing
 from pd_transfer.staging import StagingStream
 from pd_transfer.transport.base import RegisteredRegion, Transport
 
-__all__ = ["CUDA_POLL", "Endpoint", "PollIntervals", "RankIdentity", "ResizeResult", "Timeouts",
-           "Transfer"]
+__all__ = ["Endpoint", "Transfer"]
 
 _log = logging.getLogger("pd_transfer")
 T = TypeVar("T")
 TransferT = TypeVar("TransferT", bound="Transfer")
-FINISHED_STATUSES = 16384  # bound on terminal statuses kept for polling (docs/failure-modes.md #11)
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Every wait of the protocol has one of these deadlines (docs/failure-modes.md #3)."""
-
-    bootstrap_s: float = BOOTSTRAP_SECONDS  # decode: until every writer rank is known and asked
-    grant_s: float = GRANT_SECONDS  # re-send an unanswered AllocRequest / RequestKV after this
-    grant_retries: int = 5  # unanswered re-sends before GrantTimeout
-    transfer_s: float = TRANSFER_SECONDS  # a request, from Transferring to a terminal state
-    kv_lease_s: float = KV_LEASE_SECONDS  # prefill: hold KV at most this long without a RequestKV
-    stall_s: float = 10.0  # decode: a granted region unwritten this long → StalledWriter
-    quarantine_grace_s: float = 30.0  # keep a stalled writer's region this long
-
-    @classmethod
-    def from_config(cls, config: TimeoutsConfig) -> Timeouts:
-        return cls(
-            bootstrap_s=config.bootstrap_seconds,
-            grant_s=config.grant_seconds,
-            transfer_s=config.transfer_seconds,
-            kv_lease_s=config.kv_lease_seconds,
-            stall_s=max(4 * config.grant_seconds, config.transfer_seconds / 4),
-            quarantine_grace_s=config.transfer_seconds,
-        )
-
-
-@dataclass(frozen=True)
-class PollIntervals:
-    """The longest the worker may sleep between steps (``Endpoint.poll_interval_s``):
-    ``moving_s`` while a part of a request is in flight here (a grant, a WRITE's DONE or
-    notification, a gather's or scatter's event is due), ``waiting_s`` while a request
-    waits for its peer (decode: prefill's compute; prefill: decode's RequestKV)."""
-
-    moving_s: float
-    waiting_s: float
-
-
-#: CUDA: a part's steps take microseconds (64 MiB moves in ~50 µs), so each poll-bound wait
-#: on the critical path would cost up to a whole idle sleep (1 ms); a step costs ~30 µs of
-#: host time, so 20 µs polls (~70 µs apart with the kernel's timer slack) cost under half a
-#: core per rank, and only while data moves. Waiting for the peer polls at 200 µs.
-CUDA_POLL = PollIntervals(moving_s=20e-6, waiting_s=200e-6)
-
-
-@dataclass(frozen=True)
-class ResizeResult:
-    """A finished staging resize (``resize_ring`` / ``resize_buffer``)."""
-
-    side: str  # "ring" (decode) or "buffer" (prefill)
-    capacity_bytes: int  # the size now in force
-    registration_version: int  # decode: the ring's new version; prefill: its buffer's
-    duration_s: float
-    failed_requests: int  # requests failed ResizeDeadline (still live at the deadline)
-
-
-@dataclass
-class PendingResize:
-    """A resize under way on an endpoint's worker (at most one at a time)."""
-
-    new_bytes: int
-    started: float
-    deadline: float
-    future: Future[ResizeResult]
-    failed_requests: int = 0
-
-
-@dataclass(frozen=True)
-class RankIdentity:
-    """Who this endpoint is in its deployment."""
-
-    instance: str
-    coord: RankCoord
-    parallelism: Parallelism
-    geometry: GeometryDoc
 
 
 class Transfer(abc.ABC):
@@ -183,7 +104,6 @@ class Endpoint(abc.ABC, Generic[TransferT]):
     """Base of PrefillSender and DecodeReceiver (see module docstring)."""
 
     role: Role
-    staging_side: ClassVar[str]  # "ring" (decode) or "buffer" (prefill): what a resize swaps
 
     def __init__(
         self,
@@ -192,14 +112,17 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         identity: RankIdentity,
         *,
         auth: PeerAuth,
+        staging: StagingSide[TransferT],
         timeouts: Timeouts | None = None,
         metrics: TransferMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         phases: PhaseLog | None = None,
         poll: PollIntervals | None = None,
     ) -> None:
-        """``poll``: the worker's sleep caps while requests move data (default: CUDA_POLL
-        for a CUDA pool; none on CPU, where the idle back-off applies throughout)."""
+        """``staging``: the side's staging memory, as a resize sees it (its callables may
+        read attributes the side sets after this constructor; they run on resizes only).
+        ``poll``: the worker's sleep caps while requests move data (default: CUDA_POLL for a
+        CUDA pool; none on CPU, where the idle back-off applies throughout)."""
         self.transport = transport
         self.auth = auth  # the deployment's transfer key (docs/failure-modes.md #26)
         self.pool = pool
@@ -215,12 +138,13 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue()
         )
-        self._status_lock = threading.Lock()
-        self._live_status: dict[str, RequestStatus] = {}
-        self._finished_status: OrderedDict[str, RequestStatus] = OrderedDict()
+        self._statuses = StatusBoard()
         self._closed = False
-        self._resize: PendingResize | None = None
         self._transfers: dict[str, TransferT] = {}  # live requests by room
+        self._resizes = StagingResizes(
+            staging, metrics=self.metrics, clock=clock, transfers=self._transfers.values,
+            fail=lambda transfer, detail: self._fail(transfer, FailureReason.RESIZE_DEADLINE,
+                                                     detail))
         self.part_machine = PartMachine(self.metrics.part_transition_refused)
         # CUDA: the stream this endpoint's gathers or scatters run on (bound to the worker's
         # thread by ``thread_started``); None on CPU, where they run in place.
@@ -256,14 +180,11 @@ class Endpoint(abc.ABC, Generic[TransferT]):
 
     def poll(self, room: str) -> RequestStatus | None:
         """The latest status of ``room`` (live or recently finished), None if unknown."""
-        with self._status_lock:
-            status = self._live_status.get(room)
-            return status if status is not None else self._finished_status.get(room)
+        return self._statuses.get(room)
 
     def forget(self, room: str) -> None:
         """Drop a finished request's status (the engine has read it)."""
-        with self._status_lock:
-            self._finished_status.pop(room, None)
+        self._statuses.forget(room)
 
     def document(self) -> RankDocument:
         """This rank's bootstrap document (for ``BootstrapServer``)."""
@@ -289,12 +210,16 @@ class Endpoint(abc.ABC, Generic[TransferT]):
     @property
     def resizing(self) -> bool:
         """A staging resize is under way (no staging space is handed out meanwhile)."""
-        return self._resize is not None
+        return self._resizes.under_way
 
     def _request_resize(self, new_bytes: int, deadline_s: float) -> Future[ResizeResult]:
         done: Future[ResizeResult] = Future()
-        self.submit(lambda: self._begin_resize(new_bytes, deadline_s, done))
+        self.submit(lambda: self._resizes.begin(new_bytes, deadline_s, done))
         return done
+
+    def _step_resize(self) -> bool:
+        """A step of the resize under way: True when it finished (either way)."""
+        return self._resizes.step()
 
     # Worker-facing -------------------------------------------------------------------------
 
@@ -323,6 +248,10 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             busy = True
             try:
                 message = decode_message(self.authenticate(peer, payload))
+                if self.role.value not in RECEIVED_BY[message.type]:
+                    self.reject("wrong_direction",
+                                f"{message.type} from {peer} to a {self.role.value} rank")
+                    continue
                 self._on_message(peer, message)
             except RemoteProtocolError as exc:
                 self.reject(exc.reason, f"from {peer}: {exc.detail}")
@@ -407,19 +336,10 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             fail(f"{type(exc).__name__}: {exc}")
 
     def publish(self, status: RequestStatus) -> None:
-        with self._status_lock:
-            if status.finished:
-                self._live_status.pop(status.room, None)
-                self._finished_status[status.room] = status
-                self._finished_status.move_to_end(status.room)
-                while len(self._finished_status) > FINISHED_STATUSES:
-                    self._finished_status.popitem(last=False)
-            else:
-                self._live_status[status.room] = status
+        self._statuses.publish(status)
 
     def status_counts(self) -> dict[str, int]:
-        with self._status_lock:
-            return {"live_status": len(self._live_status)}
+        return {"live_status": self._statuses.live_count()}
 
     # Requests: admission and endings (both sides) ------------------------------------------
 
@@ -448,7 +368,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
     def _abort_all(self, detail: str) -> None:
         for transfer in list(self._transfers.values()):
             self._fail(transfer, FailureReason.ABORTED, detail)
-        self._cancel_resize(detail)
+        self._resizes.cancel(detail)
 
     def _failer(self, transfer: TransferT) -> Callable[[str], None]:
         """What ``guard`` calls when processing ``transfer`` raised: fail only it."""
@@ -497,84 +417,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             transfer.part_times.append(
                 PartTimes(peer, sender_id, part, path, size_bytes, stamps))
 
-    # Staging resizes (module docstring) ---------------------------------------------------
-
-    def _begin_resize(self, new_bytes: int, deadline_s: float,
-                      done: Future[ResizeResult]) -> None:
-        if not done.set_running_or_notify_cancel():
-            return
-        try:
-            if self._resize is not None:
-                raise ResizeError(f"a resize to {self._resize.new_bytes} bytes is under way")
-            if deadline_s < 0:
-                raise ResizeError(f"deadline_s must be >= 0, got {deadline_s}")
-            StagingRing(new_bytes)  # validates the size (positive, aligned)
-        except (ResizeError, ValueError) as exc:
-            done.set_exception(exc if isinstance(exc, ResizeError) else ResizeError(str(exc)))
-            return
-        if new_bytes == self._staging_pool().capacity_bytes:
-            # Already in force (a spec change that moved only the other side's size): no
-            # drain, no re-registration, nothing for the peers to learn.
-            done.set_result(ResizeResult(self.staging_side, new_bytes, self._staging_version(),
-                                         0.0, 0))
-            return
-        now = self.clock()
-        self._resize = PendingResize(new_bytes, now, now + deadline_s, done)
-        self.metrics.resize_started()
-        _log.info("resizing the staging %s: %d → %d bytes (deadline %.1f s)",
-                  self.staging_side, self._staging_pool().capacity_bytes, new_bytes, deadline_s)
-        self._step_resize()
-
-    def _step_resize(self) -> bool:
-        """Drain, then swap: True when the resize finished (either way) in this step."""
-        resize = self._resize
-        assert resize is not None
-        if self._staging_pool().live_regions and self.clock() >= resize.deadline:
-            resize.failed_requests += self._fail_staging_holders(
-                f"its staging space was still in use when the {self.staging_side} resize to "
-                f"{resize.new_bytes} bytes reached its deadline")
-        if self._staging_pool().live_regions:
-            return False
-        self._resize = None
-        try:
-            self._swap_staging(resize.new_bytes)
-        except Exception as exc:
-            _log.exception("staging %s resize failed; the old one stays in force",
-                           self.staging_side)
-            self._end_resize(resize, ResizeError(
-                f"resize to {resize.new_bytes} bytes failed: {type(exc).__name__}: {exc}"))
-        else:
-            self._end_resize(resize, None)
-        return True
-
-    def _fail_staging_holders(self, detail: str) -> int:
-        """Fail (ResizeDeadline) every request still holding staging space; how many."""
-        failed = 0
-        for transfer in list(self._transfers.values()):
-            if self._holds_staging(transfer):
-                failed += 1
-                self._fail(transfer, FailureReason.RESIZE_DEADLINE, detail)
-        return failed
-
-    def _cancel_resize(self, detail: str) -> None:
-        """Fail a resize under way (the endpoint is closing)."""
-        if self._resize is not None:
-            resize, self._resize = self._resize, None
-            self._end_resize(resize, ResizeError(f"resize to {resize.new_bytes} bytes: {detail}"))
-
-    def _end_resize(self, resize: PendingResize, error: Exception | None) -> None:
-        duration = self.clock() - resize.started
-        capacity, version = self._staging_pool().capacity_bytes, self._staging_version()
-        self.metrics.resize_finished(self.staging_side, ok=error is None, duration_s=duration,
-                                     staging_bytes=capacity, registration_version=version)
-        if error is not None:
-            resize.future.set_exception(error)
-            return
-        _log.info("staging %s resized to %d bytes (version %d) in %.3f s; %d requests failed "
-                  "ResizeDeadline", self.staging_side, capacity, version, duration,
-                  resize.failed_requests)
-        resize.future.set_result(ResizeResult(self.staging_side, capacity, version, duration,
-                                              resize.failed_requests))
+    # Peers -----------------------------------------------------------------------------------
 
     def _connect(self, document: RankDocument) -> str:
         """Load an authenticated peer's metadata under the agent name its document claims.
@@ -624,23 +467,6 @@ class Endpoint(abc.ABC, Generic[TransferT]):
 
     @abc.abstractmethod
     def _on_peer_lost(self, peer: str, detail: str) -> None: ...
-
-    @abc.abstractmethod
-    def _staging_pool(self) -> StagingRing:
-        """The staging memory's allocator in force (decode: the ring; prefill: its buffer)."""
-
-    @abc.abstractmethod
-    def _staging_version(self) -> int:
-        """The registration version of the staging memory in force."""
-
-    @abc.abstractmethod
-    def _holds_staging(self, transfer: TransferT) -> bool:
-        """``transfer`` holds staging space (a resize waits for it, or fails it)."""
-
-    @abc.abstractmethod
-    def _swap_staging(self, new_bytes: int) -> None:
-        """Register new staging memory of ``new_bytes`` in place of the drained one (on an
-        error the old one must stay registered and in force)."""
 
 
 def _check_pool_format(pool: KVPool, geometry: GeometryDoc) -> None:

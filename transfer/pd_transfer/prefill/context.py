@@ -15,8 +15,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from pd_transfer._endpoint import RankIdentity, Timeouts
 from pd_transfer.bootstrap import RankDocument
+from pd_transfer.endpoint import RankIdentity, Timeouts
 from pd_transfer.layout import KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.plan import LayerRange, Parallelism, TransferTopology, compute_transfer_topology

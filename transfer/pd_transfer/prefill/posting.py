@@ -17,8 +17,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pd_transfer._paths import compute_contiguous_spans, compute_sliced_spans
 from pd_transfer.errors import DescriptorError, PeerUnreachable, TransportError
+from pd_transfer.paths import compute_contiguous_spans, compute_sliced_spans
 from pd_transfer.phases import Stamp
 from pd_transfer.plan import LayerRange
 from pd_transfer.prefill.context import SenderContext

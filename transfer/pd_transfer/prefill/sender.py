@@ -27,15 +27,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
-from pd_transfer._endpoint import (
+from pd_transfer.auth import PeerAuth
+from pd_transfer.bootstrap import RegionDoc
+from pd_transfer.endpoint import (
     Endpoint,
     PollIntervals,
     RankIdentity,
     ResizeResult,
+    StagingSide,
     Timeouts,
 )
-from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import RegionDoc
 from pd_transfer.errors import TransportError
 from pd_transfer.layout import KVPool
 from pd_transfer.metrics import TransferMetrics
@@ -65,7 +66,6 @@ class PrefillSender(Endpoint[SendTransfer]):
     """One prefill rank's sending endpoint (see the package docstring)."""
 
     role = Role.PREFILL
-    staging_side = "buffer"
 
     def __init__(self, transport: Transport, pool: KVPool, identity: RankIdentity, *,
                  auth: PeerAuth, staging_bytes: int, timeouts: Timeouts | None = None,
@@ -77,8 +77,13 @@ class PrefillSender(Endpoint[SendTransfer]):
         for it (gathers.py); default: on CUDA, where the engine's thread launches kernels
         back to back and the worker's first launch after a wait costs several times more.
         On CPU the gather would run on the engine's thread, so tests only."""
-        super().__init__(transport, pool, identity, auth=auth, timeouts=timeouts,
-                         metrics=metrics, clock=clock, phases=phases, poll=poll)
+        staging = StagingSide[SendTransfer](
+            "buffer", allocator=lambda: self._buffer.ring, version=lambda: self._buffer.version,
+            holds=lambda transfer: bool(self._buffer.ring.regions_of(transfer.room)),
+            swap=lambda new_bytes: self._buffer.swap(new_bytes))  # noqa: PLW0108 - late bound
+        super().__init__(transport, pool, identity, auth=auth, staging=staging,
+                         timeouts=timeouts, metrics=metrics, clock=clock, phases=phases,
+                         poll=poll)
         self._buffer = StagingBuffer(transport, pool.device, staging_bytes, self._stream)
         self.metrics.set_staging(staging_bytes, self._buffer.version)
         self._stage_layers = compute_stage_layers(
@@ -91,7 +96,7 @@ class PrefillSender(Endpoint[SendTransfer]):
             identity=identity, transport=transport, pool=pool, metrics=self.metrics,
             timeouts=self.timeouts, clock=self.clock, part_machine=self.part_machine,
             peers=self.peers, stream=self._stream, stage=self._stage_layers,
-            buffer=self._buffer, counts=self, resizing=lambda: self._resize is not None,
+            buffer=self._buffer, counts=self, resizing=lambda: self.resizing,
             send=self.send, send_sealed=self.send_sealed, seal=self.seal, reject=self.reject,
             prune_peer=self.prune_peer, guard=lambda t: self.guard(self._failer(t)),
             fail=self._fail, violation=self._violation, apply=self._apply,
@@ -268,12 +273,9 @@ class PrefillSender(Endpoint[SendTransfer]):
     # Messages ------------------------------------------------------------------------------
 
     def _on_message(self, peer: str, message: wire.Message) -> None:
+        assert isinstance(message, wire.TO_PREFILL)  # Endpoint.step refused the others
         if isinstance(message, wire.RequestKV):
             self._streams.on_request_kv(peer, message)
-            return
-        if isinstance(message, wire.StagedPart | wire.PartDone | wire.Finish | wire.AllocRequest
-                      | wire.Withdrawn):
-            self.reject("wrong_direction", f"{message.type} from {peer} to a prefill rank")
             return
         if isinstance(message, wire.RingUpdate):
             self._on_ring_update(peer, message)
@@ -354,7 +356,7 @@ class PrefillSender(Endpoint[SendTransfer]):
                 if not transfer.lifecycle.finished:
                     self._check_complete(transfer)
         self._parts.enqueue_gathers()
-        if self._resize is not None:
+        if self.resizing:
             self._engine_gathers.disarm()  # no gather into the buffer being drained
             busy = self._step_resize() or busy
         return busy
@@ -405,17 +407,3 @@ class PrefillSender(Endpoint[SendTransfer]):
         for transfer in list(self._transfers.values()):
             if peer in transfer.streams:
                 self._fail(transfer, FailureReason.PEER_UNREACHABLE, detail, notify=False)
-
-    # This rank's own buffer resizes (Endpoint's resize lifecycle) ----------------------------
-
-    def _staging_pool(self) -> StagingRing:
-        return self._buffer.ring
-
-    def _staging_version(self) -> int:
-        return self._buffer.version
-
-    def _holds_staging(self, transfer: SendTransfer) -> bool:
-        return bool(self._buffer.ring.regions_of(transfer.room))
-
-    def _swap_staging(self, new_bytes: int) -> None:
-        self._buffer.swap(new_bytes)

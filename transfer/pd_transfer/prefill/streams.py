@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pd_transfer._paths import compute_layout
 from pd_transfer.bootstrap import RankDocument
+from pd_transfer.paths import compute_layout
 from pd_transfer.plan import TransferPlan
 from pd_transfer.prefill.context import SenderContext
 from pd_transfer.prefill.gathers import EngineGathers

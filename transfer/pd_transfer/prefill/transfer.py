@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
-from pd_transfer._endpoint import Transfer
 from pd_transfer.bootstrap import RankDocument
+from pd_transfer.endpoint import Transfer
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.plan import LayerRange, TransferPlan
 from pd_transfer.protocol import messages as wire

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -44,6 +46,9 @@ __all__ = [
     "MAX_PARTS",
     "MAX_WIRE_INT",
     "PROTOCOL_VERSION",
+    "RECEIVED_BY",
+    "TO_DECODE",
+    "TO_PREFILL",
     "Abort",
     "AllocRequest",
     "Finish",
@@ -292,6 +297,25 @@ Message = Annotated[
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
+
+# Who receives what (the module docstring's list, as the one table both sides check):
+# ``Endpoint.step`` refuses a message its side never receives (``wrong_direction``) before
+# the side's handler sees it.
+TO_PREFILL: Final = (RequestKV, Grant, GrantRefused, Watermark, Release, Abort, RingUpdate,
+                     Withdraw)
+TO_DECODE: Final = (AllocRequest, StagedPart, PartDone, Finish, Abort, Withdrawn)
+
+
+def _receivers(sides: Mapping[str, tuple[type[BaseModel], ...]]) -> dict[str, frozenset[str]]:
+    tags = {kind: str(kind.model_fields["type"].default)
+            for received in sides.values() for kind in received}
+    return {tag: frozenset(side for side, received in sides.items() if kind in received)
+            for kind, tag in tags.items()}
+
+
+#: message ``type`` → the sides ("prefill", "decode") that receive it
+RECEIVED_BY: Final[Mapping[str, frozenset[str]]] = MappingProxyType(
+    _receivers({"prefill": TO_PREFILL, "decode": TO_DECODE}))
 
 
 def encode_message(message: Message) -> bytes:

@@ -27,8 +27,6 @@ from typing import Any
 import torch
 
 from pd_contract.transferagent import AgentStaging, Role
-from pd_transfer._endpoint import RankIdentity, Timeouts
-from pd_transfer._paths import PathMode, choose_path
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import (
     DTYPES,
@@ -38,8 +36,10 @@ from pd_transfer.bootstrap import (
     PageFormatName,
 )
 from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import RankIdentity, Timeouts
 from pd_transfer.errors import TransferError
 from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
+from pd_transfer.paths import PathMode, choose_path
 from pd_transfer.plan import (
     Parallelism,
     RankCoord,

@@ -30,12 +30,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pd_contract.names import ENV_POD_NAME
 from pd_contract.transferagent import Role
-from pd_transfer._endpoint import RankIdentity, Timeouts
 from pd_transfer.agent.transport_probe import UcxLogTail
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import BootstrapServer
 from pd_transfer.config_file import load_transfer_config
 from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import RankIdentity, Timeouts
 from pd_transfer.plan import Parallelism, RankCoord
 from pd_transfer.pod_peers import PodConnections
 from pd_transfer.prefill import PrefillSender

@@ -40,7 +40,6 @@ import torch
 
 from pd_contract.config import TransferConfig
 from pd_contract.transferagent import AgentStaging, PeerTransport, Role
-from pd_transfer._endpoint import RankIdentity, ResizeResult, Timeouts
 from pd_transfer.agent.report import Connections, connections_of
 from pd_transfer.agent.reporter import join_resizes
 from pd_transfer.agent.transport_probe import ProtoInfoParser
@@ -52,6 +51,7 @@ from pd_transfer.bootstrap import (
     RankDocument,
 )
 from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import RankIdentity, ResizeResult, Timeouts
 from pd_transfer.layout import KVLayout, KVPool
 from pd_transfer.metrics import TransferSnapshot
 from pd_transfer.pipeline import LayerPipeline, compute_chunk_plan

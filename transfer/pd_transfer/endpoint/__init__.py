@@ -1,0 +1,24 @@
+"""What a prefill rank and a decode rank share (``pd_transfer.prefill``, ``pd_transfer.decode``).
+
+- ``types``: what an endpoint is built from and answers with (``RankIdentity``,
+  ``Timeouts``, ``PollIntervals``, ``CUDA_POLL``, ``ResizeResult``);
+- ``core``: ``Endpoint``, the worker-driven core (commands, authenticated message intake
+  against one direction table, peers, admission and endings of a ``Transfer``);
+- ``statuses``: ``StatusBoard``, the request statuses engine threads poll;
+- ``memory``: ``StagingMemory``, a side's registered staging memory and its swap;
+- ``resize``: ``StagingResizes``, the drain → swap lifecycle of a staging resize.
+"""
+
+from pd_transfer.endpoint.core import Endpoint, Transfer
+from pd_transfer.endpoint.memory import StagingMemory
+from pd_transfer.endpoint.resize import StagingSide
+from pd_transfer.endpoint.types import (
+    CUDA_POLL,
+    PollIntervals,
+    RankIdentity,
+    ResizeResult,
+    Timeouts,
+)
+
+__all__ = ["CUDA_POLL", "Endpoint", "PollIntervals", "RankIdentity", "ResizeResult",
+           "StagingMemory", "StagingSide", "Timeouts", "Transfer"]

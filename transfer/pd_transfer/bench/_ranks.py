@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
+from pd_contract.transferagent import Role
 from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import DTYPES, BootstrapServer, DtypeName, GeometryDoc
+from pd_transfer.bootstrap import DTYPES, DtypeName, GeometryDoc
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import PollIntervals, RankIdentity, Timeouts
 from pd_transfer.layout import KVLayout, KVPart, KVPool
@@ -47,10 +48,10 @@ from pd_transfer.plan import (
     compute_transfer_topology,
 )
 from pd_transfer.prefill import PrefillSender
+from pd_transfer.rank import RankOptions, open_rank
 from pd_transfer.staging import staged_chunk_bytes
 from pd_transfer.transport.base import TransferState
 from pd_transfer.transport.nixl import NixlConfig, NixlTransport
-from pd_transfer.worker import Worker
 
 __all__ = ["BenchGroup", "GroupSpec", "compute_pair_bytes"]
 
@@ -188,22 +189,18 @@ class _Rank:
         self.phases = PhaseLog()
         poll = None if spec.poll_us is None else PollIntervals(spec.poll_us[0] / 1e6,
                                                                spec.poll_us[1] / 1e6)
-        self.endpoint: PrefillSender | DecodeReceiver
-        if role == "prefill":
-            self.endpoint = PrefillSender(transport, self.pool, identity, auth=auth,
-                                          staging_bytes=spec.staging_bytes, timeouts=timeouts,
-                                          phases=self.phases, poll=poll)
-        else:
-            self.endpoint = DecodeReceiver(transport, self.pool, identity, auth=auth,
-                                           ring_bytes=spec.ring_bytes, timeouts=timeouts,
-                                           phases=self.phases, poll=poll,
-                                           pregrant_share=spec.pregrant_share)
+        self.rank = open_rank(
+            Role(role), transport, self.pool, identity, auth=auth,
+            staging_bytes=spec.staging_bytes if role == "prefill" else spec.ring_bytes,
+            name=f"bench-{role}-{tp_rank}",
+            options=RankOptions(timeouts=timeouts, phases=self.phases, poll=poll,
+                                pregrant_share=spec.pregrant_share,
+                                timer_slack_ns=spec.timer_slack_ns))
+        self.endpoint = self.rank.endpoint
+        self.server = self.rank.server
         # engine_busy's stand-in forward (only prefill ranks run it, and only when asked)
         self._forward = (torch.zeros(1 << 16, device=self.device)
                          if spec.engine_busy and role == "prefill" else None)
-        self.server = BootstrapServer(self.endpoint.document, auth)
-        self.worker = Worker(self.endpoint, name=f"bench-{role}-{tp_rank}",
-                             timer_slack_ns=spec.timer_slack_ns).start()
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -329,8 +326,7 @@ class _Rank:
                 "bytes": count * sum(size for _, _, size in targets)}
 
     def close(self) -> None:
-        self.worker.stop()
-        self.server.close()
+        self.rank.close()
 
 
 def _spin_until(instant: float) -> None:

@@ -30,7 +30,6 @@ from pd_contract.transferagent import AgentStaging, Role
 from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import (
     DTYPES,
-    BootstrapServer,
     GeometryDoc,
     PackingName,
     PageFormatName,
@@ -47,9 +46,9 @@ from pd_transfer.plan import (
     compute_transfer_topology,
 )
 from pd_transfer.prefill import PrefillSender
+from pd_transfer.rank import RankOptions, open_rank
 from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool
 from pd_transfer.transport.nixl import NixlTransport
-from pd_transfer.worker import Worker
 
 __all__ = [
     "RequestSpec",
@@ -133,17 +132,13 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
     timeouts = Timeouts(transfer_s=config.timeout_s, kv_lease_s=2 * config.timeout_s,
                         bootstrap_s=config.timeout_s, grant_s=1.0, stall_s=config.timeout_s / 2,
                         quarantine_grace_s=config.timeout_s)
-    endpoint: PrefillSender | DecodeReceiver
     sizes = AgentStaging(decode_pool_mib=config.decode_pool_mib,
                          prefill_buffer_mib=config.prefill_buffer_mib)
-    if role == "prefill":
-        endpoint = PrefillSender(transport, pool, identity, auth=auth, timeouts=timeouts,
-                                 staging_bytes=sizes.bytes_for(Role.PREFILL))
-    else:
-        endpoint = DecodeReceiver(transport, pool, identity, auth=auth, timeouts=timeouts,
-                                  ring_bytes=sizes.bytes_for(Role.DECODE), mode=config.mode)
-    server = BootstrapServer(endpoint.document, auth)
-    worker = Worker(endpoint, name=f"pd-transfer-{role}-{pp_rank}-{tp_rank}").start()
+    rank = open_rank(Role(role), transport, pool, identity, auth=auth,
+                     staging_bytes=sizes.bytes_for(Role(role)),
+                     name=f"pd-transfer-{role}-{pp_rank}-{tp_rank}",
+                     options=RankOptions(timeouts=timeouts, mode=config.mode))
+    endpoint, server = rank.endpoint, rank.server
     conn.send(("ready", server.address))
     specs: dict[str, RequestSpec] = {}
     while True:
@@ -222,8 +217,7 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
                 "debug_counts": endpoint.debug_counts(),
             })
         elif command == "exit":
-            worker.stop()
-            server.close()
+            rank.close()
             conn.send("bye")
             return
 

@@ -32,13 +32,11 @@ from pd_contract.names import ENV_POD_NAME
 from pd_contract.transferagent import Role
 from pd_transfer.agent.transport_probe import UcxLogTail
 from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import BootstrapServer
 from pd_transfer.config_file import load_transfer_config
-from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity, Timeouts
 from pd_transfer.plan import Parallelism, RankCoord
 from pd_transfer.pod_peers import PodConnections
-from pd_transfer.prefill import PrefillSender
+from pd_transfer.rank import OpenRank, RankOptions, open_rank
 from pd_transfer.vllm.cache import map_kv_caches
 from pd_transfer.vllm.params import ConnectorSettings, ParamsError
 from pd_transfer.vllm.pod_agent import PodAgent, start_pod_agent
@@ -48,7 +46,6 @@ from pd_transfer.vllm.scheduler import ScheduledPrompt, SchedulerSide
 from pd_transfer.vllm.steps import StepPlan
 from pd_transfer.vllm.timeline import Timeline
 from pd_transfer.vllm.versions import check_vllm_version
-from pd_transfer.worker import Worker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -101,8 +98,7 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler = (SchedulerSide(self._engine_role, self._block_size)  # type: ignore[arg-type]
                            if role == KVConnectorRole.SCHEDULER else None)
         self._rank: RankSide | None = None
-        self._worker: Worker | None = None
-        self._server: BootstrapServer | None = None
+        self._opened: OpenRank | None = None
         self._timeline: Timeline | None = None
         self._ucx_tail: UcxLogTail | None = None
         self._agent: PodAgent | None = None
@@ -173,19 +169,15 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         transport = NixlTransport(agent)
         identity = RankIdentity(self._instance, RankCoord(0, tp_rank),
                                 Parallelism(self._tp_size), cache.geometry)
-        endpoint: PrefillSender | DecodeReceiver
-        if self._engine_role == "prefill":
-            endpoint = PrefillSender(transport, cache.pool, identity, auth=auth,
-                                     timeouts=timeouts,
-                                     staging_bytes=config.staging.sizes.bytes_for(Role.PREFILL))
-        else:
-            endpoint = DecodeReceiver(transport, cache.pool, identity, auth=auth,
-                                      timeouts=timeouts,
-                                      ring_bytes=config.staging.sizes.bytes_for(Role.DECODE),
-                                      mode=settings.path)
-        port = (settings.bootstrap_port or config.network.bootstrap_port) + tp_rank
-        self._server = BootstrapServer(endpoint.document, auth, settings.bind_host, port)
-        self._worker = Worker(endpoint, f"pd-transfer-{self._engine_role}-{tp_rank}").start()
+        role = Role(self._engine_role)
+        self._opened = open_rank(
+            role, transport, cache.pool, identity, auth=auth,
+            staging_bytes=config.staging.sizes.bytes_for(role),
+            name=f"pd-transfer-{self._engine_role}-{tp_rank}",
+            options=RankOptions(timeouts=timeouts, mode=settings.path, host=settings.bind_host,
+                                port=(settings.bootstrap_port or config.network.bootstrap_port)
+                                + tp_rank))
+        endpoint, server = self._opened.endpoint, self._opened.server
         if settings.timeline_file is not None:
             path = settings.timeline_file
             self._timeline = Timeline(path.with_name(f"{path.stem}-r{tp_rank}{path.suffix}"),
@@ -194,10 +186,10 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._rank = RankSide(endpoint, connections, cache.layer_names, config.layer_pipeline,
                               device=cache.pool.device, timeline=self._timeline)
         RankControl(endpoint, auth, live_requests=self._rank.live_requests, probe=probe,
-                    transfer_timeout_s=timeouts.transfer_s).install(self._server)
+                    transfer_timeout_s=timeouts.transfer_s).install(server)
         log.info("PDTransferConnector %s rank %d: %d layers, %s pages of %d tokens, bootstrap "
                  "on %s", self._engine_role, tp_rank, cache.layout.num_layers,
-                 cache.layout.num_pages, cache.layout.page_size, self._server.address)
+                 cache.layout.num_pages, cache.layout.page_size, server.address)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -238,10 +230,8 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._agent.stop()
         if self._rank is not None:
             self._rank.close()
-        if self._worker is not None:
-            self._worker.stop()
-        if self._server is not None:
-            self._server.close()
+        if self._opened is not None:
+            self._opened.close()
         if self._timeline is not None:
             self._timeline.close()
         if self._ucx_tail is not None:

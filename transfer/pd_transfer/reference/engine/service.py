@@ -59,6 +59,7 @@ from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.pod_peers import PodConnections
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import RequestStatus, State
+from pd_transfer.rank import OpenRank, RankOptions, open_rank
 from pd_transfer.reference.engine.errors import EngineBusy, EngineConfigError, RequestRejected
 from pd_transfer.reference.engine.faults import FaultPlan, FaultyTransport
 from pd_transfer.reference.model import ChunkForward, ModelConfig, ReferenceModel
@@ -151,9 +152,19 @@ class PageAllocator:
 class _Rank:
     index: int
     transport: Transport
-    endpoint: PrefillSender | DecodeReceiver
-    worker: Worker
-    server: BootstrapServer
+    opened: OpenRank
+
+    @property
+    def endpoint(self) -> PrefillSender | DecodeReceiver:
+        return self.opened.endpoint
+
+    @property
+    def worker(self) -> Worker:
+        return self.opened.worker
+
+    @property
+    def server(self) -> BootstrapServer:
+        return self.opened.server
 
 
 class _FanOut:
@@ -240,21 +251,14 @@ class EngineService:
         transport = FaultyTransport(NixlTransport(name), self.faults)
         identity = RankIdentity(options.instance, RankCoord(0, rank), Parallelism(options.tp),
                                 self.geometry)
-        endpoint: PrefillSender | DecodeReceiver
-        sizes = options.config.staging.sizes
-        if self.role == "prefill":
-            endpoint = PrefillSender(transport, pool, identity, auth=options.auth,
-                                     timeouts=self.timeouts,
-                                     staging_bytes=sizes.bytes_for(Role.PREFILL))
-        else:
-            endpoint = DecodeReceiver(transport, pool, identity, auth=options.auth,
-                                      timeouts=self.timeouts,
-                                      ring_bytes=sizes.bytes_for(Role.DECODE))
-        server = BootstrapServer(endpoint.document, options.auth, options.host,
-                                 options.config.network.bootstrap_port + rank)
-        worker = Worker(endpoint, f"pd-transfer-{self.role}-{rank}",
-                        options.max_idle_sleep_s).start()
-        return _Rank(rank, transport, endpoint, worker, server)
+        opened = open_rank(
+            Role(self.role), transport, pool, identity, auth=options.auth,
+            staging_bytes=options.config.staging.sizes.bytes_for(Role(self.role)),
+            name=f"pd-transfer-{self.role}-{rank}",
+            options=RankOptions(timeouts=self.timeouts, host=options.host,
+                                port=options.config.network.bootstrap_port + rank,
+                                max_idle_sleep_s=options.max_idle_sleep_s))
+        return _Rank(rank, transport, opened)
 
     # Addresses --------------------------------------------------------------------------------
 
@@ -463,8 +467,7 @@ class EngineService:
 
     def close(self) -> None:
         for r in self.ranks:
-            r.server.close()
-            r.worker.stop()
+            r.opened.close()
 
 
 def _rank_json(rank: int, status: RequestStatus | None) -> dict[str, Any]:

@@ -44,8 +44,8 @@ from pd_transfer.transport.base import (
     TransferHandle,
     TransferState,
     Transport,
-    TransportStats,
 )
+from pd_transfer.transport.delegating import DelegatingTransport
 from pd_transfer.transport.nixl import NixlTransport
 from pd_transfer.worker import Worker
 
@@ -70,7 +70,7 @@ class _Stamps:
     arrived: dict[tuple[str, int, int], float] = field(default_factory=dict)
 
 
-class TimedTransport(Transport):
+class TimedTransport(DelegatingTransport):
     """A ``Transport`` that delegates everything and stamps the times of parts.
 
     Prefill side: ``posted[(room, part)]`` at ``write`` (or ``post``), ``done[(room, part)]`` when
@@ -79,34 +79,11 @@ class TimedTransport(Transport):
     """
 
     def __init__(self, inner: Transport) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._lock = threading.Lock()
         self._stamps = _Stamps()
         self._handles: dict[TransferHandle, tuple[str, int]] = {}
         self._parts: dict[PreparedWrite, tuple[str, int]] = {}  # (room, part) it will post
-
-    @property
-    def agent_name(self) -> str:
-        return self._inner.agent_name
-
-    @property
-    def stats(self) -> TransportStats:
-        return self._inner.stats
-
-    def register(self, tensor: torch.Tensor, *, name: str | None = None) -> RegisteredRegion:
-        return self._inner.register(tensor, name=name)
-
-    def deregister(self, region: RegisteredRegion) -> None:
-        self._inner.deregister(region)
-
-    def local_metadata(self) -> bytes:
-        return self._inner.local_metadata()
-
-    def add_peer(self, metadata: bytes, *, expected_name: str) -> str:
-        return self._inner.add_peer(metadata, expected_name=expected_name)
-
-    def remove_peer(self, name: str) -> None:
-        self._inner.remove_peer(name)
 
     def prepare_write(
         self,
@@ -116,7 +93,7 @@ class TimedTransport(Transport):
         remote_regions: Sequence[RegisteredRegion],
         notification: bytes,
     ) -> PreparedWrite:
-        prepared = self._inner.prepare_write(peer, local, remote, remote_regions, notification)
+        prepared = self.inner.prepare_write(peer, local, remote, remote_regions, notification)
         message = decode_message(outgoing_body(notification))
         if isinstance(message, PartDone | StagedPart):
             self._parts[prepared] = (message.room, message.part)
@@ -125,7 +102,7 @@ class TimedTransport(Transport):
     def post(self, prepared: PreparedWrite) -> TransferHandle:
         now = time.monotonic()
         key = self._parts.pop(prepared, None)
-        handle = self._inner.post(prepared)
+        handle = self.inner.post(prepared)
         if key is not None:
             with self._lock:
                 self._stamps.posted[key] = now
@@ -134,10 +111,10 @@ class TimedTransport(Transport):
 
     def discard(self, prepared: PreparedWrite) -> None:
         self._parts.pop(prepared, None)
-        self._inner.discard(prepared)
+        self.inner.discard(prepared)
 
     def state(self, handle: TransferHandle) -> TransferState:
-        state = self._inner.state(handle)
+        state = self.inner.state(handle)
         if state is TransferState.DONE:
             with self._lock:
                 key = self._handles.pop(handle, None)
@@ -145,14 +122,8 @@ class TimedTransport(Transport):
                     self._stamps.done[key] = time.monotonic()
         return state
 
-    def release(self, handle: TransferHandle) -> None:
-        self._inner.release(handle)
-
-    def send_message(self, peer: str, payload: bytes) -> None:
-        self._inner.send_message(peer, payload)
-
     def poll_messages(self) -> list[tuple[str, bytes]]:
-        received = self._inner.poll_messages()
+        received = self.inner.poll_messages()
         now = time.monotonic()
         for _, payload in received:
             try:
@@ -164,9 +135,6 @@ class TimedTransport(Transport):
                 with self._lock:
                     self._stamps.arrived[(message.room, message.sender_id, message.part)] = now
         return received
-
-    def close(self) -> None:
-        self._inner.close()
 
     def take(self, room: str) -> dict[str, list[tuple[int, float, float]]]:
         """Pop ``room``'s stamps: ``{"writes": [(part, posted, done)], "arrivals":

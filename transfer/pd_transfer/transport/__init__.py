@@ -1,7 +1,8 @@
 """Transports: how KV bytes and control messages move between prefill and decode ranks.
 
 Reading order: ``base`` (the contract every transport keeps), ``descriptors`` (the bounds
-checks all of them run before posting), ``loopback`` (in-process, for protocol unit tests),
+checks all of them run before posting), ``delegating`` (a transport forwarding to another,
+the base of the ones that time or bend it), ``loopback`` (in-process, for protocol unit tests),
 ``nixl`` (the real one; the only module importing ``nixl``). ``NixlTransport`` and
 ``NixlConfig`` are loaded on first access, so importing this package never imports NIXL.
 """

@@ -20,23 +20,18 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
-
-import torch
 
 from pd_transfer.auth import outgoing_body
 from pd_transfer.protocol.messages import Grant, decode_message
 from pd_transfer.transport.base import (
     PreparedWrite,
-    RegisteredRegion,
-    Span,
     TransferHandle,
     TransferState,
     Transport,
-    TransportStats,
 )
+from pd_transfer.transport.delegating import DelegatingTransport
 
 __all__ = ["FAULT_KINDS", "FaultKind", "FaultPlan", "FaultyTransport"]
 
@@ -80,74 +75,33 @@ class FaultPlan:
             return True
 
 
-class FaultyTransport(Transport):
+class FaultyTransport(DelegatingTransport):
     """A ``Transport`` delegating to ``inner`` except where ``plan`` says to misbehave."""
 
     def __init__(self, inner: Transport, plan: FaultPlan) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._plan = plan
         self._failed: set[TransferHandle] = set()
 
-    @property
-    def agent_name(self) -> str:
-        return self._inner.agent_name
-
-    @property
-    def stats(self) -> TransportStats:
-        return self._inner.stats
-
-    def register(self, tensor: torch.Tensor, *, name: str | None = None) -> RegisteredRegion:
-        return self._inner.register(tensor, name=name)
-
-    def deregister(self, region: RegisteredRegion) -> None:
-        self._inner.deregister(region)
-
-    def local_metadata(self) -> bytes:
-        return self._inner.local_metadata()
-
-    def add_peer(self, metadata: bytes, *, expected_name: str) -> str:
-        return self._inner.add_peer(metadata, expected_name=expected_name)
-
-    def remove_peer(self, name: str) -> None:
-        self._inner.remove_peer(name)
-
-    def prepare_write(
-        self,
-        peer: str,
-        local: Sequence[Span],
-        remote: Sequence[Span],
-        remote_regions: Sequence[RegisteredRegion],
-        notification: bytes,
-    ) -> PreparedWrite:
-        return self._inner.prepare_write(peer, local, remote, remote_regions, notification)
-
     def post(self, prepared: PreparedWrite) -> TransferHandle:
-        handle = self._inner.post(prepared)
+        handle = self.inner.post(prepared)
         if self._plan.fires("fail_writes"):
             self._failed.add(handle)
         return handle
 
-    def discard(self, prepared: PreparedWrite) -> None:
-        self._inner.discard(prepared)
-
     def state(self, handle: TransferHandle) -> TransferState:
-        state = self._inner.state(handle)
+        state = self.inner.state(handle)
         if handle in self._failed and state is not TransferState.PENDING:
             return TransferState.FAILED  # the data may have landed; the sender must not trust it
         return state
 
     def release(self, handle: TransferHandle) -> None:
         self._failed.discard(handle)
-        self._inner.release(handle)
+        self.inner.release(handle)
 
     def send_message(self, peer: str, payload: bytes) -> None:
         if self._plan.active() and isinstance(decode_message(outgoing_body(payload)), Grant) and (
                 self._plan.fires("drop_grants")):
             return
-        self._inner.send_message(peer, payload)
+        self.inner.send_message(peer, payload)
 
-    def poll_messages(self) -> list[tuple[str, bytes]]:
-        return self._inner.poll_messages()
-
-    def close(self) -> None:
-        self._inner.close()

@@ -72,6 +72,7 @@ from pd_transfer.agent.report import (
     sample_of,
     trim_samples,
 )
+from pd_transfer.backoff import Backoff
 from pd_transfer.metrics import TransferSnapshot
 
 __all__ = [
@@ -160,8 +161,7 @@ class ReporterTuning:
     def backoff_s(self, failures: int, rng: random.Random) -> float:
         """Delay after ``failures`` consecutive failed attempts: exponential, capped, with
         "equal jitter" (half fixed, half random) so agents restarted together spread out."""
-        delay = min(self.backoff_max_s, self.backoff_base_s * 2.0 ** max(0, failures - 1))
-        return delay / 2 + rng.uniform(0, delay / 2)
+        return Backoff(self.backoff_base_s, self.backoff_max_s).delay_s(failures, rng)
 
 
 def build_transfer_agent(facts: ReportFacts) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pd_transfer.agent.errors import AgentAPIError
+from pd_transfer.backoff import Backoff
 
 __all__ = ["SpecStream", "SpecWatch"]
 
@@ -87,8 +88,8 @@ class SpecWatch:
                 failures += 1
                 if exc.status == 410:
                     version = None  # compacted away: start over from the current object
-                delay = min(self.backoff_max_s, self.backoff_base_s * 2.0 ** (failures - 1))
-                delay = delay / 2 + self.rng.uniform(0, delay / 2)
+                delay = Backoff(self.backoff_base_s, self.backoff_max_s).delay_s(failures,
+                                                                                 self.rng)
                 _log.debug("TransferAgent watch failed (%d in a row; again in %.1f s): %s",
                            failures, delay, exc)
                 self._stop.wait(delay)

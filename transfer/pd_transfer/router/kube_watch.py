@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any, Final
 
 from pd_contract.transferagent import Role
+from pd_transfer.backoff import Backoff
 from pd_transfer.router.endpoints import Endpoint, EndpointTable
 from pd_transfer.router.metrics import RouterMetrics
 from pd_transfer.router.pods import EnginePorts, pod_endpoint, pod_selector
@@ -123,8 +124,8 @@ class PodWatch:
                 self.errors += 1
                 if self.metrics is not None:
                     self.metrics.discovery_errors.inc()
-                delay = min(self.backoff_max_s, self.backoff_base_s * 2.0 ** (failures - 1))
-                delay = delay / 2 + self.rng.uniform(0, delay / 2)
+                delay = Backoff(self.backoff_base_s, self.backoff_max_s).delay_s(failures,
+                                                                                 self.rng)
                 _log.warning("pod watch of %s in %s failed (%d in a row; again in %.1f s): %s%s",
                              self.selector, self.namespace, failures, delay, exc,
                              _rbac_hint(exc))

@@ -38,7 +38,7 @@ crds-check: $(STAMP)
 # pytest's exit code 5 (no tests collected) counts as a failure.
 test: $(STAMP) lint typecheck crds-check
 	$(BIN)/pd-dev cluster build
-	PD_OPERATOR_REQUIRE_VLLM=1 $(BIN)/pytest --tb=short; rc=$$?; if [ $$rc -eq 5 ]; then echo "error: no tests collected" >&2; exit 1; fi; exit $$rc
+	PD_OPERATOR_REQUIRE_VLLM=1 $(BIN)/pytest --tb=short --durations=30; rc=$$?; if [ $$rc -eq 5 ]; then echo "error: no tests collected" >&2; exit 1; fi; exit $$rc
 
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit

@@ -1,9 +1,10 @@
 """Real vLLM (CPU backend) with PDTransferConnector under faults: pods killed mid-transfer,
 peers that never come, clients that leave, and 200 such requests in a row.
 
-Six vLLM servers as real processes on one host: a single instance (the reference), a
-prefill, two decodes that differ only in vLLM's ``kv_load_failure_policy`` (``fail`` and
-``recompute``), and a prefill and a decode that a test kills with SIGKILL mid-transfer.
+Six vLLM servers as real processes on one host: a single instance (the reference, the
+session's `tiny_llama`: tests/e2e/conftest.py), a prefill, two decodes that differ only in
+vLLM's ``kv_load_failure_policy`` (``fail`` and ``recompute``), and a prefill and a decode
+that a test kills with SIGKILL mid-transfer.
 Short transfer timeouts (``TIMEOUTS``) keep each fault's wait bounded.
 
 What "nothing left" means, read from outside the engines: vLLM's own
@@ -27,9 +28,11 @@ import pytest
 
 from pd_testbed.polling import wait_for
 from pd_testbed.vllm import (
+    CHUNK_TOKENS,
+    TINY_LLAMA,
     CompletionResult,
-    ModelSpec,
     PdTransferServer,
+    ServedModel,
     VllmServer,
     complete,
     free_ports,
@@ -38,14 +41,13 @@ from pd_testbed.vllm import (
     pd_transfer_server,
     prompt_ids,
     running,
-    vllm_env_or_skip,
     vllm_metric,
 )
 
 pytestmark = pytest.mark.e2e
 
-MODEL = ModelSpec(layers=4, kv_heads=2, hidden=256, heads=4)
-BATCH_TOKENS = 256
+MODEL = TINY_LLAMA
+BATCH_TOKENS = CHUNK_TOKENS
 MAX_TOKENS = 6
 # Decode's transfer deadline runs from its RequestKV, so it also covers the prefill
 # engine's queue: at 12 requests in flight on a slow 2-core host, 4 s failed plain
@@ -84,29 +86,24 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    vllm = vllm_env_or_skip()
+def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_llama: ServedModel) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("vllm-faults")
-    model_dir = MODEL.write(root / "model", vllm)
     options: dict[str, Any] = {"max_num_batched_tokens": BATCH_TOKENS, "timeouts": TIMEOUTS}
 
     def server(role: str, name: str, policy: str | None = None) -> PdTransferServer:
-        return pd_transfer_server(vllm, MODEL, model_dir, root, role, name=name,
-                                  failure_policy=policy, **options)
+        return pd_transfer_server(tiny_llama.vllm, MODEL, tiny_llama.model_dir, root, role,
+                                  name=name, failure_policy=policy, **options)
 
-    (single_port,) = free_ports(1)
     fleet = Fleet(
-        single=VllmServer(role="single", port=single_port, vllm=vllm, model_dir=model_dir,
-                          log_dir=root, max_num_batched_tokens=BATCH_TOKENS),
+        single=tiny_llama.single,
         prefill=server("prefill", "prefill"),
         decode_fail=server("decode", "decode-fail", "fail"),
         decode_recompute=server("decode", "decode-recompute", "recompute"),
         prefill_victim=server("prefill", "prefill-victim"),
         decode_victim=server("decode", "decode-victim"),
     )
-    servers = [fleet.single] + [s.server for s in (
-        fleet.prefill, fleet.decode_fail, fleet.decode_recompute, fleet.prefill_victim,
-        fleet.decode_victim)]
+    servers = [s.server for s in (fleet.prefill, fleet.decode_fail, fleet.decode_recompute,
+                                  fleet.prefill_victim, fleet.decode_victim)]
     with running(servers):
         yield fleet
 

@@ -1,6 +1,7 @@
 """Real vLLM (CPU backend) moves its KV cache with PDTransferConnector.
 
-Three vLLM servers as real processes: a single instance (the reference), a prefill
+Three vLLM servers as real processes: a single instance (the reference, the session's
+`tiny_llama`: tests/e2e/conftest.py), a prefill
 (``kv_producer``) and a decode (``kv_consumer``), our connector loaded through vLLM's
 ``kv_connector_module_path``, real NIXL (UCX) between the two. Greedy completions through
 P then D must be token-identical to the single instance's.
@@ -17,26 +18,26 @@ from typing import Any
 import pytest
 
 from pd_testbed.vllm import (
+    CHUNK_TOKENS,
+    TINY_LLAMA,
     CompletionResult,
     HttpTarget,
-    ModelSpec,
     PdTransferPair,
+    ServedModel,
     VllmServer,
     complete,
-    free_ports,
     greedy_disagreement,
     pd_transfer_complete,
     pd_transfer_pair,
     prompt_ids,
     running,
-    vllm_env_or_skip,
 )
 from pd_transfer.router import PolicyName, Router, RouterSettings
 
 pytestmark = pytest.mark.e2e
 
-MODEL = ModelSpec(layers=4, kv_heads=2, hidden=256, heads=4)
-BATCH_TOKENS = 256  # the chunked-prefill budget: longer prompts are prefilled in chunks
+MODEL = TINY_LLAMA
+BATCH_TOKENS = CHUNK_TOKENS  # the chunked-prefill budget: longer prompts are prefilled in chunks
 MAX_TOKENS = 8
 
 
@@ -56,15 +57,13 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    vllm = vllm_env_or_skip()
+def deployment(tmp_path_factory: pytest.TempPathFactory,
+               tiny_llama: ServedModel) -> Iterator[Deployment]:
     root = tmp_path_factory.mktemp("vllm-pd-transfer")
-    model_dir = MODEL.write(root / "model", vllm)
-    pair = pd_transfer_pair(vllm, MODEL, model_dir, root, max_num_batched_tokens=BATCH_TOKENS)
-    (single_port,) = free_ports(1)
-    single = VllmServer(role="single", port=single_port, vllm=vllm, model_dir=model_dir,
-                        log_dir=root, max_num_batched_tokens=BATCH_TOKENS)
-    with running([single, pair.prefill, pair.decode]):
+    pair = pd_transfer_pair(tiny_llama.vllm, MODEL, tiny_llama.model_dir, root,
+                            max_num_batched_tokens=BATCH_TOKENS)
+    single = tiny_llama.single
+    with running([pair.prefill, pair.decode]):
         router = Router(RouterSettings(
             host="127.0.0.1", port=0, policy=PolicyName.ROUND_ROBIN,
             prefill=(f"http://127.0.0.1:{pair.prefill.port}@{pair.prefill_bootstrap}",),

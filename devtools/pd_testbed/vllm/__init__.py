@@ -36,7 +36,13 @@ from pd_testbed.vllm.environment import (
     server_pythonpath,
     vllm_env_or_skip,
 )
-from pd_testbed.vllm.model import SERVED_MODEL_NAME, ModelSpec, prompt_ids
+from pd_testbed.vllm.model import (
+    CHUNK_TOKENS,
+    SERVED_MODEL_NAME,
+    TINY_LLAMA,
+    ModelSpec,
+    prompt_ids,
+)
 from pd_testbed.vllm.nixl_baseline import (
     NIXL_DECODE_TIMEOUT_S,
     NIXL_PREFILL_PARAMS,
@@ -48,9 +54,10 @@ from pd_testbed.vllm.nixl_baseline import (
     warm_up_pd,
 )
 from pd_testbed.vllm.scrape import metrics_text, scrape, scrape_sum, vllm_metric
-from pd_testbed.vllm.server import ServerDied, VllmServer, running, start_servers
+from pd_testbed.vllm.server import ServedModel, ServerDied, VllmServer, running, start_servers
 
 __all__ = [
+    "CHUNK_TOKENS",
     "NIXL_DECODE_TIMEOUT_S",
     "NIXL_PREFILL_PARAMS",
     "PD_PIPELINE",
@@ -58,6 +65,7 @@ __all__ = [
     "SERVED_MODEL_NAME",
     "TEST_TIMEOUTS",
     "TIE_LOGPROB_GAP",
+    "TINY_LLAMA",
     "CompletionResult",
     "HttpTarget",
     "ModelSpec",
@@ -65,6 +73,7 @@ __all__ = [
     "PdResult",
     "PdTransferPair",
     "PdTransferServer",
+    "ServedModel",
     "Server",
     "ServerDied",
     "VllmServer",

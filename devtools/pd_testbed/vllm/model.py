@@ -17,7 +17,7 @@ from typing import Any
 
 from pd_devcluster.vllm_env import VllmEnv
 
-__all__ = ["SERVED_MODEL_NAME", "ModelSpec", "prompt_ids"]
+__all__ = ["CHUNK_TOKENS", "SERVED_MODEL_NAME", "TINY_LLAMA", "ModelSpec", "prompt_ids"]
 
 SERVED_MODEL_NAME = "tiny-llama"
 """The name every server serves the model under (`--served-model-name`, requests' `model`)."""
@@ -122,3 +122,12 @@ save_file(tensors, path)
 def prompt_ids(length: int, *, seed: int = 0, vocab: int = 1024) -> list[int]:
     """A deterministic prompt of `length` token ids, avoiding BOS/EOS (ids 1, 2) and 0."""
     return [3 + (seed * 7919 + i * 104729 + (i * i) % 97) % (vocab - 3) for i in range(length)]
+
+
+#: The model of the PDTransferConnector tests (tests/e2e/test_vllm_pd_transfer.py,
+#: test_vllm_faults.py): 4 layers, 2 KV heads; its weights come from seed 0, so one written
+#: copy and one plain vLLM serving it (the reference) serve every module of the session.
+TINY_LLAMA = ModelSpec(layers=4, kv_heads=2, hidden=256, heads=4)
+#: Their chunked-prefill budget (`--max-num-batched-tokens`): longer prompts are prefilled in
+#: chunks.
+CHUNK_TOKENS = 256

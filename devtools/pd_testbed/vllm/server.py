@@ -26,7 +26,7 @@ from pd_devcluster.vllm_env import VllmEnv
 from pd_testbed.vllm.environment import base_env, server_pythonpath
 from pd_testbed.vllm.model import SERVED_MODEL_NAME
 
-__all__ = ["ServerDied", "VllmServer", "running", "start_servers"]
+__all__ = ["ServedModel", "ServerDied", "VllmServer", "running", "start_servers"]
 
 _LOG_TAIL_LINES = 60
 
@@ -247,3 +247,13 @@ def running(servers: Sequence[VllmServer], timeout_s: float | None = None) -> It
     finally:
         for server in servers:
             server.stop()
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model written once and a plain vLLM serving it (running): the reference
+    completions of every test of that model in a session (tests/e2e/conftest.py)."""
+
+    vllm: VllmEnv
+    model_dir: Path
+    single: VllmServer

@@ -37,7 +37,7 @@ from pd_devcluster.errors import ToolchainMissingError
 from pd_devcluster.pki import ensure_pki
 from pd_devcluster.processes import spawn_daemon, stop_process
 from pd_operator.api import RULES
-from pd_operator.api.rules import NAME_RULES, name_violations
+from pd_operator.api.name_rules import NAME_RULES, name_violations
 from pd_testbed.cel_functions import KUBERNETES_FUNCTIONS
 from pd_testbed.checkout import CRDS_DIR, EXAMPLES
 from pd_testbed.crd_schema import SPEC_SCHEMA, apply_schema_defaults

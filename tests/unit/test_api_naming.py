@@ -18,8 +18,8 @@ import celpy
 import pytest
 
 from pd_operator.api.crd import pddeployment_schema
+from pd_operator.api.name_rules import NAME_RULES, name_violations
 from pd_operator.api.naming import MAX_NAME_LENGTH, name_violation
-from pd_operator.api.rules import NAME_RULES, name_violations
 from pd_operator.build import Capabilities, build_children
 from pd_testbed.cel_functions import KUBERNETES_FUNCTIONS
 from pd_testbed.factories import make_pdd

@@ -18,8 +18,9 @@ import yaml
 
 from pd_contract.api import GROUP, VERSION
 from pd_contract.transferagent import TransferAgentSpec, TransferAgentStatus
+from pd_operator.api.name_rules import NAME_RULES
 from pd_operator.api.resources import CustomResource, PDDeployment, TransferAgent
-from pd_operator.api.rules import NAME_RULES, RULES
+from pd_operator.api.rules import RULES
 from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import PDDeploymentStatus
 

@@ -12,13 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pd_operator.api.naming import (
-    DNS_1035_LABEL,
-    LABEL_VALUE_MAX,
-    MAX_NAME_LENGTH,
-    REVISION_HASH_MAX,
-    name_violation,
-)
+from pd_operator.api.cel import cel_format, cel_map
 from pd_operator.api.sizing import compute_staging_footprint, staging_in_use
 from pd_operator.api.spec import (
     DECODE_POOL_MIB_DEFAULT,
@@ -254,12 +248,7 @@ _CHUNK = (
 _FW = "self.engine.framework"
 
 
-def _cel_map(values: dict[str, str]) -> str:
-    """A CEL map literal of strings."""
-    return "{" + ", ".join(f"'{k}': '{v}'" for k, v in values.items()) + "}"
-
-
-_DEFAULT_BACKEND = _cel_map({f.value: b[0].value for f, b in FRAMEWORK_BACKENDS.items()})
+_DEFAULT_BACKEND = cel_map({f.value: b[0].value for f, b in FRAMEWORK_BACKENDS.items()})
 _BACKENDS = "{" + ", ".join(
     f"'{f.value}': [{', '.join(repr(x.value) for x in b)}]"
     for f, b in FRAMEWORK_BACKENDS.items()) + "}"
@@ -296,80 +285,64 @@ def _tp_heads_cel(par: str) -> str:
     return f"{par}.tensor % {par}.data != 0 || {_H} % {tp} == 0 || {tp} % {_H} == 0"
 
 
-def _cel_format(template: str, *args: str) -> str:
-    """``'<template>'.format([args...])`` of the CEL strings library (Kubernetes 1.29+).
+_ROLES = ("prefill", "decode")
 
-    Numbers enter a message through ``format`` (``%d``), never ``'...' + string(n)``: the
-    API server estimates the cost of every message expression when the CRD is created, and
-    refuses the whole CRD when a concatenation with ``string(int)`` makes the estimate
-    unbounded (seen on a v1.36 apiextensions-apiserver)."""
-    literal = '"' + template.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return f"{literal}.format([{', '.join(args)}])"
+
+def _per_role(make: Callable[[str], CrossFieldRule]) -> tuple[CrossFieldRule, ...]:
+    """One rule per role, prefill's first: the roles' rules differ only in the role."""
+    return tuple(make(role) for role in _ROLES)
+
+
+def _data_divides_tensor_rule(role: str) -> CrossFieldRule:
+    par = f"self.{role}.parallelism"
+    return CrossFieldRule(
+        name=f"{role}-data-divides-tensor",
+        check=lambda s: _data_divides_tensor(role, getattr(s, role)),
+        cel=f"{par}.tensor % {par}.data == 0",
+        cel_message=f"spec.{role}.parallelism.data must divide spec.{role}.parallelism.tensor",
+        field_path=f".{role}.parallelism.data",
+    )
+
+
+def _tp_fits_heads_rule(role: str) -> CrossFieldRule:
+    return CrossFieldRule(
+        name=f"{role}-tp-fits-kv-heads",
+        check=lambda s: _tp_fits_heads(role, s),
+        cel=_tp_heads_cel(f"self.{role}.parallelism"),
+        cel_message=f"{role} attention TP (tensor/data) must divide spec.model.numKVHeads "
+        "or be a multiple of it",
+        field_path=f".{role}.parallelism.tensor",
+    )
+
+
+def _layers_split_rule(role: str) -> CrossFieldRule:
+    return CrossFieldRule(
+        name=f"{role}-pipeline-divides-layers",
+        check=lambda s: _layers_split(role, s),
+        cel=f"self.model.numLayers % self.{role}.parallelism.pipeline == 0",
+        cel_message=f"spec.model.numLayers must be divisible by spec.{role}.parallelism.pipeline",
+        field_path=f".{role}.parallelism.pipeline",
+    )
+
+
+def _gpus_cover_ranks_rule(role: str) -> CrossFieldRule:
+    par = f"self.{role}.parallelism"
+    return CrossFieldRule(
+        name=f"{role}-gpus-cover-ranks",
+        check=lambda s: _gpus_cover_ranks(role, s),
+        cel=f"!has(self.{role}.gpusPerPod) || self.{role}.gpusPerPod == 0 || "
+        f"self.{role}.gpusPerPod >= {par}.tensor * {par}.pipeline",
+        cel_message=f"spec.{role}.gpusPerPod must be at least tensor × pipeline, or 0 for an "
+        "engine on CPUs",
+        field_path=f".{role}.gpusPerPod",
+    )
 
 
 RULES: tuple[CrossFieldRule, ...] = (
-    CrossFieldRule(
-        name="prefill-data-divides-tensor",
-        check=lambda s: _data_divides_tensor("prefill", s.prefill),
-        cel=f"{_P}.tensor % {_P}.data == 0",
-        cel_message="spec.prefill.parallelism.data must divide spec.prefill.parallelism.tensor",
-        field_path=".prefill.parallelism.data",
-    ),
-    CrossFieldRule(
-        name="decode-data-divides-tensor",
-        check=lambda s: _data_divides_tensor("decode", s.decode),
-        cel=f"{_D}.tensor % {_D}.data == 0",
-        cel_message="spec.decode.parallelism.data must divide spec.decode.parallelism.tensor",
-        field_path=".decode.parallelism.data",
-    ),
-    CrossFieldRule(
-        name="prefill-tp-fits-kv-heads",
-        check=lambda s: _tp_fits_heads("prefill", s),
-        cel=_tp_heads_cel(_P),
-        cel_message="prefill attention TP (tensor/data) must divide spec.model.numKVHeads "
-        "or be a multiple of it",
-        field_path=".prefill.parallelism.tensor",
-    ),
-    CrossFieldRule(
-        name="decode-tp-fits-kv-heads",
-        check=lambda s: _tp_fits_heads("decode", s),
-        cel=_tp_heads_cel(_D),
-        cel_message="decode attention TP (tensor/data) must divide spec.model.numKVHeads "
-        "or be a multiple of it",
-        field_path=".decode.parallelism.tensor",
-    ),
-    CrossFieldRule(
-        name="prefill-pipeline-divides-layers",
-        check=lambda s: _layers_split("prefill", s),
-        cel=f"self.model.numLayers % {_P}.pipeline == 0",
-        cel_message="spec.model.numLayers must be divisible by spec.prefill.parallelism.pipeline",
-        field_path=".prefill.parallelism.pipeline",
-    ),
-    CrossFieldRule(
-        name="decode-pipeline-divides-layers",
-        check=lambda s: _layers_split("decode", s),
-        cel=f"self.model.numLayers % {_D}.pipeline == 0",
-        cel_message="spec.model.numLayers must be divisible by spec.decode.parallelism.pipeline",
-        field_path=".decode.parallelism.pipeline",
-    ),
-    CrossFieldRule(
-        name="prefill-gpus-cover-ranks",
-        check=lambda s: _gpus_cover_ranks("prefill", s),
-        cel=f"!has(self.prefill.gpusPerPod) || self.prefill.gpusPerPod == 0 || "
-        f"self.prefill.gpusPerPod >= {_P}.tensor * {_P}.pipeline",
-        cel_message="spec.prefill.gpusPerPod must be at least tensor × pipeline, or 0 for an "
-        "engine on CPUs",
-        field_path=".prefill.gpusPerPod",
-    ),
-    CrossFieldRule(
-        name="decode-gpus-cover-ranks",
-        check=lambda s: _gpus_cover_ranks("decode", s),
-        cel=f"!has(self.decode.gpusPerPod) || self.decode.gpusPerPod == 0 || "
-        f"self.decode.gpusPerPod >= {_D}.tensor * {_D}.pipeline",
-        cel_message="spec.decode.gpusPerPod must be at least tensor × pipeline, or 0 for an "
-        "engine on CPUs",
-        field_path=".decode.gpusPerPod",
-    ),
+    *_per_role(_data_divides_tensor_rule),
+    *_per_role(_tp_fits_heads_rule),
+    *_per_role(_layers_split_rule),
+    *_per_role(_gpus_cover_ranks_rule),
     CrossFieldRule(
         name="same-page-size",
         check=_same_page_size,
@@ -398,7 +371,7 @@ RULES: tuple[CrossFieldRule, ...] = (
         cel=f"!({_SPLIT_OK}) || !{_STAGING_USED} || "
         f"{_DPOOL} * {_MIB} >= {_DECODE_BYTES}",
         cel_message="spec.transfer.staging.decodePoolMiB cannot hold one prefill chunk",
-        cel_message_expression=_cel_format(
+        cel_message_expression=cel_format(
             "spec.transfer.staging.decodePoolMiB cannot hold one prefill chunk: set it to at "
             "least %d or lower spec.prefill.chunkedPrefillTokens",
             f"({_DECODE_BYTES} + {_MIB} - 1) / {_MIB}"),
@@ -410,7 +383,7 @@ RULES: tuple[CrossFieldRule, ...] = (
         cel=f"!({_SPLIT_OK}) || !{_STAGING_USED} || "
         f"{_PBUF} * {_MIB} >= {_PREFILL_BYTES}",
         cel_message="spec.transfer.staging.prefillBufferMiB cannot hold one gathered chunk",
-        cel_message_expression=_cel_format(
+        cel_message_expression=cel_format(
             "spec.transfer.staging.prefillBufferMiB cannot hold one gathered chunk: set it to "
             "at least %d or lower spec.prefill.chunkedPrefillTokens",
             f"({_PREFILL_BYTES} + {_MIB} - 1) / {_MIB}"),
@@ -428,11 +401,11 @@ RULES: tuple[CrossFieldRule, ...] = (
         check=_backend_supported,
         cel=f"!has(self.transfer.backend) || self.transfer.backend in {_BACKENDS}[{_FW}]",
         cel_message="spec.transfer.backend is not available for spec.engine.framework",
-        cel_message_expression=_cel_format(
+        cel_message_expression=cel_format(
             "spec.transfer.backend %s is not available for spec.engine.framework %s, which "
             "runs %s. Set spec.transfer.backend to %s or leave it out.",
             "self.transfer.backend", _FW,
-            f"{_cel_map({f.value: _supported_backends_text(f) for f in Framework})}[{_FW}]",
+            f"{cel_map({f.value: _supported_backends_text(f) for f in Framework})}[{_FW}]",
             f"{_DEFAULT_BACKEND}[{_FW}]"),
         field_path=".transfer.backend",
     ),
@@ -443,11 +416,11 @@ RULES: tuple[CrossFieldRule, ...] = (
         cel_message="spec.transfer.staging.prefillBufferMiB and decodePoolMiB cannot be set "
         "with spec.transfer.backend EngineNative: the engine's own KV connector has no "
         "staging pool to resize",
-        cel_message_expression=_cel_format(
+        cel_message_expression=cel_format(
             "spec.transfer.staging.prefillBufferMiB and decodePoolMiB cannot be set with "
             "spec.transfer.backend EngineNative: the %s engine's own KV connector moves the "
             "KV and has no staging pool to resize. %s",
-            _FW, f"{_cel_map({f.value: _native_fix(f) for f in Framework})}[{_FW}]"),
+            _FW, f"{cel_map({f.value: _native_fix(f) for f in Framework})}[{_FW}]"),
         field_path=".transfer.staging",
     ),
     CrossFieldRule(
@@ -458,88 +431,6 @@ RULES: tuple[CrossFieldRule, ...] = (
         field_path=".transfer.layerPipeline.minGroups",
     ),
 )
-
-
-@dataclass(frozen=True)
-class NameRule:
-    """A rule on `metadata.name`: the Python check and its CEL form at the CRD root (the only
-    place CEL may read metadata, and only name and generateName)."""
-
-    name: str
-    check: Callable[[str], str | None]
-    cel: str
-    cel_message: str
-    cel_message_expression: str
-
-    def to_validation(self) -> dict[str, str]:
-        """The rule as an entry of `x-kubernetes-validations` on the object's root schema."""
-        return {
-            "rule": self.cel,
-            "message": self.cel_message,
-            "messageExpression": self.cel_message_expression,
-            "reason": "FieldValueInvalid",
-        }
-
-
-def _name_too_long(name: str) -> str | None:
-    return name_violation(name) if DNS_1035_LABEL.match(name) else None
-
-
-def _name_not_label(name: str) -> str | None:
-    return None if DNS_1035_LABEL.match(name) else name_violation(name)
-
-
-# Past MAX_NAME_LENGTH the prefill pods' controller-revision-hash label is always the longest
-# derived value (`api.naming`), so the CEL message names that one.
-_REVISION_OVERHEAD = len("-prefill-") + REVISION_HASH_MAX
-_N = "self.metadata.name"
-
-def _cel_concat(*parts: str) -> str:
-    """A CEL string concatenation: plain text parts become double-quoted literals, parts in
-    `{...}` are CEL expressions (`{self.metadata.name}`)."""
-    out = []
-    for part in parts:
-        if part.startswith("{") and part.endswith("}"):
-            out.append(part[1:-1])
-        else:
-            out.append('"' + part.replace("\\", "\\\\").replace('"', '\\"') + '"')
-    return " + ".join(out)
-
-
-NAME_RULES: tuple[NameRule, ...] = (
-    NameRule(
-        name="name-is-dns-1035-label",
-        check=_name_not_label,
-        cel=f"{_N}.matches('{DNS_1035_LABEL.pattern}')",
-        cel_message="metadata.name must be a DNS-1035 label (lowercase letters, digits and "
-        "'-', starting with a letter): the Services are named after it",
-        cel_message_expression=_cel_concat(
-            "metadata.name '", f"{{{_N}}}",
-            "' is not a DNS-1035 label: the Services are named after it. Use lowercase "
-            "letters, digits and '-', starting with a letter and ending with a letter or "
-            "digit.",
-        ),
-    ),
-    NameRule(
-        name="name-fits-child-names",
-        check=_name_too_long,
-        cel=f"{_N}.size() <= {MAX_NAME_LENGTH}",
-        cel_message=f"metadata.name must have at most {MAX_NAME_LENGTH} characters: the prefill "
-        "StatefulSet's pods carry the label controller-revision-hash '<name>-prefill-<hash>' "
-        f"(at most {LABEL_VALUE_MAX} characters)",
-        cel_message_expression=_cel_format(
-            "metadata.name '%s' (%d characters) is too long: the prefill StatefulSet's pods "
-            "carry the label controller-revision-hash "
-            f"'%s-prefill-<{REVISION_HASH_MAX}-char hash>' (%d > {LABEL_VALUE_MAX}). Use at "
-            f"most {MAX_NAME_LENGTH} characters.",
-            _N, f"{_N}.size()", _N, f"{_N}.size() + {_REVISION_OVERHEAD}"),
-    ),
-)
-
-
-def name_violations(name: str) -> list[str]:
-    """Messages of every `metadata.name` rule the name breaks (at most one applies)."""
-    return [msg for rule in NAME_RULES if (msg := rule.check(name)) is not None]
 
 
 def violations(spec: PDDeploymentSpec) -> list[str]:

@@ -54,8 +54,8 @@ from pd_operator.api import (
     format_validation_error,
     parse_spec,
 )
+from pd_operator.api.name_rules import name_violations
 from pd_operator.api.resources import ObjectMeta
-from pd_operator.api.rules import name_violations
 from pd_operator.build import Capabilities, build_children, child_key
 from pd_operator.build.names import (
     LABEL_DEPLOYMENT,

@@ -43,7 +43,8 @@ from typing import Any
 import torch
 
 from pd_transfer import staging, staging_kernel
-from pd_transfer.layout import KVLayout, KVPool
+from pd_transfer.layout import KVLayout
+from pd_transfer.pool import KVPool
 from pd_transfer.staging import TRITON_AVAILABLE, gather, scatter, staged_chunk_bytes
 
 LAYERS, HEADS, SLICE, DIM = 32, 4, 2, 128

@@ -127,7 +127,8 @@ def _probe(owner: Any) -> None:
     import torch  # noqa: PLC0415
 
     from pd_transfer import staging  # noqa: PLC0415
-    from pd_transfer.layout import KVLayout, KVPool  # noqa: PLC0415
+    from pd_transfer.layout import KVLayout  # noqa: PLC0415
+    from pd_transfer.pool import KVPool  # noqa: PLC0415
 
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     one = torch.zeros(1, device="cuda")

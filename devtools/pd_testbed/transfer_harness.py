@@ -19,9 +19,10 @@ from pd_transfer.auth import PeerAuth, Purpose, outgoing_body
 from pd_transfer.bootstrap import DTYPES, GeometryDoc, PackingName, PageFormatName
 from pd_transfer.decode import PREGRANT_SHARE, DecodeReceiver
 from pd_transfer.endpoint import Endpoint, RankIdentity, Timeouts
-from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
+from pd_transfer.layout import KVLayout, KVPacking, PageFormat
 from pd_transfer.paths import PathMode
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
+from pd_transfer.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import FailureReason, RequestStatus, State
 from pd_transfer.protocol.messages import PROTOCOL_VERSION, Message, decode_message, encode_message

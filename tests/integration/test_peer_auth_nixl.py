@@ -26,8 +26,9 @@ from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import DTYPES, BootstrapServer, RankDocument, fetch_document
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity
-from pd_transfer.layout import KVLayout, KVPool
+from pd_transfer.layout import KVLayout
 from pd_transfer.plan import Parallelism, RankCoord
+from pd_transfer.pool import KVPool
 from pd_transfer.protocol.messages import RingUpdate, encode_message
 from pd_transfer.reference.selftest import SelftestConfig, SelftestGroup
 from pd_transfer.transport.nixl import NixlTransport

@@ -24,15 +24,7 @@ from pd_transfer.bootstrap import (
     check_compatible,
 )
 from pd_transfer.errors import GeometryMismatch
-from pd_transfer.layout import (
-    ByteRange,
-    KVLayout,
-    KVPacking,
-    KVPart,
-    KVPool,
-    PageFormat,
-    PageRun,
-)
+from pd_transfer.layout import ByteRange, KVLayout, KVPacking, KVPart, PageFormat, PageRun
 from pd_transfer.paths import (
     choose_path,
     compute_contiguous_spans,
@@ -40,6 +32,7 @@ from pd_transfer.paths import (
     compute_sliced_spans,
 )
 from pd_transfer.plan import HeadSlice, LayerRange, RankCoord, TransferPlan
+from pd_transfer.pool import KVPool
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.staging import gather, scatter, staged_chunk_bytes
 

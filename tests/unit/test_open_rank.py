@@ -18,8 +18,9 @@ from pd_transfer.bootstrap import DTYPES, GeometryDoc, fetch_document
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity
 from pd_transfer.errors import TransportError
-from pd_transfer.layout import KVLayout, KVPool
+from pd_transfer.layout import KVLayout
 from pd_transfer.plan import Parallelism, RankCoord
+from pd_transfer.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.rank import RankOptions, open_rank
 from pd_transfer.transport import LoopbackFabric

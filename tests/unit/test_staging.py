@@ -13,7 +13,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pd_transfer import staging
-from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
+from pd_transfer.layout import KVLayout, KVPacking, PageFormat
+from pd_transfer.pool import KVPool
 from pd_transfer.staging import gather, scatter, staged_chunk_bytes
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]

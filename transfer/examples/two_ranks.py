@@ -20,8 +20,9 @@ from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import BootstrapServer, GeometryDoc
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity
-from pd_transfer.layout import KVLayout, KVPool
+from pd_transfer.layout import KVLayout
 from pd_transfer.plan import Parallelism, RankCoord
+from pd_transfer.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.transport.nixl import NixlTransport
 from pd_transfer.worker import Worker

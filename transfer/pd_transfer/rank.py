@@ -19,9 +19,9 @@ from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import BootstrapServer
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import PollIntervals, RankIdentity, Timeouts
-from pd_transfer.layout import KVPool
 from pd_transfer.paths import PathMode
 from pd_transfer.phases import PhaseLog
+from pd_transfer.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.transport.base import Transport
 from pd_transfer.worker import Worker

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pd_transfer.layout import KVLayout, KVPool
+from pd_transfer.layout import KVLayout
+from pd_transfer.pool import KVPool
 
 __all__ = [
     "TRITON_AVAILABLE",

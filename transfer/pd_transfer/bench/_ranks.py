@@ -35,7 +35,7 @@ from pd_transfer.auth import PeerAuth
 from pd_transfer.bootstrap import DTYPES, DtypeName, GeometryDoc
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import PollIntervals, RankIdentity, Timeouts
-from pd_transfer.layout import KVLayout, KVPart, KVPool
+from pd_transfer.layout import KVLayout, KVPart
 from pd_transfer.phases import PhaseLog, RequestTimes
 from pd_transfer.pipeline import record_ready_event
 from pd_transfer.plan import (
@@ -47,6 +47,7 @@ from pd_transfer.plan import (
     compute_local_heads,
     compute_transfer_topology,
 )
+from pd_transfer.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.rank import RankOptions, open_rank
 from pd_transfer.staging import staged_chunk_bytes

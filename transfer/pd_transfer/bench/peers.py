@@ -31,8 +31,9 @@ from pd_transfer.auth import PeerAuth, outgoing_body
 from pd_transfer.bootstrap import GeometryDoc, RankDocument
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity, Timeouts
-from pd_transfer.layout import KVLayout, KVPool, compute_page_runs
+from pd_transfer.layout import KVLayout, compute_page_runs
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
+from pd_transfer.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.protocol.messages import PartDone, StagedPart, decode_message

@@ -31,11 +31,11 @@ from pd_transfer.endpoint import (
     StagingSide,
     Timeouts,
 )
-from pd_transfer.layout import KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.paths import PathMode, choose_path, compute_layout
 from pd_transfer.phases import PhaseLog
 from pd_transfer.plan import compute_transfer_topology
+from pd_transfer.pool import KVPool
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Role, State
 from pd_transfer.protocol.parts import PartState

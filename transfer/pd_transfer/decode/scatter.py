@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pd_transfer.decode.transfer import ReceiveTransfer, _InPart, _Writer
-from pd_transfer.layout import KVPool
+from pd_transfer.pool import KVPool
 from pd_transfer.protocol.parts import PartState
 from pd_transfer.ring import Region
 from pd_transfer.staging import (

@@ -53,9 +53,9 @@ from pd_transfer.endpoint.types import (
     Timeouts,
 )
 from pd_transfer.errors import PeerUnreachable, RemoteProtocolError, TransportError
-from pd_transfer.layout import KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.phases import PartTimes, PhaseLog, RequestTimes
+from pd_transfer.pool import KVPool
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Lifecycle, RequestStatus, Role
 from pd_transfer.protocol.messages import (
     PROTOCOL_VERSION,

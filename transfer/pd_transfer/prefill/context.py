@@ -17,9 +17,9 @@ from typing import Protocol
 
 from pd_transfer.bootstrap import RankDocument
 from pd_transfer.endpoint import RankIdentity, Timeouts
-from pd_transfer.layout import KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.plan import LayerRange, Parallelism, TransferTopology, compute_transfer_topology
+from pd_transfer.pool import KVPool
 from pd_transfer.prefill.buffer import StagingBuffer
 from pd_transfer.prefill.transfer import SendTransfer, _Stream
 from pd_transfer.protocol import messages as wire

@@ -38,10 +38,10 @@ from pd_transfer.endpoint import (
     Timeouts,
 )
 from pd_transfer.errors import TransportError
-from pd_transfer.layout import KVPool
 from pd_transfer.metrics import TransferMetrics
 from pd_transfer.phases import PhaseLog, Stamp
 from pd_transfer.plan import LayerRange, compute_stage_layers
+from pd_transfer.pool import KVPool
 from pd_transfer.prefill.buffer import StagingBuffer
 from pd_transfer.prefill.context import SenderContext
 from pd_transfer.prefill.endings import Endings

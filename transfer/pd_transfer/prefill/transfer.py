@@ -19,8 +19,9 @@ import torch
 
 from pd_transfer.bootstrap import RankDocument
 from pd_transfer.endpoint import Transfer
-from pd_transfer.layout import KVLayout, KVPool
+from pd_transfer.layout import KVLayout
 from pd_transfer.plan import LayerRange, TransferPlan
+from pd_transfer.pool import KVPool
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.coverage import Coverage
 from pd_transfer.protocol.lifecycle import Role, State

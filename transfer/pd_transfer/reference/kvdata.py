@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pd_transfer.layout import KVPart, KVPool
+from pd_transfer.layout import KVPart
 from pd_transfer.plan import (
     KVGeometry,
     Parallelism,
@@ -22,6 +22,7 @@ from pd_transfer.plan import (
     compute_local_heads,
     compute_stage_layers,
 )
+from pd_transfer.pool import KVPool
 
 __all__ = ["compute_request_source", "fill_pool", "verify_pool"]
 

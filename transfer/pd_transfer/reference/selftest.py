@@ -37,7 +37,7 @@ from pd_transfer.bootstrap import (
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity, Timeouts
 from pd_transfer.errors import TransferError
-from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
+from pd_transfer.layout import KVLayout, KVPacking, PageFormat
 from pd_transfer.paths import PathMode, choose_path
 from pd_transfer.plan import (
     Parallelism,
@@ -45,6 +45,7 @@ from pd_transfer.plan import (
     compute_local_heads,
     compute_transfer_topology,
 )
+from pd_transfer.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.rank import RankOptions, open_rank
 from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool

@@ -24,8 +24,9 @@ import torch
 
 from pd_contract.config import ModelGeometry
 from pd_transfer.bootstrap import DTYPES, GeometryDoc
-from pd_transfer.layout import KVLayout, KVPacking, KVPool, PageFormat
+from pd_transfer.layout import KVLayout, KVPacking, PageFormat
 from pd_transfer.plan import compute_local_heads
+from pd_transfer.pool import KVPool
 
 __all__ = ["CacheGeometryError", "VllmCache", "map_kv_caches"]
 

@@ -52,11 +52,12 @@ from pd_transfer.bootstrap import (
 )
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity, ResizeResult, Timeouts
-from pd_transfer.layout import KVLayout, KVPool
+from pd_transfer.layout import KVLayout
 from pd_transfer.metrics import TransferSnapshot
 from pd_transfer.pipeline import LayerPipeline, compute_chunk_plan
 from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.pod_peers import PodConnections
+from pd_transfer.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import RequestStatus, State
 from pd_transfer.rank import OpenRank, RankOptions, open_rank

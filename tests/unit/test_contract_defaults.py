@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from pd_contract.config import TimeoutsConfig
-from pd_operator.api.spec import Timeouts as SpecTimeouts
+from pd_operator.api.transfer_spec import Timeouts as SpecTimeouts
 from pd_operator.build.config import build_transfer_config
 from pd_testbed.factories import make_pdd
 from pd_transfer.endpoint import Timeouts as PodTimeouts

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from pd_contract.config import StagingConfig
 from pd_contract.transferagent import BYTES_PER_MIB, AgentStaging, Role
-from pd_operator.api.spec import Staging
+from pd_operator.api.transfer_spec import Staging
 from pd_operator.build.config import build_transfer_config
 from pd_testbed.factories import make_pdd
 

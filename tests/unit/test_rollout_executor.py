@@ -9,8 +9,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pd_contract.transferagent import AgentStaging
-from pd_operator.api.spec import StagingRollout, TransferHealthPolicy
 from pd_operator.api.status import RolloutMode, RolloutPhase, StagingRolloutStatus
+from pd_operator.api.transfer_spec import StagingRollout, TransferHealthPolicy
 from pd_operator.kube import KubeClient
 from pd_operator.rollout.executor import RolloutExecutor
 from pd_operator.rollout.planner import (

@@ -15,13 +15,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from pd_contract.transferagent import AgentStaging, Role
-from pd_operator.api.spec import StagingRollout, TransferHealthPolicy
 from pd_operator.api.status import (
     RollbackReason,
     RolloutMode,
     RolloutPhase,
     StagingRolloutStatus,
 )
+from pd_operator.api.transfer_spec import StagingRollout, TransferHealthPolicy
 from pd_operator.rollout.planner import (
     PodHealth,
     PodRollout,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from pd_operator.api import ConditionStatus, PDDeploymentStatus, Phase, Role
-from pd_operator.api.spec import TransferHealthPolicy
 from pd_operator.api.status import RoleStatus, StagingRolloutStatus, TransferStatus
+from pd_operator.api.transfer_spec import TransferHealthPolicy
 from pd_operator.status import (
     NOT_READY_DEADLINE,
     Observed,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from pd_operator.api import Role
-from pd_operator.api.spec import TransferHealthPolicy
+from pd_operator.api.transfer_spec import TransferHealthPolicy
 from pd_operator.rollout.planner import observe_pod
 from pd_operator.status import ReportState, observe_fleet
 from pd_testbed.kube_factories import make_agent, make_pod

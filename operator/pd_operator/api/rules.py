@@ -14,12 +14,8 @@ from dataclasses import dataclass
 
 from pd_operator.api.cel import cel_format, cel_map
 from pd_operator.api.sizing import compute_staging_footprint, staging_in_use
-from pd_operator.api.spec import (
-    DECODE_POOL_MIB_DEFAULT,
-    PREFILL_BUFFER_MIB_DEFAULT,
-    PDDeploymentSpec,
-    RoleSpec,
-)
+from pd_operator.api.spec import PDDeploymentSpec, RoleSpec
+from pd_operator.api.transfer_spec import DECODE_POOL_MIB_DEFAULT, PREFILL_BUFFER_MIB_DEFAULT
 from pd_operator.api.types import (
     FRAMEWORK_BACKENDS,
     Attention,

@@ -20,8 +20,8 @@ from typing import Any
 
 from pd_contract.defaults import TRANSFER_METRICS_PORT
 from pd_contract.transferagent import Role
+from pd_operator.api.network_spec import PeerSelector
 from pd_operator.api.resources import PDDeployment
-from pd_operator.api.spec import PeerSelector
 from pd_operator.build.meta import Manifest, object_meta
 from pd_operator.build.names import (
     LABEL_DEPLOYMENT,

@@ -31,7 +31,7 @@ from pd_contract.health import own_failures
 from pd_contract.transferagent import Role, TransferAgentSpec, TransferAgentStatus
 from pd_operator.api.conditions import ConditionStatus
 from pd_operator.api.resources import format_validation_error
-from pd_operator.api.spec import TransferHealthPolicy
+from pd_operator.api.transfer_spec import TransferHealthPolicy
 from pd_operator.build.names import LABEL_ROLE, LABEL_TEMPLATE_HASH, TRANSFER_READY_CONDITION
 from pd_operator.status.conditions import PodReason
 

@@ -13,13 +13,13 @@ from datetime import datetime, timedelta
 from typing import Final
 
 from pd_contract.transferagent import AgentStaging, Role
-from pd_operator.api.spec import StagingRollout
 from pd_operator.api.status import (
     RollbackReason,
     RolloutMode,
     RolloutPhase,
     StagingRolloutStatus,
 )
+from pd_operator.api.transfer_spec import StagingRollout
 from pd_operator.rollout.planner.decision import (
     EventType,
     Failure,

@@ -14,13 +14,14 @@ from typing import Final
 
 from pd_contract.transferagent import AgentStaging
 from pd_operator.api.sizing import compute_staging_footprint
-from pd_operator.api.spec import PDDeploymentSpec, StagingRollout
+from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import (
     RollbackReason,
     RolloutMode,
     RolloutPhase,
     StagingRolloutStatus,
 )
+from pd_operator.api.transfer_spec import StagingRollout
 from pd_operator.rollout.planner.decision import Failure, RolloutDecision
 from pd_operator.rollout.planner.modes import RolloutPass
 from pd_operator.rollout.planner.pods import (

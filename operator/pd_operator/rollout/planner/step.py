@@ -21,8 +21,9 @@ from datetime import datetime
 from typing import Any, Final
 
 from pd_operator.api.sizing import staging_in_use
-from pd_operator.api.spec import PDDeploymentSpec, StagingRollout
+from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import RolloutMode, RolloutPhase, StagingRolloutStatus
+from pd_operator.api.transfer_spec import StagingRollout
 from pd_operator.rollout.planner.decision import RolloutDecision
 from pd_operator.rollout.planner.plan import compute_minimum_staging, plan_rollout
 from pd_operator.rollout.planner.pods import PodRollout, observe_pod

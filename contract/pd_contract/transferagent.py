@@ -78,6 +78,11 @@ class AgentStaging(APIModel):
         """`mib_for(role)` in bytes: what a rank of that role allocates (1 MiB = 2**20 B)."""
         return self.mib_for(role) * BYTES_PER_MIB
 
+    def with_mib(self, role: Role, mib: int) -> AgentStaging:
+        """These sizes with `role`'s own size replaced by `mib` (validated as any size)."""
+        field = "decode_pool_mib" if Role(role) is Role.DECODE else "prefill_buffer_mib"
+        return AgentStaging.model_validate({**self.model_dump(), field: mib})
+
     def __str__(self) -> str:
         """The sizes as the API spells them, for messages and Events."""
         return f"decodePoolMiB={self.decode_pool_mib}/prefillBufferMiB={self.prefill_buffer_mib}"

@@ -94,7 +94,7 @@ def options(base: int, tp: int = 2, role: str = "decode") -> PodAgentOptions:
                            metrics_host="127.0.0.1", engine_port=8000, fetch_timeout_s=1.0)
 
 
-def snapshot(rank: int) -> TransferSnapshot:
+def snapshot(rank: int, staging_mib: int = 8) -> TransferSnapshot:
     """Rank r's hand-made counters (rank 0: 3 ok, 1 failed; rank 1: 5 ok, 2 failed)."""
     failed = 1 + rank
     return TransferSnapshot(
@@ -107,13 +107,13 @@ def snapshot(rank: int) -> TransferSnapshot:
                            largest_free_extent_bytes=(4 + rank) * MIB,
                            high_water_bytes=2 * MIB, pending_allocations=rank,
                            quarantined_bytes=0),
-        staging_bytes=8 * MIB, registration_version=1, staging_since_unix_s=None,
+        staging_bytes=staging_mib * MIB, registration_version=1, staging_since_unix_s=None,
         refused_transitions={})
 
 
-def canned_report(rank: int) -> RankReport:
+def canned_report(rank: int, staging_mib: int = 8) -> RankReport:
     return RankReport(
-        tp_rank=rank, snapshot=SnapshotDoc.of(snapshot(rank)),
+        tp_rank=rank, snapshot=SnapshotDoc.of(snapshot(rank, staging_mib)),
         transports=(PeerTransport(peer="prefill-a", transport="tcp"),
                     PeerTransport(peer=f"prefill-{rank}", transport="cma")),
         live_requests=4 + rank,
@@ -124,6 +124,7 @@ def canned_report(rank: int) -> RankReport:
 @contextmanager
 def canned_ranks(base: int, ranks: list[int],
                  staging: Callable[[int], StagingReply] | None = None,
+                 staging_mib: Callable[[int], int] = lambda _rank: 8,
                  ) -> Iterator[list[BootstrapServer]]:
     """Bootstrap servers at base + r answering hand-made reports (and staging replies)."""
     cluster = Cluster()
@@ -132,7 +133,8 @@ def canned_ranks(base: int, ranks: list[int],
         server = BootstrapServer(cluster.receivers[0].document, TEST_AUTH, "127.0.0.1",
                                  base + rank)
         server.add_route("GET", REPORT_ROUTE, lambda _b, r=rank: (200, seal_control(
-            canned_report(r), TEST_AUTH, tp_rank=r, route=REPORT_ROUTE, reply=True)))
+            canned_report(r, staging_mib(r)), TEST_AUTH, tp_rank=r, route=REPORT_ROUTE,
+            reply=True)))
         if staging is not None:
             server.add_route("POST", STAGING_ROUTE, lambda _b, r=rank: (200, seal_control(
                 staging(r), TEST_AUTH, tp_rank=r, route=STAGING_ROUTE, reply=True)))
@@ -404,6 +406,29 @@ def test_the_agent_reports_a_transfer_and_applies_a_spec_resize_to_every_rank() 
             last = api.status_writes[-1]
             assert last["staging"] == {"decodePoolMiB": 1, "prefillBufferMiB": 8}
             assert last["observedGeneration"] == 2
+        finally:
+            agent.stop()
+
+
+@pytest.mark.parametrize(("held_mib", "reported"), [
+    ((4, 4), {"decodePoolMiB": 4, "prefillBufferMiB": 8}),  # the ranks' size is in force
+    ((8, 8), {"decodePoolMiB": 8, "prefillBufferMiB": 8}),
+    ((4, 8), {"decodePoolMiB": 8, "prefillBufferMiB": 8}),  # ranks disagree: the config's
+])
+def test_the_staging_in_force_is_what_the_ranks_hold_not_a_later_config(
+        held_mib: tuple[int, int], reported: dict[str, int]) -> None:
+    """The ranks read the transfer config when vLLM registered the KV caches, the pod agent
+    later: a size change that reached the pod in between must not be created and reported
+    as in force while the ranks hold the old size (the config here says 8 MiB)."""
+    base = free_ports(2)
+    api = FakeAgentAPI()
+    with canned_ranks(base, [0, 1], staging_mib=lambda r: held_mib[r]):
+        agent = PodAgent(options(base), scheduler_live=lambda: 0).start(
+            environ=POD_ENV, client_factory=lambda: api)
+        try:
+            wait(lambda: api.status_writes)
+            assert api.objects[("ns", "demo-decode-0")]["spec"]["staging"] == reported
+            assert api.status_writes[0]["staging"] == reported
         finally:
             agent.stop()
 

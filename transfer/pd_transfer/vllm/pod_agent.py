@@ -46,7 +46,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from pd_contract.config import TransferConfig
-from pd_contract.transferagent import AgentEndpoints, AgentStaging, PeerTransport
+from pd_contract.transferagent import (
+    BYTES_PER_MIB,
+    AgentEndpoints,
+    AgentStaging,
+    PeerTransport,
+    Role,
+)
 from pd_contract.transferagent import TransferAgentStatus as _Status
 from pd_transfer.agent.errors import AgentError
 from pd_transfer.agent.identity import PodIdentity, read_identity
@@ -255,10 +261,11 @@ class PodAgent:
             return
         config = options.config
         tuning = ReporterTuning(report_interval_s=config.reporting.report_interval_seconds)
+        facts = self.facts(identity)  # reads the ranks' reports under the lock
         with self._lock:
             if self._stop.is_set():
                 return
-            self.reporter = Reporter(self.facts(identity), self, _FlaggingClient(client, self),
+            self.reporter = Reporter(facts, self, _FlaggingClient(client, self),
                                      tuning, resizer=self.resize_staging).start()
             watch_fn = getattr(client, "watch", None)
             if watch_fn is not None:
@@ -275,11 +282,32 @@ class PodAgent:
             endpoints=AgentEndpoints(bootstrap=f"{identity.ip}:{options.bootstrap_port}",
                                      engine=engine,
                                      metrics=f"{identity.ip}:{options.metrics_port}"),
-            staging=config.staging.sizes,
+            staging=self.staging_in_force(config.staging.sizes),
             window_seconds=config.reporting.window_seconds,
             max_failure_ratio=config.reporting.max_failure_ratio,
             registration_version=1 if options.role == "decode" else 0,
         )
+
+    def staging_in_force(self, configured: AgentStaging) -> AgentStaging:
+        """``configured`` (the ConfigMap's sizes, read by this process) with this pod's own
+        size replaced by what its ranks really allocated, as their reports say. The ranks
+        read the ConfigMap when vLLM registered the KV caches, this process later: a size
+        change that reached the pod between the two reads must not be reported (and taken
+        as in force) before the ranks hold it. The ConfigMap's size stands while not every
+        rank has been read or the ranks disagree."""
+        role = Role(self.options.role)
+        with self._lock:
+            held = {s.staging_bytes for s in self._snapshots.values()}
+            every_rank = len(self._snapshots) == self.options.tp_size
+        if not every_rank or len(held) != 1:
+            return configured
+        (held_bytes,) = held
+        if held_bytes == configured.bytes_for(role) or held_bytes % BYTES_PER_MIB:
+            return configured
+        _log.warning("this pod's ranks hold %d MiB of staging, the transfer config now says "
+                     "%d MiB (it changed after they read it): the ranks' size is in force",
+                     held_bytes // BYTES_PER_MIB, configured.mib_for(role))
+        return configured.with_mib(role, held_bytes // BYTES_PER_MIB)
 
     # Polling ------------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from pd_contract.transferagent import Role
-from pd_devcluster.kubelet import write_secret_volume
+from pd_devcluster.pod_env import write_secret_volume
 from pd_operator.build.meta import desired_hash
 from pd_operator.build.pod import build_pod_template
 from pd_operator.build.secret import (

@@ -43,7 +43,8 @@ from pd_contract.transferagent import (
 from pd_transfer.agent.identity import PodIdentity
 from pd_transfer.agent.kube import AgentClient
 from pd_transfer.agent.report import Connections, ReportFacts
-from pd_transfer.agent.reporter import Reporter, ReporterTuning
+from pd_transfer.agent.reporter import Reporter
+from pd_transfer.agent.reporting import start_reporting
 from pd_transfer.agent.spec_watch import SpecStream, SpecWatch
 from pd_transfer.metrics import TransferSnapshot
 from pd_transfer.native.errors import ScrapeError, ScrapeTimeout
@@ -211,11 +212,10 @@ class NativeAgent:
             _log.error("the agent's metrics are OFF: cannot listen on %s:%d: %s",
                        options.metrics_host, options.metrics_port, exc)
         self.read_once()
-        tuning = ReporterTuning(report_interval_s=self.config.reporting.report_interval_seconds)
-        self.reporter = Reporter(self.facts(), self, self.reporting_client(client), tuning,
-                                 amend=self.amend).start()
-        if spec_stream is not None:
-            self.watch = SpecWatch(spec_stream, self.on_object).start()
+        reporting = start_reporting(self.facts(), self, self.reporting_client(client),
+                                    self.config.reporting, spec_stream=spec_stream,
+                                    amend=self.amend, on_spec=self.on_object)
+        self.reporter, self.watch = reporting.reporter, reporting.watch
         self._thread = threading.Thread(target=self._run, name="pd-transfer-native-reader",
                                         daemon=True)
         self._thread.start()

@@ -59,7 +59,8 @@ from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.kube import AgentClient, KubeAgentClient
 from pd_transfer.agent.metrics_http import RankCollector
 from pd_transfer.agent.report import Connections, ReportFacts, connections_of
-from pd_transfer.agent.reporter import Reporter, ReporterTuning, join_resizes
+from pd_transfer.agent.reporter import Reporter, join_resizes
+from pd_transfer.agent.reporting import start_reporting
 from pd_transfer.agent.spec_watch import SpecWatch
 from pd_transfer.auth import PeerAuth
 from pd_transfer.config_file import load_transfer_config
@@ -259,18 +260,17 @@ class PodAgent:
             self.reporting_off = str(exc)
             _log.error("transfer health reporting is OFF (metrics are still served): %s", exc)
             return
-        config = options.config
-        tuning = ReporterTuning(report_interval_s=config.reporting.report_interval_seconds)
         facts = self.facts(identity)  # reads the ranks' reports under the lock
+        watch_fn = getattr(client, "watch", None)
         with self._lock:
             if self._stop.is_set():
                 return
-            self.reporter = Reporter(facts, self, _FlaggingClient(client, self),
-                                     tuning, resizer=self.resize_staging).start()
-            watch_fn = getattr(client, "watch", None)
-            if watch_fn is not None:
-                self.watch = SpecWatch(partial(watch_fn, identity.namespace, identity.name),
-                                       self.reporter.notify_spec).start()
+            reporting = start_reporting(
+                facts, self, _FlaggingClient(client, self), options.config.reporting,
+                spec_stream=(partial(watch_fn, identity.namespace, identity.name)
+                             if watch_fn is not None else None),
+                resizer=self.resize_staging)
+            self.reporter, self.watch = reporting.reporter, reporting.watch
         _log.info("pod agent of %s/%s reports %d rank(s) of this %s engine", identity.namespace,
                   identity.name, options.tp_size, options.role)
 

@@ -36,8 +36,7 @@ from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.kube import KubeAgentClient
 from pd_transfer.agent.metrics_http import serve_metrics
 from pd_transfer.agent.report import ReportFacts
-from pd_transfer.agent.reporter import Reporter, ReporterTuning
-from pd_transfer.agent.spec_watch import SpecWatch
+from pd_transfer.agent.reporting import Reporting, start_reporting
 from pd_transfer.agent.transport_probe import ProtoInfoParser, UcxLogTail, configure_environment
 from pd_transfer.auth import AuthKeyError, PeerAuth
 from pd_transfer.config_file import TransferConfigError, load_transfer_config
@@ -150,15 +149,14 @@ def run_engine(args: argparse.Namespace) -> int:
     http = EngineHTTPServer(_Backend(service, faults), identity.ip, args.port)
     metrics = serve_metrics([r.endpoint.metrics.registry for r in service.ranks],
                             identity.ip, identity.metrics_port)
-    reporter: Reporter | None = None
-    watch: SpecWatch | None = None
+    reporting: Reporting | None = None
     try:
         client = KubeAgentClient.from_environment()
-        tuning = ReporterTuning(report_interval_s=config.reporting.report_interval_seconds)
-        reporter = Reporter(_facts(identity, config, service, http.address), service, client,
-                            tuning, resizer=service.resize_staging).start()
-        watch = SpecWatch(partial(client.watch, identity.namespace, identity.name),
-                          reporter.notify_spec).start()
+        reporting = start_reporting(
+            _facts(identity, config, service, http.address), service, client,
+            config.reporting, spec_stream=partial(client.watch, identity.namespace,
+                                                  identity.name),
+            resizer=service.resize_staging)
     except AgentError as exc:  # the engine serves; only its reports are missing
         _log.error("transfer health reporting is OFF: %s", exc)
     _log.info("%s engine of pod %s/%s serving on %s (bootstrap %s, %d rank(s))", args.role,
@@ -169,10 +167,8 @@ def run_engine(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     _log.info("stopping")
-    if watch is not None:
-        watch.stop(timeout_s=0.5)
-    if reporter is not None:
-        reporter.stop()
+    if reporting is not None:
+        reporting.stop()
     http.close()
     metrics.shutdown()
     service.close()

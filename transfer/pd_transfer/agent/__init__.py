@@ -3,10 +3,11 @@
 Reading order: ``identity`` (who this pod is, from the downward API) → ``report`` (pure:
 snapshots + transports + window → ``TransferAgentStatus``) → ``reporter`` (the thread:
 rate-limited writes, backoff, creation, staging resizes) → ``spec_watch`` (a new spec
-reaches the reporter at once) → ``reporting`` (the one start-up of both, for every agent) → ``kube`` (the only Kubernetes client code) →
-``transport_probe`` (which UCX transports are in use) → ``metrics_http`` (Prometheus
-endpoint over every rank's registry). What it shares with the operator (the TransferAgent
-models, label and environment names) comes from ``pd_contract``; it never imports the operator.
+reaches the reporter at once) → ``reporting`` (the one start-up of both, for every agent) →
+``kube`` (the only Kubernetes client code) → ``transport_probe`` (which UCX transports are
+in use) → ``metrics_http`` (Prometheus endpoint over every rank's registry). What it shares
+with the operator (the TransferAgent models, label and environment names) comes from
+``pd_contract``; it never imports the operator.
 """
 
 from pd_transfer.agent.errors import (

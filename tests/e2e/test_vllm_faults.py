@@ -44,7 +44,9 @@ from pd_testbed.vllm import (
     vllm_metric,
 )
 
-pytestmark = pytest.mark.e2e
+# The first test's setup starts several vLLM engines (and, first in a session, the shared
+# reference engine: tests/e2e/conftest.py), one to four minutes each on 2 loaded cores.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 MODEL = TINY_LLAMA
 BATCH_TOKENS = CHUNK_TOKENS

@@ -55,7 +55,9 @@ from pd_testbed.vllm import (
     vllm_env_or_skip,
 )
 
-pytestmark = pytest.mark.e2e
+# The first test's setup starts several vLLM engines (and, first in a session, the shared
+# reference engine: tests/e2e/conftest.py), one to four minutes each on 2 loaded cores.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 MODEL = ModelSpec(layers=4, kv_heads=2, hidden=256, heads=4, dtype="float32")
 TIMEOUTS = {"bootstrap_seconds": 90.0, "transfer_seconds": 180.0, "kv_lease_seconds": 180.0}

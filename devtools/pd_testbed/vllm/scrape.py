@@ -12,8 +12,9 @@ from pd_testbed.vllm.server import VllmServer
 __all__ = ["metrics_text", "scrape", "scrape_sum", "vllm_metric"]
 
 
-def metrics_text(address: str, timeout_s: float = 5.0) -> str:
-    """`GET http://address/metrics`: the exposition text."""
+def metrics_text(address: str, timeout_s: float = 30.0) -> str:
+    """`GET http://address/metrics`: the exposition text (a sidecar beside engines that
+    spin on 2 cores can take many seconds to answer)."""
     host, port = address.rsplit(":", 1)
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:

@@ -128,13 +128,11 @@ def pd_transfer_server(vllm: VllmEnv, model: ModelSpec, model_dir: Path, root: P
     args = pd_transfer_args(kv_role, config_file, key_file, boot,
                             timeline_dir / f"{name}.jsonl", failure_policy=failure_policy,
                             extra={"metrics_port": metrics, **(extra or {})})
-    if tp > 1:
-        args += ["--tensor-parallel-size", str(tp)]
-        bind = {"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(tp)}
-    else:
-        bind = {"VLLM_CPU_OMP_THREADS_BIND": role_core(role)}
+    bind = cpu_binding(tp) if tp > 1 else role_core(role)
     server = VllmServer(role=name, port=port, vllm=vllm, model_dir=model_dir, log_dir=root,
-                        extra_args=args, env={"UCX_NET_DEVICES": "lo", **bind, **(env or {})},
+                        extra_args=args, tensor_parallel=tp,
+                        env={"UCX_NET_DEVICES": "lo", "VLLM_CPU_OMP_THREADS_BIND": bind,
+                             **(env or {})},
                         **server_options)
     return PdTransferServer(server, f"127.0.0.1:{boot}", timeline_dir, name,
                             f"127.0.0.1:{metrics}")

@@ -303,6 +303,31 @@ def test_sglang_command_and_router() -> None:
     ]
 
 
+def test_scaling_a_role_leaves_a_pod_watching_router_untouched() -> None:
+    """Guards against a replica change that rolls the router (and resets its requests in
+    flight): vLLM's `pd-transfer router` finds engines by watching pods, so its Deployment
+    is the same at any replica counts; SGLang's router is given every engine's URL, so its
+    command names the new pod (the docs say it rolls)."""
+    def router(framework: str, prefill: int, decode: int) -> dict[str, Any]:
+        pdd = tiny_pdd(engine={"framework": framework, "image": "engine:1", "port": 8000},
+                       router={"enabled": True, "image": "engine:1"},
+                       prefill={"replicas": prefill, "parallelism": {"tensor": 1}},
+                       decode={"replicas": decode, "parallelism": {"tensor": 2}})
+        found: dict[str, Any] = by_key(build_children(pdd, Capabilities()))[
+            ("Deployment", "tiny-router")]
+        return found
+
+    vllm = router("vllm", 1, 2)
+    for prefill, decode in ((2, 2), (1, 1), (3, 5), (0, 0)):
+        assert router("vllm", prefill, decode) == vllm
+    assert not [e for e in vllm["spec"]["template"]["spec"]["containers"][0]["env"]
+                if e["name"] in ("PD_PREFILL_URLS", "PD_DECODE_URLS")]
+    sglang = router("sglang", 1, 2)["spec"]["template"]["spec"]["containers"][0]["command"]
+    scaled = router("sglang", 2, 2)["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert [a for a in scaled if a not in sglang] == [
+        "http://tiny-prefill-1.tiny-prefill.serving.svc:8000"]
+
+
 def test_vllm_router_watches_the_engine_pods_with_least_privilege() -> None:
     """The whole router Deployment pod spec and its RBAC for vLLM: `pd-transfer router`
     finds engines by watching pods (so an engine whose readiness gate turns False leaves
@@ -312,9 +337,6 @@ def test_vllm_router_watches_the_engine_pods_with_least_privilege() -> None:
                router={"enabled": True, "image": "engine:1", "policy": "least-load"})
     children = by_key(build_children(pdd, Capabilities()))
     pod = children[("Deployment", "tiny-router")]["spec"]["template"]["spec"]
-    urls = {"p": "http://tiny-prefill-0.tiny-prefill.serving.svc:8000",
-            "d": "http://tiny-decode-0.tiny-decode.serving.svc:8000,"
-                 "http://tiny-decode-1.tiny-decode.serving.svc:8000"}
     assert pod == {
         "automountServiceAccountToken": True,
         "serviceAccountName": "tiny-router",
@@ -327,8 +349,6 @@ def test_vllm_router_watches_the_engine_pods_with_least_privilege() -> None:
             "env": [
                 {"name": "PD_ROUTER_POLICY", "value": "least-load"},
                 {"name": "PD_ROUTER_PORT", "value": "8000"},
-                {"name": "PD_PREFILL_URLS", "value": urls["p"]},
-                {"name": "PD_DECODE_URLS", "value": urls["d"]},
                 {"name": "PD_PREFILL_BOOTSTRAP_PORT", "value": "8998"},
                 {"name": "PD_PREFILL_SERVICE", "value": "tiny-prefill"},
                 {"name": "PD_DECODE_SERVICE", "value": "tiny-decode"},

@@ -72,6 +72,10 @@ def test_flags_win_over_the_environment_which_wins_over_defaults() -> None:
      "the URL must be http://host:port"),
     ({"discovery": "kubernetes"}, {},
      "kubernetes discovery needs --namespace, --deployment, --engine-port, --bootstrap-port"),
+    ({"discovery": "kubernetes", "deployment": "d", "engine_port": 8000,
+      "bootstrap_port": 8998}, {"POD_NAMESPACE": "ns", "PD_DECODE_URLS": "http://d:1@d:2"},
+     "kubernetes discovery finds the engines by watching the PDDeployment's pods: drop "
+     "--prefill and --decode (PD_PREFILL_URLS, PD_DECODE_URLS), or use --discovery static"),
     ({"discovery": "kubernetes", "deployment": "Bad_Name"}, {"POD_NAMESPACE": "ns"},
      "deployment (--deployment or $PD_ROUTER_DEPLOYMENT)"),
 ])

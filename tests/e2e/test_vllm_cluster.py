@@ -399,7 +399,7 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
     target = wait_for("the EngineNative router Ready", lambda: _router_of(cluster, NATIVE), 300)
     _wait_serving(cluster, NATIVE)
     _first_native_request(target, cluster.expected[len(PROMPTS[0])])
-    for prompt in PROMPTS[:2]:  # NixlConnector on CPU: tens of seconds per request
+    for prompt in PROMPTS[:2]:  # NixlConnector on 2 loaded CPU cores: seconds per request
         _wait_serving(cluster, NATIVE)
         started = time.monotonic()
         got = complete(target, prompt, MAX_TOKENS, timeout_s=240).token_ids
@@ -433,7 +433,7 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
         cluster.expected[len(PROMPTS[0])])
     # Both pods report through their sidecars.
     # A report interval past the busy engine's late answers (its sidecar's /metrics reads
-    # time out while a request runs for tens of seconds on 2 cores).
+    # time out while a request runs for seconds on 2 loaded cores).
     healthy = wait_for("EngineNative TransferHealthy=True", lambda: _condition(
         cluster, NATIVE, "TransferHealthy"), 180, until=lambda c: c.get("status") == "True")
     print(f"EngineNative transfer health: {healthy['message']}")

@@ -56,7 +56,7 @@ from pd_testbed.vllm import (
 )
 
 # The first test's setup starts several vLLM engines (and, first in a session, the shared
-# reference engine: tests/e2e/conftest.py), one to four minutes each on 2 loaded cores.
+# reference engine: tests/e2e/conftest.py), half a minute to several minutes each on 2 loaded cores.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 MODEL = ModelSpec(layers=4, kv_heads=2, hidden=256, heads=4, dtype="float32")

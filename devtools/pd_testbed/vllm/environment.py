@@ -79,7 +79,9 @@ def role_core(role: str) -> str:
     first CPU, decode on its last, one OpenMP thread each, as each would have its own CPUs
     in a cluster. vLLM's "auto" gives every engine a thread on every core, and two engines'
     OpenMP threads spin-waiting on the same 2 cores delayed each P/D request by 0.4-1 s
-    (16-token prompts: 0.8-1.1 s end to end shared, 36-143 ms split)."""
+    (16-token prompts: 0.8-1.1 s end to end shared, 36-143 ms split). vLLM binds only in
+    its multiprocess executor (a worker process per rank); a TP-1 engine whose model runs in
+    its engine-core process (`VllmServer.worker_process` False) keeps one unbound thread."""
     cpus = sorted(os.sched_getaffinity(0))
     return str(cpus[0] if role == "prefill" else cpus[-1])
 

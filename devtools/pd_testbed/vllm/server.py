@@ -44,10 +44,10 @@ class VllmServer:
     the base environment (`VLLM_CPU_KVCACHE_SPACE=1`, `PYTHONPATH=server_pythonpath()`).
 
     At `tensor_parallel` 1 the model runs in the engine-core process
-    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), as vLLM runs a TP-1 engine on a GPU; its CPU
-    backend otherwise starts a worker process even for one rank: one Python interpreter
-    and vLLM import more, 50 s to ready instead of 35 s on one of 2 idle cores. Larger TP
-    runs vLLM's multiprocess executor, a worker process per rank.
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), as vLLM runs a TP-1 engine on a GPU; vLLM's CPU
+    backend by default (`worker_process=True`) starts a worker process even for one rank:
+    one Python interpreter and vLLM import more, 50 s to ready instead of 35 s on one of 2
+    idle cores. Larger TP runs vLLM's multiprocess executor, a worker process per rank.
     """
 
     role: str
@@ -58,6 +58,7 @@ class VllmServer:
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     tensor_parallel: int = 1
+    worker_process: bool = False
     block_size: int = 32
     max_model_len: int = 2048
     max_num_batched_tokens: int = 256
@@ -108,7 +109,8 @@ class VllmServer:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "PYTHONPATH": server_pythonpath(),
             "PYTHONUNBUFFERED": "1",
-            **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.tensor_parallel == 1 else {}),
+            **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+               if self.tensor_parallel == 1 and not self.worker_process else {}),
             **self.env,
         }
 

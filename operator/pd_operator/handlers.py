@@ -7,7 +7,8 @@ writes nothing to an object it has nothing to change on. Child and pod events re
 PDDeployment through the `pd.serving.dev/deployment` label; a periodic resync comes from
 the work queue itself.
 
-Triggers that can only refresh the status are coalesced (`ReconcileLoop.
+A PDRole (a role's scale target) reconciles its PDDeployment when its count is new or it is
+deleted. Triggers that can only refresh the status are coalesced (`ReconcileLoop.
 enqueue_status_refresh`): TransferAgent reports, which arrive from every pod every few
 seconds, and PDDeployment events whose spec the stored status already reflects (most of them
 are the operator's own status writes), and pod events, which change only the status too
@@ -23,6 +24,7 @@ import kopf
 
 from pd_operator import settings
 from pd_operator.api import GROUP, VERSION, PDDeployment, TransferAgent
+from pd_operator.api.role_scale import PDRole
 from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER
 from pd_operator.kube import bearer_token, load_configuration
 from pd_operator.reconcile import ReconcileLoop
@@ -31,6 +33,7 @@ __all__ = [
     "login",
     "on_child_event",
     "on_pddeployment_event",
+    "on_pdrole_event",
     "on_pod_event",
     "on_transferagent_event",
     "start",
@@ -104,6 +107,17 @@ async def on_transferagent_event(
     name = labels.get(LABEL_DEPLOYMENT)
     if loop is not None and namespace and name:
         loop.enqueue_status_refresh(namespace, name, report=True)
+
+
+@kopf.on.event(GROUP, VERSION, PDRole.plural, labels={**_MANAGED, LABEL_DEPLOYMENT: kopf.PRESENT})
+async def on_pdrole_event(
+    memo: kopf.Memo, namespace: str | None, labels: kopf.Labels, type: str | None,
+    body: kopf.Body, **_: Any,
+) -> None:
+    """A role's scale target: a new count (`kubectl scale`, an HPA) or a deletion reconciles
+    its PDDeployment at once; the operator's own status writes change nothing."""
+    if type == "DELETED" or not _spec_reflected(body):
+        _enqueue(memo, namespace, labels.get(LABEL_DEPLOYMENT))
 
 
 async def on_child_event(

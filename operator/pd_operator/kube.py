@@ -30,6 +30,7 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
 from pd_operator.api import API_VERSION, PDDeployment, TransferAgent
+from pd_operator.api.role_scale import PDRole
 from pd_operator.build import FIELD_MANAGER, Capabilities
 from pd_operator.errors import (
     ConflictError,
@@ -46,6 +47,7 @@ __all__ = [
     "EVENT_COMPONENT",
     "FAILED_CREATE_SELECTOR",
     "PDDEPLOYMENTS",
+    "PDROLES",
     "PODS",
     "SECRETS",
     "TRANSFERAGENTS",
@@ -95,6 +97,9 @@ PDB: Final = KindRef("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 SECRETS: Final = KindRef("v1", "Secret", "secrets")
 # Created by the pods' agents, not by the operator: listed by the deployment label and read.
 TRANSFERAGENTS: Final = KindRef(API_VERSION, TransferAgent.kind_name, TransferAgent.plural)
+# A role's scale target: created once, then its count carried both ways by merge patches
+# (never applied: a server-side apply would take spec.replicas from `kubectl scale`).
+PDROLES: Final = KindRef(API_VERSION, PDRole.kind_name, PDRole.plural)
 
 # Every kind build_children may produce. Listing them all (not only the desired ones) is
 # what finds children to delete, e.g. the router after `spec.router.enabled: false`.
@@ -111,7 +116,8 @@ CHILD_KINDS: Final = (
     PDB,
 )
 _BY_KIND: Final = {
-    (k.api_version, k.kind): k for k in (*CHILD_KINDS, PODS, PDDEPLOYMENTS, TRANSFERAGENTS)
+    (k.api_version, k.kind): k
+    for k in (*CHILD_KINDS, PODS, PDDEPLOYMENTS, TRANSFERAGENTS, PDROLES)
 }
 
 
@@ -320,6 +326,21 @@ class KubeClient:
             raise ConflictError(f"apply of {ref.kind} {meta['namespace']}/{meta['name']}: "
                                 "namespace not found (being deleted?)")
         return applied
+
+    def create(self, manifest: Mapping[str, Any]) -> Obj | None:
+        """POST a new object (None when its namespace is gone); 409 if it exists."""
+        ref = kind_ref(manifest["apiVersion"], manifest["kind"])
+        return self._request("POST", ref.collection_path(manifest["metadata"]["namespace"]),
+                             kind=ref.kind, body=dict(manifest),
+                             query={"fieldManager": FIELD_MANAGER})
+
+    def merge_patch(self, ref: KindRef, namespace: str, name: str,
+                    patch: Mapping[str, Any]) -> Obj | None:
+        """A JSON merge patch of one object (None when it is gone). A `resourceVersion` in
+        the patch's metadata makes it conditional: 409 if the object changed since."""
+        return self._request("PATCH", ref.item_path(namespace, name), kind=ref.kind,
+                             body=dict(patch), query={"fieldManager": FIELD_MANAGER},
+                             content_type="application/merge-patch+json")
 
     def replace(self, manifest: Mapping[str, Any], live: Mapping[str, Any]) -> Obj | None:
         """PUT `manifest` over `live`: drops every field others added, unlike an apply.

@@ -52,9 +52,11 @@ FULL_VALUES: dict[str, Any] = {
 # The integration test proves they suffice; this list makes any widening a visible change.
 CRUD = {"get", "list", "watch", "create", "update", "patch", "delete"}
 EXPECTED_PERMISSIONS: dict[tuple[str, str], set[str]] = {
-    ("pd.serving.dev", "pddeployments"): {"get", "list", "watch"},
+    ("pd.serving.dev", "pddeployments"): {"get", "list", "watch", "patch"},
     ("pd.serving.dev", "pddeployments/status"): {"update"},
     ("pd.serving.dev", "pddeployments/finalizers"): {"update"},
+    ("pd.serving.dev", "pdroles"): {"get", "list", "watch", "create", "patch"},
+    ("pd.serving.dev", "pdroles/status"): {"update"},
     ("pd.serving.dev", "transferagents"): {"get", "list", "watch", "create", "update", "patch"},
     ("pd.serving.dev", "transferagents/status"): {"get", "update", "patch"},
     ("", "pods"): {"get", "list", "watch"},

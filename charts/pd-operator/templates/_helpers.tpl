@@ -68,10 +68,11 @@ integration test tests/integration/test_chart_install.py runs the operator under
 */}}
 {{- define "pd-operator.rules" -}}
 # PDDeployments: kopf lists and watches them (event handlers only, so kopf writes nothing to
-# them: no annotations, no finalizers); the reconcile reads each one and PUTs its status.
+# them: no annotations, no finalizers); the reconcile reads each one and PUTs its status, and
+# patches spec.<role>.replicas with a count set on the role's PDRole (`kubectl scale`, HPA).
 - apiGroups: ["pd.serving.dev"]
   resources: ["pddeployments"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["pd.serving.dev"]
   resources: ["pddeployments/status"]
   verbs: ["update"]
@@ -80,6 +81,14 @@ integration test tests/integration/test_chart_install.py runs the operator under
 # finalizers. No finalizer is ever added.
 - apiGroups: ["pd.serving.dev"]
   resources: ["pddeployments/finalizers"]
+  verbs: ["update"]
+# PDRoles: one scale target per role, created by the operator (owned by the PDDeployment),
+# its count carried both ways (patch), its status PUT.
+- apiGroups: ["pd.serving.dev"]
+  resources: ["pdroles"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["pd.serving.dev"]
+  resources: ["pdroles/status"]
   verbs: ["update"]
 # TransferAgents: read for transfer health and steered through their spec. The operator also
 # creates a Role granting these verbs to the engine pods' agent, and RBAC escalation

@@ -20,6 +20,7 @@ from pd_contract.api import GROUP, VERSION
 from pd_contract.transferagent import TransferAgentSpec, TransferAgentStatus
 from pd_operator.api.name_rules import NAME_RULES
 from pd_operator.api.resources import CustomResource, PDDeployment, TransferAgent
+from pd_operator.api.role_scale import PDRole, PDRoleSpec, PDRoleStatus
 from pd_operator.api.rules import RULES
 from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import PDDeploymentStatus
@@ -150,6 +151,13 @@ def transferagent_schema() -> Schema:
     return _object_schema(TransferAgent.__doc__ or "", spec, status)
 
 
+def pdrole_schema() -> Schema:
+    spec = _model_schema(PDRoleSpec, in_status=False)
+    status = _model_schema(PDRoleStatus, in_status=True)
+    _strip_defaults(status)
+    return _object_schema(PDRole.__doc__ or "", spec, status)
+
+
 def _crd(
     resource: type[CustomResource],
     schema: Schema,
@@ -234,8 +242,31 @@ def transferagent_crd() -> dict[str, Any]:
     return _crd(TransferAgent, transferagent_schema(), columns, ["pd"], {"status": {}})
 
 
+def pdrole_crd() -> dict[str, Any]:
+    columns = [
+        {"name": "Deployment", "type": "string", "jsonPath": ".spec.pdDeployment"},
+        {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
+        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas",
+         "description": "This scale target's count."},
+        {"name": "In-Deployment", "type": "integer", "jsonPath": ".status.deploymentReplicas",
+         "description": "The PDDeployment's spec.<role>.replicas."},
+        {"name": "Current", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    subresources = {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
+    return _crd(PDRole, pdrole_schema(), columns, ["pd"], subresources)
+
+
 def all_crds() -> list[dict[str, Any]]:
-    return [pddeployment_crd(), transferagent_crd()]
+    return [pddeployment_crd(), pdrole_crd(), transferagent_crd()]
 
 
 def crd_filename(crd: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Final
 
 from pydantic import Field
 
@@ -23,6 +24,7 @@ from pd_operator.api.types import (
 __all__ = [
     "FRAMEWORK_BACKENDS",
     "KV_DTYPE_BYTES",
+    "MAX_ROLE_REPLICAS",
     "Attention",
     "DecodeSpec",
     "EngineSpec",
@@ -42,6 +44,9 @@ __all__ = [
     "TransferBackend",
 ]
 
+
+# The most engine pods one role may have (spec.<role>.replicas, a PDRole's spec.replicas).
+MAX_ROLE_REPLICAS: Final = 10000
 
 class ModelSpec(APIModel):
     """The served model, and the KV-cache geometry the operator validates and sizes staging by."""
@@ -141,7 +146,8 @@ class Parallelism(APIModel):
 class RoleSpec(APIModel):
     """Settings shared by the prefill and the decode role."""
 
-    replicas: int = Field(default=1, ge=0, le=10000, description="Number of engine pods.")
+    replicas: int = Field(default=1, ge=0, le=MAX_ROLE_REPLICAS,
+                          description="Number of engine pods.")
     parallelism: Parallelism = Field(
         default_factory=Parallelism, description="Parallelism of each engine pod."
     )

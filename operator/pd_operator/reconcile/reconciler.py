@@ -5,7 +5,10 @@
    SpecValid=False (plus a Warning Event) and touches no child, so children of an earlier
    valid generation keep running, and their pods' transfer gates keep following their
    reports as that generation's spec judges them (step 9; none after an operator restart,
-   which keeps no earlier spec);
+   which keeps no earlier spec); then each role's PDRole (`role_scale`): created if
+   missing, and a count edited there (`kubectl scale`, an HPA) written into the spec, which
+   ends this reconcile (the spec's own event brings the next), or the spec's count copied
+   there;
 2. build the desired children (pure builders), and the transfer key Secret with the keys
    of the live one, or new ones on a rotation or when it is gone (`transfer_key`);
 3. list live children by label and server-side apply only those that `diff.needs_apply`
@@ -19,7 +22,8 @@
 5. plan the next staging rollout step (`rollout.planner.plan_step`, pure: the planner on the
    fleet and the stored `status.stagingRollout`);
 6. compute the status (pure, `status.compute_status`), the rollout's part from step 5;
-7. write it through the status subresource only if it differs from the stored one;
+7. write it through the status subresource only if it differs from the stored one, and
+   each PDRole's (pod counts, selector, the generation carried over) likewise;
 8. carry out the rollout step: its TransferAgent spec writes (`RolloutExecutor`; none when
    every pod already runs the spec's sizes);
 9. set each gated pod's `pd.serving.dev/transfer-ready` condition from its own verdict
@@ -85,6 +89,7 @@ from pd_operator.metrics import (
 from pd_operator.reconcile.diff import needs_apply, owned_by
 from pd_operator.reconcile.events import EventSpec, gate_events, transition_events
 from pd_operator.reconcile.gates import GateChange, transfer_gate_changes
+from pd_operator.reconcile.role_scale import RoleScales
 from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
 from pd_operator.rollout.executor import RolloutExecutor
 from pd_operator.rollout.planner import RolloutStep, plan_step, recheck_seconds
@@ -165,6 +170,7 @@ class Reconciler:
         self.clock = clock
         self.after_apply = after_apply
         self.rollouts = RolloutExecutor(kube)
+        self.role_scales = RoleScales(kube)
         self._kinds = tuple(
             k for k in CHILD_KINDS if k != PDB or capabilities.pod_disruption_budgets
         )
@@ -204,6 +210,8 @@ class Reconciler:
         if parsed.pdd is None:
             return self._reconcile_invalid(parsed, namespace, name), "invalid"
         pdd = parsed.pdd
+        if self.role_scales.sync_counts(pdd):
+            return True, "success"  # the PDDeployment's count changed: its event follows
         desired = build_children(pdd, self.capabilities)
         roles = {r: _role(pdd, desired, r) for r in (Role.PREFILL, Role.DECODE)}
         valid = self._last_valid[namespace, name] = _ValidGeneration(
@@ -237,6 +245,7 @@ class Reconciler:
         status = compute_status(pdd, observed, fleet.now,
                                 staging_rollout=step.decision.status if step else None)
         self._write_status(parsed, status, transfer_gate_changes(fleet), rollout=step)
+        self.role_scales.write_status(pdd, status)
         if pending is not None:
             raise pending
         return self._recheck(pdd, fleet, step, missing_pods=short), "success"

@@ -9,6 +9,9 @@ P then D must be token-identical to the single instance's.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -134,3 +137,56 @@ def test_layer_pipeline_posts_the_first_group_before_the_forward_ends(
     short = [e for e in deployment.timeline("prefill")
              if short_room in e["rooms"] and e["event"] == "post"]
     assert [(e["layers"], e["last"]) for e in short] == [(None, True)]
+
+
+def _drain(role: str, engine: VllmServer, connector: str) -> subprocess.Popen[str]:
+    """`pd-transfer drain` as the pod's preStop hook runs it, against one engine."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pd_transfer.cli", "drain", "--role", role, "--engine", "vllm",
+         "--engine-metrics-url", f"http://127.0.0.1:{engine.port}/metrics",
+         "--connector-metrics-url", f"http://{connector}/metrics",
+         "--timeout-seconds", "60", "--interval-seconds", "0.2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_leaving_prefill_drains_only_once_decode_pulled_the_kv_it_holds(
+        deployment: Deployment) -> None:
+    """Guards against a scaled-down prefill stopped while a decode has yet to pull its KV
+    (docs/failure-modes.md #39): its preStop hook waits for the pull, then for nothing."""
+    pair, room = deployment.pair, "drain-" + uuid.uuid4().hex
+    prompt = prompt_ids(300, seed=11)
+    expected = complete(deployment.single, prompt, MAX_TOKENS).token_ids
+    # Prefill computes the prompt and holds its KV for a decode that has not asked yet.
+    complete(pair.prefill, prompt, 1, {"pd_transfer": {"room": room,
+                                                       "decode": pair.decode_bootstrap}})
+    with _drain("prefill", pair.prefill, pair.prefill_side.metrics) as drain:
+        time.sleep(3.0)
+        assert drain.poll() is None, "drained while the KV was still held"
+        got = complete(pair.decode, prompt, MAX_TOKENS,
+                       {"pd_transfer": {"room": room, "prefill": pair.prefill_bootstrap}})
+        said = drain.communicate(timeout=30)[1].splitlines()
+        code = drain.returncode
+    assert got.token_ids == expected
+    assert code == 0, said
+    assert said[0].startswith("draining prefill: 0 running, 0 waiting, 1 KV transfers not "
+                              "yet pulled ("), said
+    assert said[-2].startswith("draining prefill: 0 running, 0 waiting, 0 KV transfers not "
+                               "yet pulled ("), said
+    assert said[-1].startswith("drained prefill after "), said
+    # The pull ended before the hook did: decode's load of the room is in its timeline.
+    assert [e for e in deployment.timeline("decode") if room in e["rooms"]
+            and e["event"] == "end"], "no end of the room's load in decode's timeline"
+
+
+def test_a_leaving_decode_drains_once_its_generation_ended(deployment: Deployment) -> None:
+    pair = deployment.pair
+    prompt = prompt_ids(200, seed=12)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        generating = pool.submit(deployment.pd, prompt, 96)
+        time.sleep(0.5)
+        with _drain("decode", pair.decode, pair.decode_side.metrics) as drain:
+            said = drain.communicate(timeout=60)[1].splitlines()
+        assert generating.done(), "the hook returned while the generation ran"
+        assert len(generating.result().token_ids) == 96
+    assert drain.returncode == 0, said
+    assert said[-1].startswith("drained decode after "), said

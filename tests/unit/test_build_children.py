@@ -571,3 +571,41 @@ def test_token_is_mounted_only_where_the_agent_uses_it() -> None:
     assert router["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
     assert router["containers"][0]["securityContext"] == {
         "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _engine_pod(pdd: PDDeployment, role: str) -> dict[str, Any]:
+    pod: dict[str, Any] = by_key(build_children(pdd, Capabilities()))[
+        ("StatefulSet", f"tiny-{role}")]["spec"]["template"]["spec"]
+    return pod
+
+
+def test_a_leaving_vllm_pod_drains_before_its_engine_is_stopped() -> None:
+    """Guards against a scaled-down pod stopped with work in it (docs/failure-modes.md #39):
+    the vLLM engine's preStop hook waits for its requests and, with PDTransfer, its KV;
+    the grace covers that wait and the engine's own shutdown."""
+    vllm = {"framework": "vllm", "image": "engine:1", "port": 8000}
+    timeouts = {"timeouts": {"transferSeconds": 30, "kvLeaseSeconds": 44.5}}
+    pdd = tiny_pdd(engine=vllm, transfer=timeouts)
+    hook = ["pd-transfer", "drain", "--engine", "vllm",
+            "--engine-metrics-url", "http://127.0.0.1:8000/metrics",
+            "--connector-metrics-url", "http://127.0.0.1:9400/metrics"]
+    for role, seconds in (("prefill", 75), ("decode", 300)):  # transfer + lease, rounded up
+        pod = _engine_pod(pdd, role)
+        assert pod["containers"][0]["lifecycle"] == {"preStop": {"exec": {"command": [
+            *hook[:2], "--role", role, *hook[2:], "--timeout-seconds", str(seconds)]}}}
+        assert pod["terminationGracePeriodSeconds"] == seconds + 60
+    # drainSeconds given: its value; 0: no hook, the engine's own 60 s.
+    given = tiny_pdd(engine=vllm, transfer=timeouts,
+                     decode={"replicas": 2, "parallelism": {"tensor": 2}, "drainSeconds": 0},
+                     prefill={"replicas": 1, "drainSeconds": 20})
+    assert _engine_pod(given, "prefill")["terminationGracePeriodSeconds"] == 80
+    assert "lifecycle" not in _engine_pod(given, "decode")["containers"][0]
+    assert _engine_pod(given, "decode")["terminationGracePeriodSeconds"] == 60
+    # EngineNative: vLLM's queues only (its NixlConnector's KV is not visible).
+    native = _engine_pod(tiny_pdd(engine=vllm, transfer={"backend": "EngineNative"}), "prefill")
+    assert native["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == [
+        *hook[:2], "--role", "prefill", *hook[2:6], "--timeout-seconds", "180"]
+    # The reference engine's image serves no engine queue metrics: no hook.
+    reference = _engine_pod(tiny_pdd(), "decode")
+    assert "lifecycle" not in reference["containers"][0]
+    assert reference["terminationGracePeriodSeconds"] == 60

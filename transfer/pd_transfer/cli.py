@@ -2,7 +2,7 @@
 
 Subcommands register themselves with an ``add_*_parser(subparsers)`` function that sets
 ``handler`` (``selftest``, ``bench``, ``engine``, ``load``, ``router``, ``vllm-proxy``,
-``agent``).
+``agent``, ``drain``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 # tooling (pd_transfer.reference), for their subcommands: an import-linter contract keeps
 # every other product module from importing them.
 from pd_transfer.bench.cli import add_bench_parser
+from pd_transfer.drain import add_drain_parser
 from pd_transfer.native.cli import add_agent_parser
 from pd_transfer.reference.engine.cli import add_engine_parser
 from pd_transfer.reference.load import add_load_parser
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(subparsers)
     add_vllm_proxy_parser(subparsers)
     add_agent_parser(subparsers)
+    add_drain_parser(subparsers)
     return parser
 
 

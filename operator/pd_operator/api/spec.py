@@ -148,6 +148,14 @@ class RoleSpec(APIModel):
 
     replicas: int = Field(default=1, ge=0, le=MAX_ROLE_REPLICAS,
                           description="Number of engine pods.")
+    drain_seconds: int | None = Field(
+        default=None, ge=0, le=86400,
+        description="How long a pod leaving the fleet (scale-down, rollout, node drain) may "
+        "take to finish its work before its engine is stopped: its preStop hook waits until "
+        "no request runs or waits and, with PDTransfer, no KV is held for or loading from a "
+        "peer. Default: prefill transferSeconds + kvLeaseSeconds (every decode pulled its KV "
+        "or its lease ended), decode 300 (its generations end). 0: no wait.",
+    )
     parallelism: Parallelism = Field(
         default_factory=Parallelism, description="Parallelism of each engine pod."
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Final
 
 from pd_contract.names import (
@@ -52,6 +53,11 @@ GANG_LABEL = "scheduling.x-k8s.io/pod-group"
 # read-only root is set; without capabilities, root cannot override file permissions.
 # /dev/shm is a memory emptyDir (see _volumes): NCCL and the engines' worker processes
 # share tensors through it.
+# After its preStop hook, what an engine gets between SIGTERM and SIGKILL for its own
+# shutdown; a decode's default drain: the longest generation left to finish.
+_ENGINE_STOP_S: Final = 60
+_DECODE_DRAIN_S: Final = 300
+
 _ENGINE_SECURITY_CONTEXT: Final[dict[str, Any]] = {
     "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
@@ -115,6 +121,18 @@ def _env(pdd: PDDeployment, role: Role) -> list[dict[str, Any]]:
     return env
 
 
+def drain_seconds(pdd: PDDeployment, role: Role) -> int:
+    """How long a leaving pod's preStop hook may wait for its work to end
+    (`spec.<role>.drainSeconds`, or its default)."""
+    given = role_spec(pdd, role).drain_seconds
+    if given is not None:
+        return given
+    if role is Role.DECODE:
+        return _DECODE_DRAIN_S
+    timeouts = pdd.spec.transfer.timeouts
+    return math.ceil(timeouts.transfer_seconds + timeouts.kv_lease_seconds)
+
+
 def reports_transfer_health(pdd: PDDeployment) -> bool:
     """Whether the pods run pd_transfer's agent, which reports into a TransferAgent.
 
@@ -159,6 +177,10 @@ def build_pod_template(pdd: PDDeployment, role: Role,
         "securityContext": copy.deepcopy(_ENGINE_SECURITY_CONTEXT),
         **engine_probes(pdd),
     }
+    drain_s = drain_seconds(pdd, role)
+    hook = engine_adapter(pdd).drain_command(pdd, role, drain_s) if drain_s > 0 else None
+    if hook is not None:
+        container["lifecycle"] = {"preStop": {"exec": {"command": hook}}}
     native_agent = engine_adapter(pdd).runs_native_agent(pdd)
     containers = [container]
     if native_agent:
@@ -172,7 +194,7 @@ def build_pod_template(pdd: PDDeployment, role: Role,
         "automountServiceAccountToken": runs_pd_transfer(pdd),
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": drain_s + _ENGINE_STOP_S if hook else _ENGINE_STOP_S,
         "containers": containers,
         "volumes": volumes,
     }

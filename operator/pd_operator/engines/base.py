@@ -103,6 +103,12 @@ class EngineAdapter(ABC):
                               "timeoutSeconds": 5},
         }
 
+    def drain_command(self, pdd: PDDeployment, role: Role,
+                      timeout_s: int) -> list[str] | None:
+        """The engine container's preStop command: wait (at most `timeout_s`) until the pod
+        holds no work; None where the engine's image has no `pd-transfer`."""
+        return None
+
     def router_command(
         self, pdd: PDDeployment, prefill_urls: Sequence[str], decode_urls: Sequence[str]
     ) -> list[str] | None:

@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from pd_contract.defaults import TRANSFER_METRICS_PORT
 from pd_contract.names import ENV_POD_NAMESPACE
 from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
@@ -81,6 +82,16 @@ class VLLMAdapter(EngineAdapter):
             {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(self.bootstrap_port(pdd))},
         ]
 
+
+    def drain_command(self, pdd: PDDeployment, role: Role, timeout_s: int) -> list[str]:
+        """`pd-transfer drain` (the vLLM image carries this project's wheel): vLLM's queues,
+        and with PDTransfer the connector's requests whose KV is held or loading."""
+        cmd = ["pd-transfer", "drain", "--role", role.value, "--engine", "vllm",
+               "--engine-metrics-url", f"http://127.0.0.1:{pdd.spec.engine.port}/metrics"]
+        if runs_pd_transfer(pdd):
+            cmd += ["--connector-metrics-url",
+                    f"http://127.0.0.1:{TRANSFER_METRICS_PORT}/metrics"]
+        return [*cmd, "--timeout-seconds", str(timeout_s)]
 
     def router_command(
         self, pdd: PDDeployment, prefill_urls: Sequence[str], decode_urls: Sequence[str]

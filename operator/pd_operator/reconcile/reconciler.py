@@ -210,7 +210,8 @@ class Reconciler:
         if parsed.pdd is None:
             return self._reconcile_invalid(parsed, namespace, name), "invalid"
         pdd = parsed.pdd
-        if self.role_scales.sync_counts(pdd):
+        scale_targets = self.role_scales.sync_counts(pdd)
+        if scale_targets is None:
             return True, "success"  # the PDDeployment's count changed: its event follows
         desired = build_children(pdd, self.capabilities)
         roles = {r: _role(pdd, desired, r) for r in (Role.PREFILL, Role.DECODE)}
@@ -245,7 +246,7 @@ class Reconciler:
         status = compute_status(pdd, observed, fleet.now,
                                 staging_rollout=step.decision.status if step else None)
         self._write_status(parsed, status, transfer_gate_changes(fleet), rollout=step)
-        self.role_scales.write_status(pdd, status)
+        self.role_scales.write_status(pdd, status, scale_targets)
         if pending is not None:
             raise pending
         return self._recheck(pdd, fleet, step, missing_pods=short), "success"

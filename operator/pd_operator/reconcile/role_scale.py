@@ -73,10 +73,12 @@ class RoleScales:
         # What the last sync did per PDRole (namespace, name), for its status message.
         self._messages: dict[tuple[str, str], str] = {}
 
-    def sync_counts(self, pdd: PDDeployment) -> bool:
-        """Create missing PDRoles and carry edited counts over; True when the
-        PDDeployment's spec was patched (this reconcile should end: its event follows)."""
+    def sync_counts(self, pdd: PDDeployment) -> dict[Role, Obj] | None:
+        """Create missing PDRoles and carry edited counts over. None when the PDDeployment's
+        spec was patched (this reconcile should end: its event follows); else the PDRoles
+        as they now stand (for `write_status`; one just created is left out)."""
         meta = pdd.metadata
+        targets: dict[Role, Obj] = {}
         for role in (Role.PREFILL, Role.DECODE):
             count = role_spec(pdd, role).replicas
             target = self._target(pdd, role)
@@ -90,22 +92,21 @@ class RoleScales:
                     "spec": {role.value: {"replicas": decision.deployment_replicas}}})
                 self._messages[key] = decision.message
                 log.info("%s/%s: %s", meta.namespace, meta.name, decision.message)
-                return True
+                return None
             if decision.target_replicas is not None:
-                self.kube.merge_patch(PDROLES, *key, {
-                    "spec": {"replicas": decision.target_replicas}})
+                target = self.kube.merge_patch(PDROLES, *key, {
+                    "spec": {"replicas": decision.target_replicas}}) or target
                 self._messages[key] = decision.message
                 log.info("%s/%s: %s", *key, decision.message)
-        return False
+            targets[role] = target
+        return targets
 
-    def write_status(self, pdd: PDDeployment, status: PDDeploymentStatus) -> None:
+    def write_status(self, pdd: PDDeployment, status: PDDeploymentStatus,
+                     targets: Mapping[Role, Obj]) -> None:
         """Each PDRole's status from the PDDeployment's, where it differs."""
         namespace = pdd.metadata.namespace
-        for role in (Role.PREFILL, Role.DECODE):
-            name = role_workload(pdd.metadata.name, role)
-            target = self.kube.get(PDROLES, namespace, name)
-            if target is None:
-                continue
+        for role, target in targets.items():
+            name = target["metadata"]["name"]
             counts = status.prefill if role is Role.PREFILL else status.decode
             previous = target.get("status") or {}
             wanted = PDRoleStatus(

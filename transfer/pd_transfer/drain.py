@@ -1,0 +1,165 @@
+"""``pd-transfer drain``: an engine pod's preStop hook; returns once the pod holds no work.
+
+Kubernetes runs it when the pod is deleted (a scale-down, a rollout, a node drain), before
+it sends the engine SIGTERM. The pod has left its router's rotation by then (a pod with a
+deletionTimestamp is no endpoint), so no new request reaches it. The hook reads the
+engine's and the connector's Prometheus metrics once per interval until two readings in a
+row find nothing left:
+
+- prefill: no request running or waiting in the engine, and no request whose KV the
+  connector still holds (``pd_transfer_connector_live_requests{side="scheduler"}`` 0: every
+  decode pulled its KV, or its lease ended);
+- decode: no request running or waiting (its generations ended), and no KV load live.
+
+Where the engine moves KV with its own connector (``--connector-metrics-url`` not given),
+only the engine's queues are known: KV a prefill still holds for a decode is not waited for.
+
+Exit 0 once drained; 1 at ``--timeout-seconds`` (Kubernetes then sends SIGTERM anyway, and
+the pod's terminationGracePeriodSeconds bounds the whole). An engine that refuses the
+connection has exited: nothing is left. One that does not answer in time is busy: not
+drained yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from pd_transfer.native.errors import MappingError, ScrapeError, ScrapeTimeout
+from pd_transfer.native.exposition import gauge_sum, parse_exposition
+from pd_transfer.native.scrape import fetch_metrics
+
+__all__ = ["ENGINE_QUEUES", "Holding", "add_drain_parser", "drain", "read_holding"]
+
+Engine = Literal["vllm", "sglang"]
+
+# Each engine's gauges of requests running and waiting (summed over their label sets).
+ENGINE_QUEUES: Final[Mapping[Engine, tuple[str, str]]] = {
+    "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+}
+CONNECTOR_LIVE: Final = "pd_transfer_connector_live_requests"
+_READ_TIMEOUT_S: Final = 5.0
+_PROGRESS_EVERY_S: Final = 10.0
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one reading found still in the pod; None where it could not be read."""
+
+    running: int | None
+    waiting: int | None
+    transfers: int | None  # requests with connector state
+    with_connector: bool = False
+    engine_gone: bool = False
+
+    @property
+    def empty(self) -> bool:
+        if self.engine_gone:
+            return True
+        counts = (self.running, self.waiting) + ((self.transfers,) if self.with_connector
+                                                  else ())
+        return all(c == 0 for c in counts)
+
+    def describe(self, role: str) -> str:
+        if self.engine_gone:
+            return "the engine has exited"
+
+        def count(value: int | None) -> str:
+            return "?" if value is None else str(value)
+
+        text = f"{count(self.running)} running, {count(self.waiting)} waiting"
+        if not self.with_connector:
+            return text
+        kv = "KV transfers not yet pulled" if role == "prefill" else "KV loads live"
+        return f"{text}, {count(self.transfers)} {kv}"
+
+
+def _gauge(text: str, name: str, labels: tuple[tuple[str, str], ...] = ()) -> int | None:
+    """The gauge's value summed over matching label sets; None when absent or unparsable."""
+    try:
+        family = parse_exposition(text).get(name)
+    except MappingError:
+        return None
+    value = None if family is None else gauge_sum(family, labels)
+    return None if value is None or math.isnan(value) else round(value)
+
+
+def read_holding(engine: Engine, engine_url: str, connector_url: str | None,
+                 fetch: Callable[[str, float], str] = fetch_metrics) -> Holding:
+    """One reading of the engine's queues and, with a connector, its live requests."""
+    running_name, waiting_name = ENGINE_QUEUES[engine]
+    with_connector = connector_url is not None
+    try:
+        text = fetch(engine_url, _READ_TIMEOUT_S)
+    except ScrapeTimeout:
+        return Holding(None, None, None, with_connector)
+    except ScrapeError as exc:
+        gone = "Connection refused" in str(exc)
+        return Holding(None, None, None, with_connector, engine_gone=gone)
+    transfers: int | None = None
+    if connector_url is not None:
+        try:
+            transfers = _gauge(fetch(connector_url, _READ_TIMEOUT_S), CONNECTOR_LIVE,
+                               (("side", "scheduler"),))
+        except ScrapeError:
+            transfers = None
+    return Holding(_gauge(text, running_name), _gauge(text, waiting_name), transfers,
+                   with_connector)
+
+
+def drain(role: str, read: Callable[[], Holding], *, timeout_s: float, interval_s: float,
+          say: Callable[[str], None] = print,
+          clock: Callable[[], float] = time.monotonic,
+          sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Read until two readings in a row are empty (True) or ``timeout_s`` passed (False)."""
+    started = clock()
+    empty_in_a_row = 0
+    last_said, last_text = -math.inf, ""
+    while True:
+        holding = read()
+        elapsed = clock() - started
+        text = holding.describe(role)
+        if text != last_text or elapsed - last_said >= _PROGRESS_EVERY_S:
+            say(f"draining {role}: {text} ({elapsed:.1f} s of {timeout_s:.0f} s)")
+            last_said, last_text = elapsed, text
+        empty_in_a_row = empty_in_a_row + 1 if holding.empty else 0
+        if empty_in_a_row >= 2 or holding.engine_gone:
+            say(f"drained {role} after {elapsed:.1f} s")
+            return True
+        if elapsed + interval_s > timeout_s:
+            say(f"{role} not drained after {elapsed:.1f} s ({text}); stopping anyway")
+            return False
+        sleep(interval_s)
+
+
+def add_drain_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "drain", help="wait until this pod's engine holds no request or KV (a preStop hook)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--role", choices=["prefill", "decode"], required=True)
+    add("--engine", choices=sorted(ENGINE_QUEUES), default="vllm")
+    add("--engine-metrics-url", default="http://127.0.0.1:8000/metrics")
+    add("--connector-metrics-url", default=None,
+        help="pd_transfer's metrics (http://127.0.0.1:9400/metrics in a PDTransfer pod)")
+    add("--timeout-seconds", type=float, required=True)
+    add("--interval-seconds", type=float, default=1.0)
+    parser.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    def read() -> Holding:
+        return read_holding(args.engine, args.engine_metrics_url, args.connector_metrics_url)
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    drained = drain(args.role, read, timeout_s=args.timeout_seconds,
+                    interval_s=args.interval_seconds, say=say)
+    return 0 if drained else 1

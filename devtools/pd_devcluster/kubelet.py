@@ -34,7 +34,10 @@ For each such pod, once (``sync_once``, polled):
   conditions ContainersReady (the container's readinessProbe: HTTP GET or TCP connect; no
   probe: while it runs) and Ready (ContainersReady AND every readiness-gate condition True,
   as a kubelet computes it). Gate conditions are set by the operator; this never writes them.
-A pod that disappears has its process stopped. A process that dies is restarted after
+A pod that disappears is ended as a kubelet ends a deleted pod (``_terminate``, in a thread
+of its own): each container's ``lifecycle.preStop`` exec command runs (planned like the
+container, its loopback URLs at the pod's address; its output in the container's log),
+then SIGTERM, all within the pod's ``terminationGracePeriodSeconds``. A process that dies is restarted after
 ``restart_backoff_s`` (doubling per restart, up to 5 min, as a kubelet's CrashLoopBackOff;
 ``None``: never, the container stays terminated — tests that kill an engine to watch its
 pod go stale want that). Records of the running processes are kept in
@@ -50,6 +53,7 @@ import logging
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -112,6 +116,7 @@ class _Container:
     started_at: str
     restarts: int = 0
     died_at: float | None = None  # monotonic time it was seen dead
+    pre_stop: LaunchPlan | None = None  # its lifecycle.preStop exec, run before SIGTERM
 
 
 @dataclass
@@ -125,6 +130,7 @@ class _PodProcess:
     last_status: Obj | None = None
     # (Secret name, directory, defaultMode) of each Secret volume, refreshed at every sync.
     secret_volumes: list[tuple[str, Path, int | None]] = field(default_factory=list)
+    grace_s: float = 30.0  # terminationGracePeriodSeconds: preStop hooks and SIGTERM
 
 
 def _now() -> str:
@@ -158,6 +164,7 @@ class FakeKubelet:
         self._pods: dict[str, _PodProcess] = {}
         self._used_ips: set[str] = set()
         self._next_cpu = 0
+        self._terminating: set[str] = set()  # pods whose preStop hooks or stop are running
         self._lock = threading.Lock()
         self.work_dir.mkdir(parents=True, exist_ok=True)
 
@@ -206,9 +213,12 @@ class FakeKubelet:
             self._restart_if_due(pod, running)
             self._update_status(pod, running)
         with self._lock:
-            gone = [p for uid, p in self._pods.items() if uid not in seen]
-        for process in gone:
-            self._stop(process)
+            gone = [p for uid, p in self._pods.items()
+                    if uid not in seen and uid not in self._terminating]
+            self._terminating.update(p.uid for p in gone)
+        for process in gone:  # each in its own thread: a preStop hook may wait minutes
+            threading.Thread(target=self._terminate, args=(process,), daemon=True,
+                             name=f"terminate-{process.name}").start()
         self._not_runnable &= seen
         self._refresh_secret_volumes()
 
@@ -316,7 +326,8 @@ class FakeKubelet:
                 record = spawn_daemon(f"{container['name']} {namespace}/{name}", plan.argv,
                                       log_path, env=process_env, niceness=_niceness(plan))
                 started.append(_Container(container["name"], container.get("image", ""),
-                                          plan, process_env, log_path, record, _now()))
+                                          plan, process_env, log_path, record, _now(),
+                                          pre_stop=self._pre_stop(container, ip, plan)))
         except BaseException:
             for running in started:
                 stop_process(running.record, grace_s=1.0)
@@ -324,7 +335,8 @@ class FakeKubelet:
                 self._used_ips.discard(ip)
             raise
         process = _PodProcess(uid, namespace, name, ip, started, tmp_dir=tmp,
-                              secret_volumes=secret_volumes)
+                              secret_volumes=secret_volumes,
+                              grace_s=float(spec.get("terminationGracePeriodSeconds", 30)))
         with self._lock:
             self._pods[uid] = process
             self._save()
@@ -408,6 +420,44 @@ class FakeKubelet:
                 (partial / key).write_text(value)
             partial.replace(directory)
         return directory
+
+    def _pre_stop(self, container: Obj, ip: str, plan: LaunchPlan) -> LaunchPlan | None:
+        """The container's preStop exec command as a local process (its loopback URLs at
+        the pod's address, as `plan_launch` makes them), or None."""
+        command = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec")
+                   or {}).get("command")
+        if not command:
+            return None
+        try:
+            return plan_launch(command, {}, ip, vllm_python=_vllm_python)
+        except NotRunnable as exc:
+            _log.warning("preStop hook of %s not run: %s", container["name"], exc)
+            return None
+
+    def _terminate(self, process: _PodProcess) -> None:
+        """A deleted pod, as a kubelet ends it: every container's preStop hook (at once,
+        each logged into its container's log), then SIGTERM, all within the pod's grace."""
+        deadline = time.monotonic() + process.grace_s
+        hooks = []
+        for container in process.containers:
+            if container.pre_stop is None:
+                continue
+            with container.log_path.open("ab") as log:
+                log.write(f"preStop: {' '.join(container.pre_stop.argv)}\n".encode())
+                hooks.append(subprocess.Popen(
+                    container.pre_stop.argv, env=container.env | container.pre_stop.env,
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        for hook in hooks:
+            try:
+                hook.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hook.kill()
+                hook.wait()
+        try:
+            self._stop(process)
+        finally:
+            with self._lock:
+                self._terminating.discard(process.uid)
 
     def _stop(self, process: _PodProcess) -> None:
         for container in process.containers:

@@ -15,13 +15,16 @@ In order:
 3. a decode engine killed (SIGKILL, its whole process group): the router drops it, the
    load goes on through the other decode, its report turns stale and its readiness gate
    False; the kubelet restarts it, and once it reports again the router sends it requests;
-4. the same example with `transfer.backend: EngineNative` (vLLM's own NixlConnector, the
+4. the decode scaled 2 → 1 → 2 through its PDRole (`kubectl scale`) under the load: no
+   failed completion, the leaving decode's preStop hook (`pd-transfer drain`) ends before
+   its engine stops, and the router pod is the same throughout;
+5. the same example with `transfer.backend: EngineNative` (vLLM's own NixlConnector, the
    router's vllm-nixl protocol, the transfer-agent sidecar reporting from vLLM's metrics)
    serves completions, both pods report healthy transfers, and a staging pool patch on it
    is refused with the rule's message (this control plane has no CEL, so the operator
    refuses it: SpecValid=False, a Warning Event, nothing rolled out; on 1.29+ the API
    server refuses it first with the same message, `tests/integration/test_crd_cel_server.py`);
-5. an EngineNative decode whose model has other KV heads than its prefill's (vLLM then
+6. an EngineNative decode whose model has other KV heads than its prefill's (vLLM then
    fails every request with HTTP 500 while its /health stays 200): within one report window
    TransferHealthy=False names the pod and the reason, its readiness gate turns False, a
    Warning Event says so, and the router stops sending to it.
@@ -378,6 +381,62 @@ def test_killed_decode_leaves_the_router_goes_stale_and_comes_back(cluster: Clus
         cluster.window(back, time.monotonic())) <= {"identical"}
 
 
+def _router_pod(cluster: Cluster) -> tuple[str, int]:
+    """The router pod's uid and its container's restart count."""
+    pods = cluster.core.list_namespaced_pod(
+        cluster.namespace, label_selector=f"pd.serving.dev/deployment={NAME},"
+                                          "app.kubernetes.io/component=router").items
+    assert len(pods) == 1, [p.metadata.name for p in pods]
+    statuses = pods[0].status.container_statuses or []
+    return pods[0].metadata.uid, sum(c.restart_count for c in statuses)
+
+
+def _scale_decode(cluster: Cluster, replicas: int) -> None:
+    cluster.objects.patch_namespaced_custom_object_scale(
+        GROUP, VERSION, cluster.namespace, "pdroles", f"{NAME}-decode",
+        {"spec": {"replicas": replicas}})
+
+
+def test_decode_scaled_down_and_up_through_its_pdrole_fails_no_request(cluster: Cluster) -> None:
+    """Guards against a scale-down that stops a decode mid-generation, and a replica change
+    that restarts the router (docs/failure-modes.md #39): `kubectl scale` on the decode's
+    PDRole, under the load; the leaving decode's preStop hook (`pd-transfer drain`) ends
+    before its engine is stopped, and the new decode joins the same router."""
+    victim = DECODES[1]
+    router = _router_pod(cluster)
+    started = time.monotonic()
+    _scale_decode(cluster, 1)
+    wait_for(f"{victim} out of the router and its engine stopped", lambda: cluster.router_metric(
+        "pd_router_endpoints", role="decode") == 1.0 and cluster.kubelet.process_of(
+        cluster.namespace, victim) is None, 180)
+    down = time.monotonic()
+    logs = sorted((cluster.kubelet.work_dir / cluster.namespace).glob(f"{victim}-*/engine.log"))
+    hook = [line for line in logs[-1].read_text().splitlines()
+            if "drain" in line and "decode" in line]
+    print(f"{victim} scaled away in {down - started:.1f} s; completions "
+          f"{dict(cluster.window(started, down))}; its hook: {hook}")
+    assert hook[0].startswith("preStop: ") and hook[-1].startswith("drained decode after "), hook
+    assert set(cluster.window(started, down)) == {"identical"}
+    assert sum(cluster.window(started, down).values()) > 0
+    # Up again: a new engine starts (the load pauses, as a vLLM start beside two loaded
+    # engines took minutes on 2 cores) and joins the same router.
+    cluster.paused.set()
+    try:
+        _scale_decode(cluster, 2)
+        wait_for("the router back to two decode engines", lambda: cluster.router_metric(
+            "pd_router_endpoints", role="decode") == 2.0, 300)
+    finally:
+        cluster.paused.clear()
+    back = time.monotonic()
+    wait_for(f"{victim} serving", lambda: (cluster.engine_metric(
+        victim, "vllm:e2e_request_latency_seconds_count") or 0) > 0, 120)
+    print(f"{victim} back in the router {back - down:.1f} s after the scale-up; completions "
+          f"{dict(cluster.window(back, time.monotonic()))}")
+    assert set(cluster.window(started, time.monotonic())) == {"identical"}
+    assert _router_pod(cluster) == router
+    assert cluster.pdd()["spec"]["decode"]["replicas"] == 2
+
+
 NATIVE = f"{NAME}-native"
 NATIVE_REFUSAL = (
     "spec.transfer.staging.prefillBufferMiB and decodePoolMiB cannot be set with "
@@ -421,9 +480,11 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
     valid = wait_for("SpecValid=False", refused, 60)
     assert valid["reason"] == "InvalidSpec"
     assert NATIVE_REFUSAL in valid["message"], valid["message"]
-    events = cluster.core.list_namespaced_event(
-        cluster.namespace, field_selector=f"involvedObject.name={NATIVE}").items
-    assert any(e.type == "Warning" and NATIVE_REFUSAL in (e.message or "") for e in events)
+    # The operator records its Events after the status write that reported the change.
+    wait_for("a Warning Event with the refusal", lambda: any(
+        e.type == "Warning" and NATIVE_REFUSAL in (e.message or "")
+        for e in cluster.core.list_namespaced_event(
+            cluster.namespace, field_selector=f"involvedObject.name={NATIVE}").items), 30)
     after = (cluster.objects.get_namespaced_custom_object(
         GROUP, VERSION, cluster.namespace, "pddeployments", NATIVE).get("status") or {})
     assert after.get("stagingRollout") == before.get("stagingRollout")

@@ -37,10 +37,10 @@ For each such pod, once (``sync_once``, polled):
 A pod that disappears is ended as a kubelet ends a deleted pod (``_terminate``, in a thread
 of its own): each container's ``lifecycle.preStop`` exec command runs (planned like the
 container, its loopback URLs at the pod's address; its output in the container's log),
-then SIGTERM, all within the pod's ``terminationGracePeriodSeconds``. A process that dies is restarted after
-``restart_backoff_s`` (doubling per restart, up to 5 min, as a kubelet's CrashLoopBackOff;
-``None``: never, the container stays terminated — tests that kill an engine to watch its
-pod go stale want that). Records of the running processes are kept in
+then SIGTERM, all within the pod's ``terminationGracePeriodSeconds``. A process that dies
+is restarted after ``restart_backoff_s`` (doubling per restart, up to 5 min, as a kubelet's
+CrashLoopBackOff; ``None``: never, the container stays terminated — tests that kill an
+engine to watch its pod go stale want that). Records of the running processes are kept in
 ``<work_dir>/kubelet.json`` so ``pd-dev cluster down`` stops them even if the
 kubelet itself was killed.
 """

@@ -16,6 +16,7 @@ __all__ = [
     "AgentStaging",
     "PeerAgents",
     "PeerTransport",
+    "PendingKV",
     "QueueDepth",
     "RingWatermark",
     "Role",
@@ -113,6 +114,18 @@ class RingWatermark(APIModel):
     pending_grants: int = Field(default=0, ge=0, description="Allocation requests waiting.")
 
 
+class PendingKV(APIModel):
+    """The KV of the requests live in one pod (bytes summed over its ranks). On a prefill
+    pod: KV that decode has not pulled yet, which a leaving prefill waits for before its
+    engine stops; on a decode pod: KV not landed yet."""
+
+    requests: int = Field(default=0, ge=0, description="Requests live now.")
+    bytes: int = Field(default=0, ge=0, description="Their KV's bytes in this pod.")
+    oldest_seconds: float = Field(
+        default=0.0, ge=0, description="How long the oldest of them has been live (0 with "
+        "none).")
+
+
 class AgentEndpoints(APIModel):
     """Where the pod's transfer module and engine can be reached (host:port)."""
 
@@ -204,6 +217,9 @@ class TransferAgentStatus(APIModel):
         default_factory=RingWatermark, description="Staging ring occupancy."
     )
     live_requests: int = Field(default=0, ge=0, description="Requests in flight.")
+    pending_kv: PendingKV = Field(
+        default_factory=PendingKV, alias="pendingKV",
+        description="The KV of the requests live now (prefill: not pulled by decode yet).")
     bytes_total: int = Field(default=0, ge=0, description="KV bytes moved since start.")
     transfers_total: int = Field(default=0, ge=0, description="Requests finished since start.")
     failures_total: int = Field(default=0, ge=0, description="Requests failed since start.")

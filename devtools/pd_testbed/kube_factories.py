@@ -96,6 +96,7 @@ def make_agent(
     resizing: bool = False,
     recent_failures: Sequence[Mapping[str, Any]] = (),
     live_requests: int = 0,
+    pending_kv: tuple[int, int, float] = (0, 0, 0.0),
     last_error: str = "",
     agents: Sequence[str] = (),
     peers: Mapping[str, Sequence[str]] | None = None,
@@ -106,7 +107,8 @@ def make_agent(
     failures) since start; `staging_mib` is (decodePoolMiB, prefillBufferMiB) in force;
     `ring` holds RingWatermark fields in wire (camelCase) form; `transports` is
     [(peer, transport)]; `agents` the pod's own NIXL agent names and `peers` {peer pod:
-    [peer agent names held]}. The status goes through the model, so a factory typo fails here.
+    [peer agent names held]}; `pending_kv` is (requests, bytes, oldest seconds). The status
+    goes through the model, so a factory typo fails here.
     """
     uid = pod_uid or f"uid-{pod}"
     status: Obj = {
@@ -116,6 +118,8 @@ def make_agent(
         "resizing": resizing,
         "ring": dict(ring or {}),
         "liveRequests": live_requests,
+        "pendingKV": {"requests": pending_kv[0], "bytes": pending_kv[1],
+                      "oldestSeconds": pending_kv[2]},
         "bytesTotal": totals[0],
         "transfersTotal": totals[1],
         "failuresTotal": totals[2],

@@ -45,6 +45,7 @@ class Answer:
     before: threading.Event | None = None  # wait for it before answering at all
     between: threading.Event | None = None  # wait for it after the first chunk
     drop_after: int | None = None  # close the connection after this many chunks
+    gap_s: float = 0.0  # pause between two chunks
     extra: dict[str, str] = field(default_factory=dict)  # more headers
 
     @property
@@ -133,6 +134,8 @@ class StandInEngine:
             handler.wfile.flush()
             if index == 0 and answer.between is not None:
                 answer.between.wait(10)
+            if answer.gap_s and index < len(answer.chunks) - 1:
+                time.sleep(answer.gap_s)
         if answer.stream:
             handler.wfile.write(b"0\r\n\r\n")
 

@@ -222,7 +222,7 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
         assert healthy.bytes_total > 0 and healthy.window.transfers >= 2
         assert healthy.window.transfer_time is not None
         assert healthy.window.transfer_time.count >= 2
-        assert healthy.unknown == ["agents", "peers", "ring", "transports"]
+        assert healthy.unknown == ["agents", "peers", "pendingKV", "ring", "transports"]
         assert healthy.incarnation.startswith(uids["decode"] + "-")
         assert healthy.staging is None
         # A failed warm-up may or may not have reached NIXL (a first handshake that misses

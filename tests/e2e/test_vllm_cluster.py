@@ -15,9 +15,12 @@ In order:
 3. a decode engine killed (SIGKILL, its whole process group): the router drops it, the
    load goes on through the other decode, its report turns stale and its readiness gate
    False; the kubelet restarts it, and once it reports again the router sends it requests;
-4. the decode scaled 2 → 1 → 2 through its PDRole (`kubectl scale`) under the load: no
-   failed completion, the leaving decode's preStop hook (`pd-transfer drain`) ends before
-   its engine stops, and the router pod is the same throughout;
+4. the decode scaled 2 → 1 → 2 and the prefill 1 → 2 → 1 through their PDRoles (`kubectl
+   scale`) under the load: no failed completion, the leaving engine's preStop hook
+   (`pd-transfer drain`) ends before its engine stops (the prefill's once its connector
+   holds no KV, every transfer of its engine's requests succeeded by its own counters), and
+   the router pod is the same throughout; then the router's own rollout (a change of its
+   args) fails no completion either;
 5. the same example with `transfer.backend: EngineNative` (vLLM's own NixlConnector, the
    router's vllm-nixl protocol, the transfer-agent sidecar reporting from vLLM's metrics)
    serves completions, both pods report healthy transfers, and a staging pool patch on it
@@ -36,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -391,10 +395,22 @@ def _router_pod(cluster: Cluster) -> tuple[str, int]:
     return pods[0].metadata.uid, sum(c.restart_count for c in statuses)
 
 
-def _scale_decode(cluster: Cluster, replicas: int) -> None:
+def _scale(cluster: Cluster, role: str, replicas: int) -> None:
+    """`kubectl scale pdrole <name>-<role> --replicas N`: the /scale subresource."""
     cluster.objects.patch_namespaced_custom_object_scale(
-        GROUP, VERSION, cluster.namespace, "pdroles", f"{NAME}-decode",
+        GROUP, VERSION, cluster.namespace, "pdroles", f"{NAME}-{role}",
         {"spec": {"replicas": replicas}})
+
+
+def _scale_decode(cluster: Cluster, replicas: int) -> None:
+    _scale(cluster, "decode", replicas)
+
+
+def _hook_lines(cluster: Cluster, pod: str, role: str) -> list[str]:
+    """What the pod's preStop hook printed (the kubelet writes it into the engine's log)."""
+    logs = sorted((cluster.kubelet.work_dir / cluster.namespace).glob(f"{pod}-*/engine.log"))
+    return [line for line in logs[-1].read_text().splitlines()
+            if "drain" in line and role in line]
 
 
 def test_decode_scaled_down_and_up_through_its_pdrole_fails_no_request(cluster: Cluster) -> None:
@@ -410,9 +426,7 @@ def test_decode_scaled_down_and_up_through_its_pdrole_fails_no_request(cluster: 
         "pd_router_endpoints", role="decode") == 1.0 and cluster.kubelet.process_of(
         cluster.namespace, victim) is None, 180)
     down = time.monotonic()
-    logs = sorted((cluster.kubelet.work_dir / cluster.namespace).glob(f"{victim}-*/engine.log"))
-    hook = [line for line in logs[-1].read_text().splitlines()
-            if "drain" in line and "decode" in line]
+    hook = _hook_lines(cluster, victim, "decode")
     print(f"{victim} scaled away in {down - started:.1f} s; completions "
           f"{dict(cluster.window(started, down))}; its hook: {hook}")
     assert hook[0].startswith("preStop: ") and hook[-1].startswith("drained decode after "), hook
@@ -435,6 +449,79 @@ def test_decode_scaled_down_and_up_through_its_pdrole_fails_no_request(cluster: 
     assert set(cluster.window(started, time.monotonic())) == {"identical"}
     assert _router_pod(cluster) == router
     assert cluster.pdd()["spec"]["decode"]["replicas"] == 2
+
+
+DRAINED = re.compile(r"drained prefill after [0-9.]+ s: the engine finished ([0-9]+) "
+                     r"requests; connector transfers: ([0-9]+) succeeded, ([0-9]+) failed")
+
+
+def test_prefill_scaled_up_and_down_through_its_pdrole_fails_no_request(cluster: Cluster) -> None:
+    """Guards against a prefill stopped while decode still pulls its KV (docs/failure-modes.md
+    #39): `kubectl scale` on the prefill's PDRole 1 -> 2 -> 1 under the load. The new
+    prefill joins the same router and serves; the leaving one's preStop hook ends only once
+    its connector holds no KV, and by its own counters at that moment every request its
+    engine finished had its transfer succeed, none failed."""
+    victim = f"{NAME}-prefill-1"
+    router = _router_pod(cluster)
+    started = time.monotonic()
+    cluster.paused.set()  # as for the decode above: a vLLM start gets the cores
+    try:
+        _scale(cluster, "prefill", 2)
+        wait_for("the router at two prefill engines", lambda: cluster.router_metric(
+            "pd_router_endpoints", role="prefill") == 2.0, 300)
+    finally:
+        cluster.paused.clear()
+    wait_for(f"{victim} serving", lambda: (cluster.engine_metric(
+        victim, "vllm:e2e_request_latency_seconds_count") or 0) >= 3, 120)
+    up = time.monotonic()
+    _scale(cluster, "prefill", 1)
+    wait_for(f"{victim} out of the router and its engine stopped", lambda: cluster.router_metric(
+        "pd_router_endpoints", role="prefill") == 1.0 and cluster.kubelet.process_of(
+        cluster.namespace, victim) is None, 180)
+    down = time.monotonic()
+    hook = _hook_lines(cluster, victim, "prefill")
+    print(f"{victim} joined in {up - started:.1f} s, left in {down - up:.1f} s; completions "
+          f"{dict(cluster.window(started, down))}; its hook: {hook}")
+    assert hook[0].startswith("preStop: "), hook
+    drained = DRAINED.fullmatch(hook[-1])
+    assert drained is not None, hook
+    finished, succeeded, failed = (int(group) for group in drained.groups())
+    assert finished >= 3 and (succeeded, failed) == (finished, 0), hook[-1]
+    assert set(cluster.window(started, down)) == {"identical"}
+    assert sum(cluster.window(up, down).values()) > 0
+    assert _router_pod(cluster) == router
+    assert cluster.pdd()["spec"]["prefill"]["replicas"] == 1
+
+
+def test_the_routers_own_rollout_fails_no_request(cluster: Cluster) -> None:
+    """Guards against a router rollout that drops requests (docs/failure-modes.md #40): a
+    change of `spec.router.args` rolls the router Deployment under the load; the new router
+    is Ready before the old one stops (maxSurge 1, maxUnavailable 0), and the old one drains
+    on SIGTERM: still taking requests while it lingers, then finishing those in flight."""
+    old_uid, _ = _router_pod(cluster)
+    old_log, = (cluster.kubelet.work_dir / cluster.namespace).glob(
+        f"{NAME}-router-*-{old_uid[:8]}/router.log")
+    started = time.monotonic()
+    cluster.objects.patch_namespaced_custom_object(
+        GROUP, VERSION, cluster.namespace, "pddeployments", NAME,
+        {"spec": {"router": {"args": ["--log-level", "DEBUG"]}}})
+
+    def rolled() -> bool:
+        pods = cluster.core.list_namespaced_pod(
+            cluster.namespace, label_selector=f"pd.serving.dev/deployment={NAME},"
+                                              "app.kubernetes.io/component=router").items
+        return [p.metadata.uid for p in pods] not in ([], [old_uid]) and old_uid not in [
+            p.metadata.uid for p in pods]
+
+    wait_for("the router rolled to a new pod and the old one gone", rolled, 180)
+    wait_for("the new router serving", lambda: (cluster.router_metric(
+        "pd_router_requests_total", route="/v1/completions", code="200") or 0) > 0, 60)
+    done = time.monotonic()
+    print(f"router rolled in {done - started:.1f} s; completions "
+          f"{dict(cluster.window(started, done))}")
+    assert set(cluster.window(started, done)) == {"identical"}
+    assert sum(cluster.window(started, done).values()) > 0
+    assert "stopping: draining for up to 20 s" in old_log.read_text()
 
 
 NATIVE = f"{NAME}-native"
@@ -614,6 +701,8 @@ def _router_of(cluster: Cluster, name: str) -> HttpTarget | None:
                                               "app.kubernetes.io/component=router"))
     for pod in pods["items"]:
         status = pod.get("status") or {}
+        if pod["metadata"].get("deletionTimestamp"):
+            continue  # as a Service: a terminating pod is no endpoint
         if status.get("podIP") and any(c["type"] == "Ready" and c["status"] == "True"
                                        for c in status.get("conditions") or []):
             return HttpTarget("router", status["podIP"], 8000)

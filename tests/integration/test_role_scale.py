@@ -6,14 +6,15 @@ controller reading the scale target. No kubelet: pods are counted, never run.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
+import yaml
 from kopf.testing import KopfRunner
-from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic import DynamicClient
 
+from pd_testbed.checkout import EXAMPLES_DIR
 from pd_testbed.cluster import GROUP, NAME, PLURAL, VERSION, Cluster, example_body
 from pd_testbed.polling import wait_for
 
@@ -22,6 +23,7 @@ pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 Obj = dict[str, Any]
 ROLES = "pdroles"
 PREFILL, DECODE = f"{NAME}-prefill", f"{NAME}-decode"
+AUTOSCALING = EXAMPLES_DIR / "autoscaling"
 
 
 def pdrole(cluster: Cluster, name: str) -> Obj | None:
@@ -119,31 +121,34 @@ def test_each_role_scales_through_its_pdrole_and_the_last_edit_wins(
     assert back["spec"]["replicas"] == 3
 
 
-def test_an_hpa_on_the_controller_manager_can_scale_each_role(
+def test_the_example_hpas_on_the_controller_manager_can_scale_each_role(
         operator: KopfRunner, cluster: Cluster) -> None:
-    """Guards against a scale target an autoscaler cannot use (no selector, no /scale):
-    kube-controller-manager's HPA controller reads each PDRole's scale and says AbleToScale."""
+    """Guards against a scale target an autoscaler cannot use (no selector, no /scale), and
+    an example HPA the API server would refuse: `examples/autoscaling/hpa.yaml` as shipped
+    (this control plane serves its autoscaling/v2 fields as autoscaling/v2beta2), and the
+    real kube-controller-manager's HPA controller reads each PDRole's scale (AbleToScale)
+    and then asks for the example's external metric, which no adapter serves here."""
     cluster.create(example_body(cluster.ns))
     for name in (PREFILL, DECODE):
         wait_for(f"{name} settled", lambda name=name: settled(cluster, name, 2))
-    hpas = k8s.AutoscalingV1Api(cluster.api)
-    for name in (PREFILL, DECODE):
-        hpas.create_namespaced_horizontal_pod_autoscaler(cluster.ns, {
-            "apiVersion": "autoscaling/v1", "kind": "HorizontalPodAutoscaler",
-            "metadata": {"name": name},
-            "spec": {"scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PDRole",
-                                        "name": name},
-                     "minReplicas": 1, "maxReplicas": 4,
-                     "targetCPUUtilizationPercentage": 80}})
+    hpas = DynamicClient(cluster.api).resources.get(api_version="autoscaling/v2beta2",
+                                                    kind="HorizontalPodAutoscaler")
+    shipped = [d for d in yaml.safe_load_all((AUTOSCALING / "hpa.yaml").read_text()) if d]
+    assert [d["spec"]["scaleTargetRef"]["name"] for d in shipped] == [PREFILL, DECODE]
+    for hpa in shipped:
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        hpas.create(body={**hpa, "apiVersion": "autoscaling/v2beta2"}, namespace=cluster.ns)
 
-    def able_to_scale(name: str) -> Obj | None:
-        hpa = hpas.read_namespaced_horizontal_pod_autoscaler(name, cluster.ns)
-        conditions = json.loads((hpa.metadata.annotations or {}).get(
-            "autoscaling.alpha.kubernetes.io/conditions", "[]"))
-        found = next((c for c in conditions if c["type"] == "AbleToScale"), None)
-        return found if found and found["status"] == "True" else None
+    def condition(name: str, type_: str, status: str) -> Obj | None:
+        found = hpas.get(name=name, namespace=cluster.ns).to_dict()
+        return next((c for c in (found.get("status") or {}).get("conditions") or []
+                     if c["type"] == type_ and c["status"] == status), None)
 
     for name in (PREFILL, DECODE):
-        condition = wait_for(f"the HPA of {name} AbleToScale=True",
-                             lambda name=name: able_to_scale(name), timeout_s=60)
-        assert condition["reason"] == "SucceededGetScale", condition
+        able = wait_for(f"the HPA of {name} AbleToScale=True",
+                        lambda name=name: condition(name, "AbleToScale", "True"), timeout_s=60)
+        assert able["reason"] == "SucceededGetScale", able
+        inactive = wait_for(f"the HPA of {name} asking for its external metric",
+                            lambda name=name: condition(name, "ScalingActive", "False"),
+                            timeout_s=60)
+        assert inactive["reason"] == "FailedGetExternalMetric", inactive

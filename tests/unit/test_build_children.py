@@ -156,6 +156,25 @@ def test_children_and_apply_order() -> None:
     assert "PodDisruptionBudget" not in without_pdb
 
 
+def test_a_router_rolls_surge_first_and_two_or_more_get_a_disruption_budget() -> None:
+    """Guards against a router rollout or node drain that leaves the Service with no router:
+    a new router is Ready before the old one stops, and with two or more replicas at most
+    one is evicted at a time (one alone gets no budget: it would block every drain)."""
+    router = {"enabled": True, "image": "r:1"}
+    one = by_key(build_children(tiny_pdd(router=router), Capabilities()))
+    assert one[("Deployment", "tiny-router")]["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    assert ("PodDisruptionBudget", "tiny-router") not in one
+    two = by_key(build_children(tiny_pdd(router={**router, "replicas": 2}), Capabilities()))
+    budget = two[("PodDisruptionBudget", "tiny-router")]
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {
+        "pd.serving.dev/deployment": "tiny", "app.kubernetes.io/component": "router"}}}
+    assert budget["spec"]["selector"]["matchLabels"] == two[("Deployment", "tiny-router")][
+        "spec"]["selector"]["matchLabels"]
+    served_none = build_children(tiny_pdd(router={**router, "replicas": 2}), Capabilities(False))
+    assert "PodDisruptionBudget" not in [child_key(c)[1] for c in served_none]
+
+
 def test_every_child_is_owned_and_labelled() -> None:
     for child in build_children(tiny_pdd(router={"enabled": True, "image": "r:1"}), Capabilities()):
         assert child["metadata"]["ownerReferences"] == [TINY_OWNER]

@@ -21,11 +21,24 @@ vllm:num_requests_running{{engine="0",model_name="m"}} {running}
 # HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{{engine="0",finished_reason="length",model_name="m"}} {length}
+vllm:request_success_total{{engine="0",finished_reason="stop",model_name="m"}} 2.0
 """
 CONNECTOR = """# HELP pd_transfer_connector_live_requests Requests with connector state
 # TYPE pd_transfer_connector_live_requests gauge
 pd_transfer_connector_live_requests{{side="scheduler"}} {scheduler}
 pd_transfer_connector_live_requests{{rank="0",side="rank"}} {rank}
+# HELP pd_transfer_kv_pending_bytes KV bytes of the requests live on this rank
+# TYPE pd_transfer_kv_pending_bytes gauge
+pd_transfer_kv_pending_bytes{{rank="0",role="prefill"}} {pending}
+pd_transfer_kv_pending_bytes{{rank="1",role="prefill"}} {pending}
+# HELP pd_transfer_requests_total Finished requests
+# TYPE pd_transfer_requests_total counter
+pd_transfer_requests_total{{rank="0",result="succeeded",role="prefill"}} 40.0
+pd_transfer_requests_total{{rank="1",result="succeeded",role="prefill"}} 40.0
+pd_transfer_requests_total{{rank="1",result="failed",role="prefill"}} 1.0
 """
 
 
@@ -69,28 +82,34 @@ def server() -> Iterator[tuple[str, Pages]]:
 def test_a_reading_sums_the_engine_queues_and_the_schedulers_live_requests(
         server: tuple[str, Pages]) -> None:
     base, pages = server
-    pages.texts["/metrics"] = VLLM.format(running=2, waiting=1)
-    pages.texts["/kv"] = CONNECTOR.format(scheduler=3, rank=5)
+    pages.texts["/metrics"] = VLLM.format(running=2, waiting=1, length=39)
+    pages.texts["/kv"] = CONNECTOR.format(scheduler=3, rank=5, pending=4096)
     held = read_holding("vllm", f"{base}/metrics", f"{base}/kv")
-    assert held == Holding(2, 1, 3, with_connector=True)
+    assert held == Holding(2, 1, 3, with_connector=True, pending_bytes=8192, finished=41,
+                           succeeded=80, failed=1)
     assert not held.empty
-    assert held.describe("prefill") == "2 running, 1 waiting, 3 KV transfers not yet pulled"
-    pages.texts["/metrics"] = VLLM.format(running=0, waiting=0)
-    pages.texts["/kv"] = CONNECTOR.format(scheduler=0, rank=1)  # ranks are not the measure
+    assert held.describe("prefill") == (
+        "2 running, 1 waiting, 3 KV transfers not yet pulled (8192 bytes)")
+    assert held.totals() == (
+        "the engine finished 41 requests; connector transfers: 80 succeeded, 1 failed")
+    pages.texts["/metrics"] = VLLM.format(running=0, waiting=0, length=39)
+    pages.texts["/kv"] = CONNECTOR.format(scheduler=0, rank=1, pending=0)  # ranks: not the measure
     assert read_holding("vllm", f"{base}/metrics", f"{base}/kv").empty
     # Without a connector (an engine-native pod) only the queues count.
     alone = read_holding("vllm", f"{base}/metrics", None)
-    assert alone == Holding(0, 0, None) and alone.empty
+    assert alone == Holding(0, 0, None, finished=41) and alone.empty
     assert alone.describe("decode") == "0 running, 0 waiting"
+    assert alone.totals() == "the engine finished 41 requests"
 
 
 def test_what_cannot_be_read_is_never_empty_unless_the_engine_is_gone(
         server: tuple[str, Pages]) -> None:
     base, pages = server
-    pages.texts["/metrics"] = VLLM.format(running=0, waiting=0)
+    pages.texts["/metrics"] = VLLM.format(running=0, waiting=0, length=0)
     # The connector's endpoint answers 404: not known to be empty.
     unread = read_holding("vllm", f"{base}/metrics", f"{base}/missing")
-    assert unread == Holding(0, 0, None, with_connector=True) and not unread.empty
+    assert unread == Holding(0, 0, None, with_connector=True, finished=2)
+    assert not unread.empty
     # Text without the gauges (another engine's): not empty.
     pages.texts["/other"] = "# TYPE other gauge\nother 1\n"
     assert not read_holding("vllm", f"{base}/other", None).empty
@@ -112,8 +131,12 @@ class Clock:
 
 
 def test_drain_ends_after_two_empty_readings_in_a_row_and_reports_progress() -> None:
-    readings = iter([Holding(1, 0, 2, True), Holding(0, 0, 1, True), Holding(0, 0, 0, True),
-                     Holding(1, 0, 0, True), Holding(0, 0, 0, True), Holding(0, 0, 0, True)])
+    def held(running: int, transfers: int, finished: int) -> Holding:
+        return Holding(running, 0, transfers, True, finished=finished,
+                       succeeded=finished - running, failed=0)
+
+    readings = iter([held(1, 2, 8), held(0, 1, 9), held(0, 0, 9), held(1, 0, 9),
+                     held(0, 0, 10), held(0, 0, 10)])
     clock, said = Clock(), []
     assert drain("prefill", lambda: next(readings), timeout_s=60, interval_s=1.0,
                  say=said.append, clock=clock, sleep=clock.sleep)
@@ -123,7 +146,8 @@ def test_drain_ends_after_two_empty_readings_in_a_row_and_reports_progress() -> 
         "draining prefill: 0 running, 0 waiting, 0 KV transfers not yet pulled (2.0 s of 60 s)",
         "draining prefill: 1 running, 0 waiting, 0 KV transfers not yet pulled (3.0 s of 60 s)",
         "draining prefill: 0 running, 0 waiting, 0 KV transfers not yet pulled (4.0 s of 60 s)",
-        "drained prefill after 5.0 s",
+        "drained prefill after 5.0 s: the engine finished 10 requests; connector transfers: "
+        "10 succeeded, 0 failed",
     ]
 
 

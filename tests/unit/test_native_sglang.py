@@ -73,7 +73,7 @@ def test_healthy_prefill_reports_what_it_sent() -> None:
     assert result == status(
         bytes_total=PREFILL_BYTES, transfers_total=5, live_requests=1,
         window=WindowCounts(seconds=60, transfers=5, transfer_time=PREFILL_TIMES),
-        queues=PREFILL_QUEUES, unknown=["agents", "peers", "ring", "transports"])
+        queues=PREFILL_QUEUES, unknown=["agents", "peers", "pendingKV", "ring", "transports"])
 
 
 def test_failing_prefill_counts_failures_by_reason_and_is_unhealthy() -> None:
@@ -88,12 +88,12 @@ def test_failing_prefill_counts_failures_by_reason_and_is_unhealthy() -> None:
         window=WindowCounts(seconds=60, transfers=9, failures=4, failures_by_reason=reasons,
                             transfer_time=PREFILL_TIMES),
         recent_failures=[transfer, bootstrap], healthy=False, last_error=transfer.message,
-        queues=PREFILL_QUEUES, unknown=["agents", "peers", "ring", "transports"])
+        queues=PREFILL_QUEUES, unknown=["agents", "peers", "pendingKV", "ring", "transports"])
 
 
 DECODE_QUEUES = [QueueDepth(name="decodePrealloc", depth=3, high_water=3),
                  QueueDepth(name="decodeTransfer", depth=2, high_water=2)]
-DECODE_UNKNOWN = ["agents", "bytesTotal", "peers", "ring", "transports",
+DECODE_UNKNOWN = ["agents", "bytesTotal", "peers", "pendingKV", "ring", "transports",
                   "window.transferTime"]
 
 

@@ -42,12 +42,13 @@ def decode(**changes: object) -> TransferAgentStatus:
         pod_uid="uid-1", endpoints=ENDPOINTS, incarnation=PAIR_INCARNATION,
         window=WindowCounts(seconds=60, transfer_time=TransferTime()), healthy=True,
         report_time=NOW, observed_generation=1, queues=NO_FETCH,
-        unknown=["agents", "peers", "ring", "transports"])
+        unknown=["agents", "peers", "pendingKV", "ring", "transports"])
     return base.model_copy(update=changes)
 
 
-PREFILL_UNKNOWN = ["agents", "bytesTotal", "liveRequests", "peers", "queues", "ring",
-                   "transfersTotal", "transports", "window.transferTime", "window.transfers"]
+PREFILL_UNKNOWN = ["agents", "bytesTotal", "liveRequests", "peers", "pendingKV", "queues",
+                   "ring", "transfersTotal", "transports", "window.transferTime",
+                   "window.transfers"]
 
 
 def prefill(**changes: object) -> TransferAgentStatus:

@@ -11,10 +11,12 @@ import re
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from pd_testbed.transfer_harness import Cluster, Request, message_type, of_type, seal_as
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import Endpoint
+from pd_transfer.metrics import PendingKV
 from pd_transfer.protocol.lifecycle import FailureReason, State
 from pd_transfer.protocol.messages import (
     AllocRequest,
@@ -372,6 +374,33 @@ def test_prefill_kv_hold_has_a_lease() -> None:
     rounds = cluster.run(lambda: cluster.senders[0].poll(request.room).finished)  # type: ignore[union-attr]
     assert cluster.senders[0].poll(request.room).reason is FailureReason.LEASE_EXPIRED  # type: ignore[union-attr]
     assert rounds * cluster.tick_s == pytest.approx(cluster.timeouts.kv_lease_s, abs=0.05)
+
+
+def test_prefill_reports_the_kv_it_holds_until_decode_pulls_it() -> None:
+    """docs/failure-modes.md #39: what a leaving prefill waits for is visible. A request
+    registered and never asked for is held with its bytes and its age; once decode pulled
+    it, nothing is."""
+    cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=4)
+    request = cluster.new_request(num_tokens=13)  # 4 pages of 4 tokens
+    for sender in cluster.senders:
+        sender.register_request(request.room, request.src_pages, request.num_tokens)
+        sender.send_part(request.room, last=True)
+    cluster.step()  # the senders' workers take the registrations
+    cluster.clock.advance(0.75)
+    # 2 layers x 2 heads per rank x 4 dims x 2 bytes (bfloat16) x 4 tokens x K and V, per page
+    page_bytes = 2 * 2 * 4 * 2 * 4 * 2
+    for sender in cluster.senders:
+        assert sender.metrics.snapshot().pending == PendingKV(1, 4 * page_bytes, 0.75)
+        exposition = generate_latest(sender.metrics.registry).decode()
+        assert f'pd_transfer_kv_pending_bytes{{role="prefill"}} {float(4 * page_bytes)}' in (
+            exposition)
+        assert 'pd_transfer_kv_pending_oldest_seconds{role="prefill"} 0.75' in exposition
+    for receiver in cluster.receivers:
+        receiver.expect(request.room, request.dst_pages, request.num_tokens)
+    cluster.run(lambda: cluster.finished(request.room))
+    assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+    for endpoint in cluster.endpoints:
+        assert endpoint.metrics.snapshot().pending == PendingKV(0, 0, 0.0)
 
 
 def transferring_with_decode_dead() -> tuple[Cluster, Request]:

@@ -461,3 +461,18 @@ def test_closing_with_a_drain_finishes_requests_in_flight_and_turns_health_503(
     closer.join(10)
     assert not closer.is_alive()
     assert answers[0][0] == 200 and answers[0][2] == b"".join(sse({"t": 1}, {"t": 2}))
+
+
+def test_a_draining_router_still_takes_new_requests_while_it_lingers(pair: Pair) -> None:
+    """Guards against a router that stops listening the moment it is told to stop, while
+    the Service and the proxies still send it requests: for `linger_s` a new request is
+    served (with /health 503 meanwhile), and the close ends once the linger is over."""
+    closer = threading.Thread(target=pair.router.close, kwargs={"drain_s": 10,
+                                                               "linger_s": 1.0})
+    started = time.monotonic()
+    closer.start()
+    assert _health(pair.router)[0] == 503
+    status, _, _ = pair.post(COMPLETIONS, {"prompt": "late"})
+    assert status == 200 and time.monotonic() - started < 1.0
+    closer.join(10)
+    assert not closer.is_alive() and 1.0 <= time.monotonic() - started < 5.0

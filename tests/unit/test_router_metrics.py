@@ -13,6 +13,7 @@ from pd_contract.transferagent import Role
 from pd_testbed.polling import wait_for
 from pd_testbed.router_engines import Answer, StandInEngine, call, closed_port, sse
 from pd_transfer.router import Endpoint, EndpointTable, Router, RouterSettings
+from pd_transfer.router.tokens import StreamClock, prompt_tokens
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -102,3 +103,70 @@ def test_metrics_count_requests_latencies_errors_endpoints_and_load() -> None:
     assert _get(after, "pd_router_upstream_errors_total", role="prefill", reason="status") == 0
     assert _get(after, "pd_router_endpoints", role="prefill") == 1
     assert _get(after, "pd_router_endpoints", role="decode") == 1
+
+
+def test_streamed_answers_give_token_times_and_prefill_answers_their_prompt_tokens() -> None:
+    """Two streamed completions of 3 tokens each (50 ms apart, then `[DONE]`) and one plain
+    one; every prefill answer names 7 prompt tokens. Time to first token: one per streamed
+    answer; inter-token latency: 2 gaps each, of about 50 ms; prompt tokens: 3 x 7."""
+    usage = b'{"choices":[{"text":"x"}],"usage":{"prompt_tokens":7,"total_tokens":8}}'
+    prefill = StandInEngine("p", lambda _: Answer(chunks=(usage,)))
+
+    def decode_answer(recorded: object) -> Answer:
+        body = getattr(recorded, "body", {})
+        if not body.get("stream"):
+            return Answer()
+        return Answer(chunks=sse({"t": 1}, {"t": 2}, {"t": 3}), stream=True, gap_s=0.05,
+                      content_type="text/event-stream")
+
+    decode = StandInEngine("d", decode_answer)
+    table = EndpointTable()
+    table.replace(Role.PREFILL, [_endpoint(Role.PREFILL, prefill)])
+    table.replace(Role.DECODE, [_endpoint(Role.DECODE, decode)])
+    router = Router(RouterSettings(host="127.0.0.1", port=0, prefill=("http://p:1@p:2",),
+                                   decode=("http://d:1@d:2",)), table)
+    try:
+        for stream in (True, True, False):
+            assert call(router.url, "POST", COMPLETIONS, {"prompt": "q", "stream": stream}
+                        )[0] == 200
+        wait_for("every prefill answer read", lambda: not router.inflight.snapshot(),
+                 timeout_s=10, interval_s=0.02)
+        after = _scrape(router.url)
+    finally:
+        router.close()
+        prefill.close()
+        decode.close()
+    assert _get(after, "pd_router_time_to_first_token_seconds_count", route=COMPLETIONS) == 2
+    assert _get(after, "pd_router_inter_token_latency_seconds_count", route=COMPLETIONS) == 4
+    gaps = _get(after, "pd_router_inter_token_latency_seconds_sum", route=COMPLETIONS)
+    assert gaps is not None and 4 * 0.04 < gaps < 4 * 0.5
+    # Each gap is at least 40 ms: none in the buckets up to 20 ms, all by 1 s.
+    assert _get(after, "pd_router_inter_token_latency_seconds_bucket", route=COMPLETIONS,
+                le="0.02") == 0
+    assert _get(after, "pd_router_inter_token_latency_seconds_bucket", route=COMPLETIONS,
+                le="1.0") == 4
+    assert _get(after, "pd_router_prompt_tokens_total") == 21
+
+
+class Ticks:
+    def __init__(self) -> None:
+        self.now = 10.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_stream_clock_counts_events_across_and_within_chunks() -> None:
+    clock, first, gaps = Ticks(), [], []
+    timer = StreamClock(9.5, first.append, gaps.append, clock=clock)
+    timer.chunk(b'data: {"t": 1}\n')  # an event cut before its blank line: not yet a token
+    assert first == [] and gaps == []
+    clock.now = 10.25
+    timer.chunk(b'\ndata: {"t": 2}\n\ndata: {"t"')  # ends event 1, holds event 2 whole
+    clock.now = 10.5
+    timer.chunk(b': 3}\n\ndata: [DONE]\n\n')  # event 3; [DONE] is no token
+    assert first == [0.75] and gaps == [0.0, 0.25]
+    assert prompt_tokens(b'{"usage": {"prompt_tokens": 12}}') == 12
+    for answer in (b"not json", b"[]", b'{"usage": null}', b'{"usage": {"prompt_tokens": -1}}',
+                   b'{"usage": {"prompt_tokens": true}}'):
+        assert prompt_tokens(answer) is None, answer

@@ -303,3 +303,26 @@ def test_failed_create_events_do_not_repeat_a_condition_and_need_missing_pods() 
     got = compute_status(make_pdd(), observed([full], workloads=(_sts(1),),
                                               child_events=(event,)), NOW)
     assert status_of(got, "Degraded") == ("False", "AsExpected")
+
+
+def test_a_role_scaled_to_zero_is_not_ready_says_so_and_never_degrades() -> None:
+    """Scale to 0 means what the docs say: nothing can be served, the status says which
+    role and how to serve again, and it is a choice, not a failure: no NotReadyTooLong."""
+    decode = make_pods("decode", 2, ready=2)
+    seen = Observed(prefill=RoleObservation(0, "rev1", SEL_P),
+                    decode=RoleObservation(2, "rev1", SEL_D),
+                    fleet=observe_fleet(decode, [], NOW, health=TransferHealthPolicy(),
+                                        revisions={Role.PREFILL: "rev1", Role.DECODE: "rev1"}))
+    pdd = make_pdd(prefill={"replicas": 0})
+    got = compute_status(pdd, seen, NOW)
+    ready = find_condition(got.conditions, "Ready")
+    assert ready is not None and (ready.status.value, ready.reason) == ("False", "ScaledToZero")
+    assert ready.message == (
+        "prefill scaled to 0 replicas: no request can be served (the router holds each for "
+        "its endpoint wait, then answers 503). Scale the role's PDRole (`kubectl scale pdrole "
+        "<name>-<role>`) up to serve again.")
+    assert got.phase is Phase.SCALED_TO_ZERO
+    later = compute_status(pdd.model_copy(update={"status": got}), seen,
+                           NOW + NOT_READY_DEADLINE + timedelta(hours=1))
+    assert status_of(later, "Degraded") == ("False", "AsExpected")
+    assert later.phase is Phase.SCALED_TO_ZERO

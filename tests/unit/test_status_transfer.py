@@ -74,10 +74,11 @@ def healthy_agents(**decode1: Any) -> list[dict[str, Any]]:
     return [
         make_agent("llama-prefill-0", role="prefill", report_time=FRESH, window=(100, 0),
                    totals=(10 * MIB, 1000, 2), failures_by_reason={"GrantTimeout": 2},
-                   transports=[("llama-decode-0", "rc_mlx5"), ("llama-decode-1", "rc")]),
+                   transports=[("llama-decode-0", "rc_mlx5"), ("llama-decode-1", "rc")],
+                   pending_kv=(2, 3 * MIB, 1.5)),
         make_agent("llama-decode-0", report_time=FRESH, window=(60, 0), ring=RING,
                    totals=(20 * MIB, 600, 0), transports=[("llama-prefill-0", "rc")],
-                   live_requests=3),
+                   live_requests=3, pending_kv=(3, 5 * MIB, 4.0)),
         make_agent("llama-decode-1", **{
             "report_time": FRESH, "window": (40, 0), "ring": RING, "totals": (5 * MIB, 400, 0),
             "transports": [("llama-prefill-0", "cuda_ipc")], **decode1}),
@@ -96,7 +97,10 @@ def test_healthy_fleet_gives_the_whole_transfer_status_and_true_conditions() -> 
                  "report_time": FRESH}
     assert got == TransferStatus(
         reporting_pods=3,
-        totals=TransferTotals(bytes=35 * MIB, transfers=2000, failures=2, live_requests=3),
+        # pending KV: the prefill pod's only (decode's KV still landing is not "held")
+        totals=TransferTotals(bytes=35 * MIB, transfers=2000, failures=2, live_requests=3,
+                              prefill_pending_kv_bytes=3 * MIB,
+                              prefill_pending_kv_oldest_seconds=1.5),
         failure_ratio=0.0,
         failures_by_reason={"GrantTimeout": 2},  # cumulative, from the prefill pod
         watermarks=[

@@ -11,6 +11,10 @@ row find nothing left:
   decode pulled its KV, or its lease ended);
 - decode: no request running or waiting (its generations ended), and no KV load live.
 
+Each reading also notes the KV bytes the connector holds for decode
+(``pd_transfer_kv_pending_bytes``), and the last line the hook prints gives the pod's own
+counters at the end: the requests the engine finished and the connector's transfers that
+succeeded and failed (summed over the ranks: each TP rank counts its share of a request).
 Where the engine moves KV with its own connector (``--connector-metrics-url`` not given),
 only the engine's queues are known: KV a prefill still holds for a decode is not waited for.
 
@@ -23,6 +27,7 @@ drained yet.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from pd_transfer.native.errors import MappingError, ScrapeError, ScrapeTimeout
-from pd_transfer.native.exposition import gauge_sum, parse_exposition
+from pd_transfer.native.exposition import Family, gauge_sum, parse_exposition, sample_sum
 from pd_transfer.native.scrape import fetch_metrics
 
 __all__ = ["ENGINE_QUEUES", "Holding", "add_drain_parser", "drain", "read_holding"]
@@ -43,7 +48,14 @@ ENGINE_QUEUES: Final[Mapping[Engine, tuple[str, str]]] = {
     "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"),
     "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
 }
+# Each engine's counter of requests it finished (the counter family's name).
+ENGINE_FINISHED: Final[Mapping[Engine, str]] = {
+    "vllm": "vllm:request_success",
+    "sglang": "sglang:num_requests",
+}
 CONNECTOR_LIVE: Final = "pd_transfer_connector_live_requests"
+CONNECTOR_PENDING_BYTES: Final = "pd_transfer_kv_pending_bytes"
+CONNECTOR_REQUESTS: Final = "pd_transfer_requests"
 _READ_TIMEOUT_S: Final = 5.0
 _PROGRESS_EVERY_S: Final = 10.0
 
@@ -57,6 +69,10 @@ class Holding:
     transfers: int | None  # requests with connector state
     with_connector: bool = False
     engine_gone: bool = False
+    pending_bytes: int | None = None  # their KV's bytes on the ranks
+    finished: int | None = None  # requests the engine finished since it started
+    succeeded: int | None = None  # the connector's transfers, summed over its ranks
+    failed: int | None = None
 
     @property
     def empty(self) -> bool:
@@ -77,23 +93,47 @@ class Holding:
         if not self.with_connector:
             return text
         kv = "KV transfers not yet pulled" if role == "prefill" else "KV loads live"
-        return f"{text}, {count(self.transfers)} {kv}"
+        text = f"{text}, {count(self.transfers)} {kv}"
+        return text if self.pending_bytes is None else f"{text} ({self.pending_bytes} bytes)"
+
+    def totals(self) -> str:
+        """The pod's own counters: what the engine finished and how its transfers ended."""
+        finished = "?" if self.finished is None else str(self.finished)
+        text = f"the engine finished {finished} requests"
+        if not self.with_connector:
+            return text
+        succeeded, failed = (("?" if v is None else str(v)) for v in (self.succeeded,
+                                                                        self.failed))
+        return f"{text}; connector transfers: {succeeded} succeeded, {failed} failed"
 
 
-def _gauge(text: str, name: str, labels: tuple[tuple[str, str], ...] = ()) -> int | None:
-    """The gauge's value summed over matching label sets; None when absent or unparsable."""
-    try:
-        family = parse_exposition(text).get(name)
-    except MappingError:
-        return None
+def _gauge(families: Mapping[str, Family], name: str,
+           labels: tuple[tuple[str, str], ...] = ()) -> int | None:
+    """The gauge's value summed over matching label sets; None when absent."""
+    family = families.get(name)
     value = None if family is None else gauge_sum(family, labels)
     return None if value is None or math.isnan(value) else round(value)
 
 
-def read_holding(engine: Engine, engine_url: str, connector_url: str | None,
+def _families(text: str) -> dict[str, Family]:
+    try:
+        return parse_exposition(text)
+    except MappingError:
+        return {}
+
+
+def _count(families: Mapping[str, Family], name: str,
+           labels: tuple[tuple[str, str], ...] = ()) -> int | None:
+    """A counter's value summed over matching label sets; None when absent."""
+    family = families.get(name)
+    value = None if family is None else sample_sum(family, f"{name}_total", labels)
+    return None if value is None or math.isnan(value) else round(value)
+
+
+def read_holding(engine_name: Engine, engine_url: str, connector_url: str | None,
                  fetch: Callable[[str, float], str] = fetch_metrics) -> Holding:
     """One reading of the engine's queues and, with a connector, its live requests."""
-    running_name, waiting_name = ENGINE_QUEUES[engine]
+    running_name, waiting_name = ENGINE_QUEUES[engine_name]
     with_connector = connector_url is not None
     try:
         text = fetch(engine_url, _READ_TIMEOUT_S)
@@ -102,15 +142,21 @@ def read_holding(engine: Engine, engine_url: str, connector_url: str | None,
     except ScrapeError as exc:
         gone = "Connection refused" in str(exc)
         return Holding(None, None, None, with_connector, engine_gone=gone)
-    transfers: int | None = None
-    if connector_url is not None:
-        try:
-            transfers = _gauge(fetch(connector_url, _READ_TIMEOUT_S), CONNECTOR_LIVE,
-                               (("side", "scheduler"),))
-        except ScrapeError:
-            transfers = None
-    return Holding(_gauge(text, running_name), _gauge(text, waiting_name), transfers,
-                   with_connector)
+    engine = _families(text)
+    holding = Holding(_gauge(engine, running_name), _gauge(engine, waiting_name), None,
+                      with_connector, finished=_count(engine, ENGINE_FINISHED[engine_name]))
+    if connector_url is None:
+        return holding
+    try:
+        families = _families(fetch(connector_url, _READ_TIMEOUT_S))
+    except ScrapeError:
+        return holding
+    return dataclasses.replace(
+        holding,
+        transfers=_gauge(families, CONNECTOR_LIVE, (("side", "scheduler"),)),
+        pending_bytes=_gauge(families, CONNECTOR_PENDING_BYTES),
+        succeeded=_count(families, CONNECTOR_REQUESTS, (("result", "succeeded"),)),
+        failed=_count(families, CONNECTOR_REQUESTS, (("result", "failed"),)))
 
 
 def drain(role: str, read: Callable[[], Holding], *, timeout_s: float, interval_s: float,
@@ -121,8 +167,11 @@ def drain(role: str, read: Callable[[], Holding], *, timeout_s: float, interval_
     started = clock()
     empty_in_a_row = 0
     last_said, last_text = -math.inf, ""
+    counted: Holding | None = None  # the last reading the engine answered
     while True:
         holding = read()
+        if not holding.engine_gone and holding.running is not None:
+            counted = holding
         elapsed = clock() - started
         text = holding.describe(role)
         if text != last_text or elapsed - last_said >= _PROGRESS_EVERY_S:
@@ -130,7 +179,8 @@ def drain(role: str, read: Callable[[], Holding], *, timeout_s: float, interval_
             last_said, last_text = elapsed, text
         empty_in_a_row = empty_in_a_row + 1 if holding.empty else 0
         if empty_in_a_row >= 2 or holding.engine_gone:
-            say(f"drained {role} after {elapsed:.1f} s")
+            totals = f": {counted.totals()}" if counted is not None else ""
+            say(f"drained {role} after {elapsed:.1f} s{totals}")
             return True
         if elapsed + interval_s > timeout_s:
             say(f"{role} not drained after {elapsed:.1f} s ({text}); stopping anyway")

@@ -3,9 +3,10 @@
 Names follow Prometheus conventions (``_total`` counters, ``_bytes``/``_seconds`` units).
 Labels are bounded sets: ``path`` (staged|sliced|contiguous), ``role`` (prefill|decode),
 ``result`` (succeeded|failed), ``reason`` (a ``FailureReason`` value, or a message
-rejection reason). ``TransferSnapshot`` is the plain data the agent (next issue) mirrors
-into its TransferAgent status: totals, ring watermark with high-water, failures by reason
-and a bounded list of recent failures.
+rejection reason). ``TransferSnapshot`` is the plain data the agent mirrors into its
+TransferAgent status: totals, ring watermark with high-water, the KV of live requests
+(``PendingKV``: on prefill, KV that decode has not pulled yet, which a draining prefill
+waits for), failures by reason and a bounded list of recent failures.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pd_transfer.protocol.lifecycle import FailureReason, Role
 from pd_transfer.protocol.parts import PartEvent, PartState
 from pd_transfer.ring import StagingRing
 
-__all__ = ["RecentFailure", "RingWatermark", "TransferMetrics", "TransferSnapshot"]
+__all__ = ["PendingKV", "RecentFailure", "RingWatermark", "TransferMetrics", "TransferSnapshot"]
 
 RECENT_FAILURES = 32
 _Labelled = TypeVar("_Labelled", Counter, Gauge)
@@ -50,6 +51,17 @@ class RingWatermark:
 
 
 @dataclass(frozen=True)
+class PendingKV:
+    """The KV of one rank's live requests: how many, their pages' bytes on this rank, and
+    how long the oldest has been live (prefill: KV decode has not pulled yet; decode: KV
+    not landed yet)."""
+
+    requests: int
+    bytes: int
+    oldest_s: float
+
+
+@dataclass(frozen=True)
 class TransferSnapshot:
     """A consistent, plain copy of this process's transfer health."""
 
@@ -69,6 +81,7 @@ class TransferSnapshot:
     resizing: bool = False
     # Part events the part-state table refused, by "State:event" (a bug on this side).
     refused_transitions: dict[str, int] = field(default_factory=dict)
+    pending: PendingKV = PendingKV(0, 0, 0.0)
 
 
 class TransferMetrics:
@@ -137,6 +150,7 @@ class TransferMetrics:
         )
         self._ring: StagingRing | None = None
         self._ring_gauges = False
+        self._pending_kv: Callable[[], PendingKV] = lambda: PendingKV(0, 0, 0.0)
         self._staging_bytes = 0
         self._registration_version = 0
         self._staging_since: float | None = None
@@ -152,6 +166,8 @@ class TransferMetrics:
         self._refused_transitions: _Tally[str] = _Tally()
         self._recent: deque[RecentFailure] = deque(maxlen=RECENT_FAILURES)
         self._children: dict[tuple[Counter | Gauge, tuple[str, ...]], Counter | Gauge] = {}
+        for result in ("succeeded", "failed"):  # both series from the start (rate() sees
+            self._child(self.requests, role.value, result)  # the first failure; 0 is read)
 
     def _child(self, metric: _Labelled, *values: str) -> _Labelled:
         """``metric.labels(*values)``, looked up once: prometheus-client checks the values
@@ -187,6 +203,18 @@ class TransferMetrics:
             "pd_transfer_ring_pending_allocations", "AllocRequests queued for ring space",
             registry=r,
         ).set_function(lambda: self._pending)
+
+    def attach_pending(self, read: Callable[[], PendingKV]) -> None:
+        """Export ``read()`` (the endpoint's live requests' KV) as gauges read at scrape
+        time, and put it in every snapshot."""
+        self._pending_kv = read
+        role = self.role.value
+        Gauge("pd_transfer_kv_pending_bytes", "KV bytes of the requests live on this rank "
+              "(prefill: not pulled by decode yet; decode: not landed yet)", ["role"],
+              registry=self.registry).labels(role).set_function(lambda: float(read().bytes))
+        Gauge("pd_transfer_kv_pending_oldest_seconds", "How long the oldest request live on "
+              "this rank has been live (0 with none)", ["role"],
+              registry=self.registry).labels(role).set_function(lambda: read().oldest_s)
 
     def set_staging(self, staging_bytes: int, registration_version: int) -> None:
         """The staging size in force and its registration version (at start-up)."""
@@ -303,4 +331,5 @@ class TransferMetrics:
                 staging_since_unix_s=self._staging_since,
                 resizing=self._resizing,
                 refused_transitions=dict(self._refused_transitions),
+                pending=self._pending_kv(),
             )

@@ -229,12 +229,17 @@ def pddeployment_crd() -> dict[str, Any]:
 
 
 def transferagent_crd() -> dict[str, Any]:
-    columns = [
+    columns: list[dict[str, Any]] = [
         {"name": "Deployment", "type": "string", "jsonPath": ".spec.pdDeployment"},
         {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
         {"name": "Pool-MiB", "type": "integer", "jsonPath": ".status.staging.decodePoolMiB",
          "description": "Decode staging pool in force."},
         {"name": "Live", "type": "integer", "jsonPath": ".status.liveRequests"},
+        {"name": "Pending-KV", "type": "integer", "jsonPath": ".status.pendingKV.bytes",
+         "description": "Bytes of KV of the live requests (prefill: not pulled by decode "
+         "yet; what a leaving prefill waits for)."},
+        {"name": "Oldest-s", "type": "number", "jsonPath": ".status.pendingKV.oldestSeconds",
+         "priority": 1, "description": "Age of the oldest live request, in seconds."},
         {"name": "Failures", "type": "integer", "jsonPath": ".status.failuresTotal"},
         {"name": "Healthy", "type": "boolean", "jsonPath": ".status.healthy"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

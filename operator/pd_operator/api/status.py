@@ -16,6 +16,7 @@ class Phase(StrEnum):
     """A one-word summary derived from the conditions, for the printer column only."""
 
     PENDING = "Pending"
+    SCALED_TO_ZERO = "ScaledToZero"
     PROGRESSING = "Progressing"
     READY = "Ready"
     DEGRADED = "Degraded"
@@ -48,6 +49,13 @@ class TransferTotals(APIModel):
     transfers: int = Field(default=0, ge=0, description="Transfer requests (rooms) finished.")
     failures: int = Field(default=0, ge=0, description="Transfer requests that failed.")
     live_requests: int = Field(default=0, ge=0, description="Requests in flight now.")
+    prefill_pending_kv_bytes: int = Field(
+        default=0, ge=0, alias="prefillPendingKVBytes",
+        description="KV bytes prefill pods hold now that decode has not pulled yet (fresh "
+        "reports).")
+    prefill_pending_kv_oldest_seconds: float = Field(
+        default=0.0, ge=0, alias="prefillPendingKVOldestSeconds",
+        description="Age of the oldest request whose KV a prefill pod holds (0 with none).")
 
 
 class StagingWatermark(APIModel):

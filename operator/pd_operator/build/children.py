@@ -12,6 +12,7 @@ from pd_operator.build.network_policy import build_network_policies
 from pd_operator.build.rbac import build_role, build_role_binding, build_service_account
 from pd_operator.build.router import (
     build_router_deployment,
+    build_router_disruption_budget,
     build_router_rbac,
     build_router_service,
 )
@@ -41,6 +42,9 @@ def build_children(pdd: PDDeployment, capabilities: Capabilities) -> list[Manife
         children += build_router_rbac(pdd)
         children.append(build_router_deployment(pdd))
         children.append(build_router_service(pdd))
+        budget = build_router_disruption_budget(pdd)
+        if budget is not None and capabilities.pod_disruption_budgets:
+            children.append(budget)
     return [stamp(child) for child in children]
 
 

@@ -7,6 +7,12 @@ environment variables, plus the adapter's own. A router that finds its engines b
 their pods (vLLM: `pd-transfer router`) gets a ServiceAccount whose Role may list and watch
 pods in the namespace, and nothing else, and no list of engine URLs: scaling a role leaves
 its Deployment untouched. Its readiness probe asks it whether it has engines of both roles.
+
+A router's own rollout never leaves the Service without a router: the new pod is Ready
+before the old one stops (maxUnavailable 0, maxSurge 1), and a stopping router drains (on
+SIGTERM it still takes requests for a few seconds while the Service drops it, then finishes
+those in flight; `pd-transfer router --drain-seconds`, `--linger-seconds`). With two or more
+replicas a PodDisruptionBudget keeps all but one of them through voluntary evictions.
 """
 
 from __future__ import annotations
@@ -116,11 +122,27 @@ def build_router_deployment(pdd: PDDeployment) -> Manifest:
         "spec": {
             "replicas": router.replicas,
             "selector": {"matchLabels": labels},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
                 "metadata": {"labels": dict(meta["labels"])},
                 "spec": _router_pod_spec(pdd, container),
             },
         },
+    }
+
+
+def build_router_disruption_budget(pdd: PDDeployment) -> Manifest | None:
+    """At most one router pod voluntarily evicted at a time; none for a single router (a
+    budget of one pod would block every node drain)."""
+    if pdd.spec.router.replicas < 2:
+        return None
+    name = pdd.metadata.name
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": object_meta(pdd, router_name(name), "router"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": router_selector(name)}},
     }
 
 

@@ -162,6 +162,14 @@ def _ready_condition(observed: Observed, roles: Mapping[str, RoleStatus], at: At
     if lagging:
         return cond(READY, F, Reason.REPLICAS_NOT_READY,
                      f"Pods of the current revision not all Ready: {', '.join(lagging)}.", at)
+    idle = [name for name, obs in (("prefill", observed.prefill), ("decode", observed.decode))
+            if obs.desired_replicas == 0]
+    if idle:
+        return cond(READY, F, Reason.SCALED_TO_ZERO,
+                     f"{' and '.join(idle)} scaled to 0 replicas: no request can be served "
+                     "(the router holds each for its endpoint wait, then answers 503). Scale "
+                     "the role's PDRole (`kubectl scale pdrole <name>-<role>`) up to serve "
+                     "again.", at)
     if observed.router_enabled and not _router_available(observed):
         return cond(READY, F, Reason.ROUTER_UNAVAILABLE,
                      f"The router Deployment has fewer than {observed.router_replicas} "
@@ -226,7 +234,8 @@ def _degraded_condition(observed: Observed, ready: Condition, at: At) -> Conditi
             else Reason.CHILD_FAILED
         return cond(DEGRADED, T, reason, " ".join(m for _, m in failures), at)
     not_ready_for = at.now - ready.last_transition_time
-    if ready.status is not T and not_ready_for > NOT_READY_DEADLINE:
+    if ready.status is not T and ready.reason != Reason.SCALED_TO_ZERO \
+            and not_ready_for > NOT_READY_DEADLINE:
         minutes = int(not_ready_for.total_seconds() // 60)
         return cond(DEGRADED, T, Reason.NOT_READY_TOO_LONG,
                      f"Not Ready for {minutes} minutes: {ready.message} Check the pods' events.",
@@ -245,7 +254,8 @@ def _gate_ready(ready: Condition, transfer_healthy: Condition, at: At) -> Condit
 
 
 def derive_phase(conditions: Sequence[Condition]) -> Phase:
-    """Invalid > Degraded > Ready > Progressing > Pending, from the conditions alone."""
+    """Invalid > Degraded > Ready > Progressing > ScaledToZero > Pending, from the
+    conditions alone."""
 
     def status_of(type_: str) -> ConditionStatus:
         c = find_condition(conditions, type_)
@@ -259,6 +269,9 @@ def derive_phase(conditions: Sequence[Condition]) -> Phase:
         return Phase.READY
     if status_of(PROGRESSING) is T:
         return Phase.PROGRESSING
+    ready = find_condition(conditions, READY)
+    if ready is not None and ready.reason == Reason.SCALED_TO_ZERO:
+        return Phase.SCALED_TO_ZERO
     return Phase.PENDING
 
 

@@ -64,6 +64,7 @@ class Reason:
     ALL_REPLICAS_READY: Final = "AllReplicasReady"
     REPLICAS_NOT_READY: Final = "ReplicasNotReady"
     ROUTER_UNAVAILABLE: Final = "RouterUnavailable"
+    SCALED_TO_ZERO: Final = "ScaledToZero"
     # Progressing
     CREATING: Final = "Creating"
     ROLLING_UPDATE: Final = "RollingUpdate"

@@ -354,6 +354,7 @@ def summarize_reports(
     fresh = [r for r in current if r.fresh]
     statuses = [r.report for r in current if r.report is not None]
     fresh_statuses = [r.report for r in fresh if r.report is not None]
+    fresh_prefill = [r.report for r in fresh if r.report is not None and r.role == "prefill"]
     window_reasons: Counter[str] = Counter()
     cumulative: Counter[str] = Counter()
     for s in fresh_statuses:
@@ -386,6 +387,9 @@ def summarize_reports(
             transfers=sum(s.transfers_total for s in statuses),
             failures=sum(s.failures_total for s in statuses),
             live_requests=sum(s.live_requests for s in fresh_statuses),
+            prefill_pending_kv_bytes=sum(s.pending_kv.bytes for s in fresh_prefill),
+            prefill_pending_kv_oldest_seconds=max(
+                (s.pending_kv.oldest_seconds for s in fresh_prefill), default=0.0),
         ),
         failure_ratio=window.ratio,
         failures_by_reason=dict(sorted(cumulative.items())),

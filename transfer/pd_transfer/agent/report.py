@@ -14,6 +14,9 @@ peer and the window counts into one ``TransferAgentStatus``:
   caused by a peer going away (``pd_contract.health``): with no traffic nothing failed, so
   the pod is healthy. The operator decides from these counts, not from memory
   of earlier reports, so it survives its own restarts;
+- ``pendingKV``: requests live on the pod (the most any rank has: every rank holds a share
+  of each), their KV bytes summed over the ranks, and the oldest one's age (a prefill's KV
+  not pulled yet: what its drain waits for);
 - ``recent_failures`` keeps the ``RECENT_FAILURES`` newest failures of all ranks;
 - ``agents`` and ``peers`` (``connections_of``): the ranks' own NIXL agent names, and per
   peer pod the agent names whose documents and connections the ranks hold. The operator
@@ -38,6 +41,7 @@ from pd_contract.transferagent import (
     AgentStaging,
     PeerAgents,
     PeerTransport,
+    PendingKV,
     RingWatermark,
     TransferAgentStatus,
     TransferFailure,
@@ -209,6 +213,11 @@ def build_status(
         registration_version=facts.registration_version,
         ring=_ring(snapshots),
         live_requests=sum(s.live_requests for s in snapshots),
+        pending_kv=PendingKV(
+            requests=max((s.pending.requests for s in snapshots), default=0),
+            bytes=sum(s.pending.bytes for s in snapshots),
+            oldest_seconds=round(max((s.pending.oldest_s for s in snapshots), default=0.0),
+                                 3)),
         bytes_total=sum(s.bytes_transferred for s in snapshots),
         transfers_total=sum(s.succeeded + s.failed for s in snapshots),
         failures_total=sum(s.failed for s in snapshots),

@@ -102,6 +102,10 @@ class ReceiveTransfer(Transfer):
         self.bootstrap_deadline = self.created + bootstrap_s
         self.writers: dict[int, _Writer] = {}
 
+    @property
+    def pages(self) -> int:
+        return len(self.dst_pages)
+
     def bound_peers(self) -> list[str]:
         return [writer.peer for writer in self.writers.values()]
 

@@ -53,7 +53,7 @@ from pd_transfer.endpoint.types import (
     Timeouts,
 )
 from pd_transfer.errors import PeerUnreachable, RemoteProtocolError, TransportError
-from pd_transfer.metrics import TransferMetrics
+from pd_transfer.metrics import PendingKV, TransferMetrics
 from pd_transfer.phases import PartTimes, PhaseLog, RequestTimes
 from pd_transfer.pool import KVPool
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Lifecycle, RequestStatus, Role
@@ -92,6 +92,12 @@ class Transfer(abc.ABC):
     @abc.abstractmethod
     def bound_peers(self) -> list[str]:
         """The peers this request is bound to (told with an Abort when it fails)."""
+
+    @property
+    @abc.abstractmethod
+    def pages(self) -> int:
+        """The engine pages this request holds on this rank (prefill: its KV not yet pulled;
+        decode: the pages its KV lands in)."""
 
     def status(self, now: float) -> RequestStatus:
         return RequestStatus(
@@ -146,6 +152,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             fail=lambda transfer, detail: self._fail(transfer, FailureReason.RESIZE_DEADLINE,
                                                      detail))
         self.part_machine = PartMachine(self.metrics.part_transition_refused)
+        self.metrics.attach_pending(self.pending_kv)
         # CUDA: the stream this endpoint's gathers or scatters run on (bound to the worker's
         # thread by ``thread_started``); None on CPU, where they run in place.
         self._stream = StagingStream(pool.device) if pool.device.type == "cuda" else None
@@ -156,6 +163,17 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         )
 
     # Engine-facing (any thread) -------------------------------------------------------------
+
+    def pending_kv(self) -> PendingKV:
+        """The KV of this rank's live requests, and how long the oldest has been live (any
+        thread: the table is copied in one step under the GIL)."""
+        transfers = list(self._transfers.values())
+        if not transfers:
+            return PendingKV(0, 0, 0.0)
+        page_bytes = self.pool.layout.total_kv_bytes // self.pool.layout.num_pages
+        oldest = min(transfer.created for transfer in transfers)
+        return PendingKV(len(transfers), page_bytes * sum(t.pages for t in transfers),
+                         max(0.0, self.clock() - oldest))
 
     def submit(self, command: Callable[[], T]) -> Future[T]:
         """Run ``command`` on the endpoint's thread at its next step; thread-safe."""

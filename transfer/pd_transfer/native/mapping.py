@@ -139,7 +139,7 @@ class EngineMapping:
         exported by an engine's own connector."""
         meanings = {spec.meaning for spec in self.for_role(role)}
         live = any(spec.in_flight for spec in self.for_role(role))
-        unknown = ["agents", "peers", "ring", "transports"]
+        unknown = ["agents", "pendingKV", "peers", "ring", "transports"]
         if Meaning.SUCCEEDED not in meanings:
             unknown += ["transfersTotal", "window.transfers"]
         if Meaning.FAILED not in meanings:

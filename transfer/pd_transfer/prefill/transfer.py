@@ -134,6 +134,10 @@ class SendTransfer(Transfer):
         self.expected: frozenset[tuple[int, int]] | None = None  # decode (pp, tp) coords
         self.streams: dict[str, _Stream] = {}
 
+    @property
+    def pages(self) -> int:
+        return len(self.src_pages)
+
     def bound_peers(self) -> list[str]:
         return [stream.peer for stream in self.streams.values()]
 

@@ -62,6 +62,9 @@ _HELP: dict[str, tuple[str | None, str]] = {  # setting → (metavar, help)
                                    "(default 30; 0: at once)"),
     "drain_s": ("SECONDS", "on SIGTERM, how long requests in flight may finish "
                            "(default 20)"),
+    "linger_s": ("SECONDS", "on SIGTERM, how long new requests are still taken, while the "
+                            "Service and the proxies drop this pod (default 5, at most "
+                            "--drain-seconds)"),
     "log_level": ("LEVEL", "DEBUG, INFO, WARNING or ERROR (default INFO)"),
 }
 _CHOICES: dict[str, list[str]] = {
@@ -73,7 +76,7 @@ _TYPES: dict[str, type] = {"port": int, "engine_port": int, "bootstrap_port": in
                            "affinity_prefix": int, "balance_threshold": int,
                            "max_body_bytes": int, "connect_timeout_s": float,
                            "upstream_timeout_s": float, "endpoint_wait_s": float,
-                           "drain_s": float}
+                           "drain_s": float, "linger_s": float}
 
 
 def add_router_parser(
@@ -141,8 +144,8 @@ def _run_vllm_proxy(args: argparse.Namespace) -> int:
 
 
 def run_router(settings: RouterSettings) -> int:
-    """Serve until SIGTERM/SIGINT; then /health turns 503 and requests in flight get up to
-    ``settings.drain_s`` to finish."""
+    """Serve until SIGTERM/SIGINT; then /health turns 503, new requests are still taken for
+    ``settings.linger_s`` and requests in flight get up to ``settings.drain_s`` to finish."""
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kubernetes = settings.discovery is DiscoveryKind.KUBERNETES
@@ -172,7 +175,7 @@ def run_router(settings: RouterSettings) -> int:
     stop.wait()
     logging.getLogger("pd_transfer.router").info("stopping: draining for up to %.0f s",
                                                  settings.drain_s)
-    router.close(settings.drain_s)
+    router.close(settings.drain_s, linger_s=settings.linger_s)
     if watch is not None:
         watch.stop()
     return 0

@@ -149,8 +149,12 @@ class Dispatcher:
         try:
             with self._send(prefill, "POST", request.path, _json(body),
                             request.upstream_headers()) as exchange:
-                head = self._counted(exchange, lambda: _drain(exchange))
-                if not _ok(exchange.status):
+                answer = self._counted(exchange, lambda: exchange.read_all(
+                    PREFILL_ANSWER_LIMIT_BYTES))
+                head = answer[:_LOGGED_BODY_CHARS]
+                if _ok(exchange.status):
+                    self._metrics.prefill_answered(answer)
+                else:
                     self._metrics.upstream_error(Role.PREFILL, UpstreamFailure.STATUS)
                     _log.warning("room %s (request %s): prefill engine %s answered %d: %s",
                                  room, request.request_id, prefill.describe(),
@@ -178,6 +182,7 @@ class Dispatcher:
                     return self._relay(handler, exchange, request)  # decode is not called
                 answer = self._counted(exchange, lambda: exchange.read_all(
                     PREFILL_ANSWER_LIMIT_BYTES))
+        self._metrics.prefill_answered(answer)
         try:
             params = protocols.transfer_params(answer)
         except ValueError as exc:
@@ -235,20 +240,15 @@ class Dispatcher:
         """Relay ``exchange`` to the client; an engine's 5xx and a cut answer count."""
         if exchange.status >= 500:
             self._metrics.upstream_error(exchange.endpoint.role, UpstreamFailure.STATUS)
-        result = relay(handler, exchange, request.started, request.client_headers())
+        written = None
+        if exchange.status < 400 and exchange.content_type.startswith("text/event-stream"):
+            written = self._metrics.stream_clock(request.path, request.started).chunk
+        result = relay(handler, exchange, request.started, request.client_headers(),
+                       written=written)
         if result.upstream_failure is not None:
             self._metrics.upstream_error(exchange.endpoint.role,
                                          result.upstream_failure.failure)
         return result
-
-
-def _drain(exchange: Exchange) -> bytes:
-    """Read ``exchange``'s body to the end; its first bytes, for a log line."""
-    head = b""
-    for chunk in exchange.chunks():
-        if len(head) < _LOGGED_BODY_CHARS:
-            head += chunk[:_LOGGED_BODY_CHARS - len(head)]
-    return head
 
 
 def _bootstrap(endpoint: Endpoint) -> str:

@@ -6,6 +6,12 @@
   of the answer written;
 - ``pd_router_time_to_first_byte_seconds{route}`` (histogram): request received → first
   byte of the answer's body written (a stream's first event);
+- ``pd_router_time_to_first_token_seconds{route}`` (histogram): request received → the
+  first token event of a streamed answer written (``tokens.StreamClock``);
+- ``pd_router_inter_token_latency_seconds{route}`` (histogram): the gap between two token
+  events of a streamed answer as the client got them;
+- ``pd_router_prompt_tokens_total``: prompt tokens of the requests the prefill engines
+  answered (their ``usage``): ``rate()`` is the prefill work per second;
 - ``pd_router_upstream_errors_total{role,reason}``: engine exchanges that failed, by
   ``UpstreamFailure`` (``status``: an engine answered 5xx, or a pd-transfer prefill
   answered anything but 2xx behind decode's answer);
@@ -36,12 +42,16 @@ from pd_contract.transferagent import Role
 from pd_transfer.router.endpoints import EndpointTable
 from pd_transfer.router.errors import UpstreamFailure
 from pd_transfer.router.inflight import InFlight
+from pd_transfer.router.tokens import StreamClock, prompt_tokens
 
-__all__ = ["LATENCY_BUCKETS_S", "RouterMetrics"]
+__all__ = ["INTER_TOKEN_BUCKETS_S", "LATENCY_BUCKETS_S", "RouterMetrics"]
 
 # From a cached one-token answer to a long generation.
 LATENCY_BUCKETS_S: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                             30.0, 60.0, 120.0, 300.0, 600.0)
+# From tokens read together to a stalled stream.
+INTER_TOKEN_BUCKETS_S: Final = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15,
+                                0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 OTHER_ROUTE: Final = "other"
 
 
@@ -86,6 +96,17 @@ class RouterMetrics:
                                     "Request received to the first byte of its answer's body "
                                     "written.", ["route"], buckets=LATENCY_BUCKETS_S,
                                     registry=self.registry)
+        self.first_token = Histogram("pd_router_time_to_first_token_seconds",
+                                     "Request received to the first token event of its "
+                                     "streamed answer written.", ["route"],
+                                     buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.inter_token = Histogram("pd_router_inter_token_latency_seconds",
+                                     "Gap between two token events of a streamed answer, as "
+                                     "written to the client.", ["route"],
+                                     buckets=INTER_TOKEN_BUCKETS_S, registry=self.registry)
+        self.prompt_tokens = Counter("pd_router_prompt_tokens", "Prompt tokens of the requests "
+                                     "the prefill engines answered (their usage).",
+                                     registry=self.registry)
         self.upstream_errors = Counter("pd_router_upstream_errors", "Engine exchanges that "
                                        "failed, by role and reason.", ["role", "reason"],
                                        registry=self.registry)
@@ -111,6 +132,19 @@ class RouterMetrics:
         self.duration.labels(route).observe(duration_s)
         if first_byte_s is not None:
             self.first_byte.labels(route).observe(first_byte_s)
+
+    def stream_clock(self, path: str, started: float) -> StreamClock:
+        """The token clock of one streamed answer to ``path``; ``started``: the request's
+        ``time.perf_counter()``."""
+        route = self.route(path)
+        return StreamClock(started, self.first_token.labels(route).observe,
+                           self.inter_token.labels(route).observe)
+
+    def prefill_answered(self, answer: bytes) -> None:
+        """Count a prefill engine's answer's prompt tokens (none when it names none)."""
+        count = prompt_tokens(answer)
+        if count:
+            self.prompt_tokens.inc(count)
 
     def endpoint_wait(self, role: Role, waited_s: float, served: bool) -> None:
         self.endpoint_waits.labels(role.value, "served" if served else "refused").observe(

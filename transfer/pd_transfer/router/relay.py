@@ -10,7 +10,7 @@ closed, so a client cannot take a cut answer for a complete one.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 
@@ -60,9 +60,10 @@ def send_error(handler: BaseHTTPRequestHandler, error: RouterError,
 
 
 def relay(handler: BaseHTTPRequestHandler, exchange: Exchange, started: float,
-          headers: Mapping[str, str] | None = None) -> RelayResult:
+          headers: Mapping[str, str] | None = None, *,
+          written: Callable[[bytes], None] | None = None) -> RelayResult:
     """Pass ``exchange``'s answer to the client; ``started``: the request's
-    ``time.perf_counter()``."""
+    ``time.perf_counter()``; ``written`` is called with each piece once it is written."""
     chunked = handler.request_version != "HTTP/1.0"
     first_byte_s: float | None = None
     try:
@@ -81,6 +82,8 @@ def relay(handler: BaseHTTPRequestHandler, exchange: Exchange, started: float,
                 if first_byte_s is None:
                     first_byte_s = time.perf_counter() - started
                 handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+                if written is not None:
+                    written(chunk)
         except UpstreamError as exc:
             handler.close_connection = True
             return RelayResult(exchange.status, first_byte_s, upstream_failure=exc)

@@ -132,13 +132,16 @@ class Router:
         host = f"[{host!s}]" if ":" in str(host) else str(host)
         return f"http://{host}:{port}"
 
-    def close(self, drain_s: float = 0.0) -> None:
-        """Stop serving. With ``drain_s``: first answer /health with 503 and keep serving
-        until nothing is in flight (client requests and background prefills), at most that
-        long."""
+    def close(self, drain_s: float = 0.0, *, linger_s: float = 0.0) -> None:
+        """Stop serving. With ``drain_s``: first answer /health with 503 and keep serving,
+        new requests too for ``linger_s`` (while the Service's endpoints and the proxies
+        drop this pod), then until nothing is in flight (client requests and background
+        prefills), at most ``drain_s`` in all."""
         self._draining.set()
-        deadline = time.monotonic() + drain_s
-        while time.monotonic() < deadline and (self._active_count() or self.inflight.total()):
+        started = time.monotonic()
+        deadline, linger_until = started + drain_s, started + min(linger_s, drain_s)
+        while (now := time.monotonic()) < deadline and (
+                now < linger_until or self._active_count() or self.inflight.total()):
             time.sleep(0.05)
         self._server.shutdown()
         self._server.server_close()

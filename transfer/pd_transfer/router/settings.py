@@ -90,6 +90,9 @@ class RouterSettings(BaseModel):
     endpoint_wait_s: float = Field(default=30.0, ge=0, le=3600)
     # on SIGTERM: /health answers 503 while requests in flight finish, at most this long
     drain_s: float = Field(default=20.0, ge=0, le=3600)
+    # ... and keeps taking new requests at least this long (within drain_s): a deleted pod
+    # leaves its Service's endpoints and every node's proxy only after a few seconds
+    linger_s: float = Field(default=5.0, ge=0, le=600)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @field_validator("log_level", mode="before")
@@ -155,13 +158,15 @@ ENVIRONMENT: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType({
     "max_body_bytes": ("PD_ROUTER_MAX_BODY_BYTES",),
     "endpoint_wait_s": ("PD_ROUTER_ENDPOINT_WAIT_SECONDS",),
     "drain_s": ("PD_ROUTER_DRAIN_SECONDS",),
+    "linger_s": ("PD_ROUTER_LINGER_SECONDS",),
     "log_level": ("PD_ROUTER_LOG_LEVEL",),
 })
 _LISTS: Final = frozenset({"prefill", "decode"})
 _FLAGS: Final = MappingProxyType({"connect_timeout_s": "--connect-timeout-seconds",
                                   "upstream_timeout_s": "--upstream-timeout-seconds",
                                   "endpoint_wait_s": "--endpoint-wait-seconds",
-                                  "drain_s": "--drain-seconds"})
+                                  "drain_s": "--drain-seconds",
+                                  "linger_s": "--linger-seconds"})
 
 
 def flag_of(field: str) -> str:

@@ -40,7 +40,7 @@ from pd_transfer.auth import PeerAuth, Purpose, Unauthenticated
 from pd_transfer.bootstrap import BootstrapServer
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.errors import TransferError
-from pd_transfer.metrics import RecentFailure, RingWatermark, TransferSnapshot
+from pd_transfer.metrics import PendingKV, RecentFailure, RingWatermark, TransferSnapshot
 from pd_transfer.prefill import PrefillSender
 
 __all__ = [
@@ -104,6 +104,12 @@ class _RingDoc(_Doc):
     quarantined_bytes: int = Field(ge=0)
 
 
+class _PendingDoc(_Doc):
+    requests: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    oldest_s: float = Field(ge=0)
+
+
 class SnapshotDoc(_Doc):
     """``metrics.TransferSnapshot`` on the wire (``of`` / ``to_snapshot``)."""
 
@@ -121,6 +127,7 @@ class SnapshotDoc(_Doc):
     staging_since_unix_s: float | None
     resizing: bool
     refused_transitions: dict[str, int] = Field(max_length=256)
+    pending: _PendingDoc
 
     @classmethod
     def of(cls, snapshot: TransferSnapshot) -> SnapshotDoc:
@@ -130,7 +137,8 @@ class SnapshotDoc(_Doc):
         return TransferSnapshot(
             **{**self.model_dump(), "recent_failures": tuple(
                 RecentFailure(**f.model_dump()) for f in self.recent_failures),
-               "ring": None if self.ring is None else RingWatermark(**self.ring.model_dump())})
+               "ring": None if self.ring is None else RingWatermark(**self.ring.model_dump()),
+               "pending": PendingKV(**self.pending.model_dump())})
 
 
 class PeerDoc(_Doc):

@@ -30,10 +30,8 @@ For each such pod, once (``sync_once``, polled):
 - the container started as a recorded daemon (``processes.spawn_daemon``), one log per pod;
   a vLLM engine at ``ENGINE_NICENESS``, as a node keeps CPUs for its system daemons
   (system-reserved): the control plane, the operator, routers and sidecars run ahead of it;
-- the pod status patched: phase Running, podIP, containerStatuses (with restartCount), and
-  conditions ContainersReady (the container's readinessProbe: HTTP GET or TCP connect; no
-  probe: while it runs) and Ready (ContainersReady AND every readiness-gate condition True,
-  as a kubelet computes it). Gate conditions are set by the operator; this never writes them.
+- the pod status patched as a kubelet computes it (``pod_status``: phase, podIP,
+  containerStatuses, ContainersReady from the readiness probes, Ready with the gates).
 A pod that disappears is ended as a kubelet ends a deleted pod (``_terminate``, in a thread
 of its own): each container's ``lifecycle.preStop`` exec command runs (planned like the
 container, its loopback URLs at the pod's address; its output in the container's log),
@@ -52,15 +50,11 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Collection
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -78,10 +72,10 @@ from pd_devcluster.pod_runner import (
     VLLM_SERVER_MODULE,
     LaunchPlan,
     NotRunnable,
-    Probe,
     missing_resources,
     plan_launch,
 )
+from pd_devcluster.pod_status import Container, PodProcess, now_stamp, pod_status
 from pd_devcluster.processes import (
     ProcessRecord,
     is_running,
@@ -101,40 +95,6 @@ VLLM_CPU_BIND_ENV: Final = "VLLM_CPU_OMP_THREADS_BIND"
 _log = logging.getLogger("pd_devcluster.kubelet")
 
 Obj = dict[str, Any]
-
-
-@dataclass
-class _Container:
-    """One container of a pod, run as a local process."""
-
-    name: str
-    image: str
-    plan: LaunchPlan
-    env: dict[str, str]
-    log_path: Path
-    record: ProcessRecord
-    started_at: str
-    restarts: int = 0
-    died_at: float | None = None  # monotonic time it was seen dead
-    pre_stop: LaunchPlan | None = None  # its lifecycle.preStop exec, run before SIGTERM
-
-
-@dataclass
-class _PodProcess:
-    uid: str
-    namespace: str
-    name: str
-    ip: str
-    containers: list[_Container]
-    tmp_dir: Path | None = None  # the pod's TMPDIR, removed when the pod stops
-    last_status: Obj | None = None
-    # (Secret name, directory, defaultMode) of each Secret volume, refreshed at every sync.
-    secret_volumes: list[tuple[str, Path, int | None]] = field(default_factory=list)
-    grace_s: float = 30.0  # terminationGracePeriodSeconds: preStop hooks and SIGTERM
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def has_containers(pod: Obj) -> bool:
@@ -161,7 +121,7 @@ class FakeKubelet:
         self.extra_env = {"UCX_NET_DEVICES": "lo", **(extra_env or {})}
         self._api = handle.api_client()
         self._core = k8s.CoreV1Api(self._api)
-        self._pods: dict[str, _PodProcess] = {}
+        self._pods: dict[str, PodProcess] = {}
         self._used_ips: set[str] = set()
         self._next_cpu = 0
         self._terminating: set[str] = set()  # pods whose preStop hooks or stop are running
@@ -272,7 +232,7 @@ class FakeKubelet:
                 return ip
         raise DevClusterError(f"no free loopback address under {self.ip_prefix}")
 
-    def _start(self, pod: Obj) -> _PodProcess:
+    def _start(self, pod: Obj) -> PodProcess:
         meta, spec = pod["metadata"], pod["spec"]
         namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
         lacking = missing_resources(pod, self.extended_resources)
@@ -305,7 +265,7 @@ class FakeKubelet:
             volume_dirs[volume["name"]] = str(directory)
         with self._lock:
             ip = self._allocate_ip()
-        started: list[_Container] = []
+        started: list[Container] = []
         try:
             service_account = spec.get("serviceAccountName") or "default"
             kubeconfig = service_account_kubeconfig(self.handle, namespace, service_account,
@@ -325,8 +285,8 @@ class FakeKubelet:
                 log_path = pod_dir / f"{container['name']}.log"
                 record = spawn_daemon(f"{container['name']} {namespace}/{name}", plan.argv,
                                       log_path, env=process_env, niceness=_niceness(plan))
-                started.append(_Container(container["name"], container.get("image", ""),
-                                          plan, process_env, log_path, record, _now(),
+                started.append(Container(container["name"], container.get("image", ""),
+                                          plan, process_env, log_path, record, now_stamp(),
                                           pre_stop=self._pre_stop(container, ip, plan)))
         except BaseException:
             for running in started:
@@ -334,7 +294,7 @@ class FakeKubelet:
             with self._lock:
                 self._used_ips.discard(ip)
             raise
-        process = _PodProcess(uid, namespace, name, ip, started, tmp_dir=tmp,
+        process = PodProcess(uid, namespace, name, ip, started, tmp_dir=tmp,
                               secret_volumes=secret_volumes,
                               grace_s=float(spec.get("terminationGracePeriodSeconds", 30)))
         with self._lock:
@@ -376,7 +336,7 @@ class FakeKubelet:
         command += [rewrite_mounted(arg, mounts) for arg in container.get("args") or []]
         return plan_launch(command, container, ip, vllm_python=_vllm_python), env
 
-    def _restart_if_due(self, pod: Obj, process: _PodProcess) -> None:
+    def _restart_if_due(self, pod: Obj, process: PodProcess) -> None:
         """Restart each dead container after its back-off, as a kubelet does (restartPolicy
         Always, the default of StatefulSet and Deployment pods)."""
         for container in process.containers:
@@ -397,7 +357,7 @@ class FakeKubelet:
                                   niceness=_niceness(container.plan))
             container.record, container.died_at = record, None
             container.restarts += 1
-            container.started_at = _now()
+            container.started_at = now_stamp()
             with self._lock:
                 self._save()
             _log.info("restarted %s of pod %s/%s (restart %d, pid %d)", container.name,
@@ -434,7 +394,7 @@ class FakeKubelet:
             _log.warning("preStop hook of %s not run: %s", container["name"], exc)
             return None
 
-    def _terminate(self, process: _PodProcess) -> None:
+    def _terminate(self, process: PodProcess) -> None:
         """A deleted pod, as a kubelet ends it: every container's preStop hook (at once,
         each logged into its container's log), then SIGTERM, all within the pod's grace."""
         deadline = time.monotonic() + process.grace_s
@@ -459,7 +419,7 @@ class FakeKubelet:
             with self._lock:
                 self._terminating.discard(process.uid)
 
-    def _stop(self, process: _PodProcess) -> None:
+    def _stop(self, process: PodProcess) -> None:
         for container in process.containers:
             _log.info("%s", stop_process(container.record, grace_s=5.0))
         if process.tmp_dir is not None:
@@ -478,68 +438,17 @@ class FakeKubelet:
 
     # Status -----------------------------------------------------------------------------------
 
-    def _update_status(self, pod: Obj, process: _PodProcess) -> None:
-        statuses = [self._container_status(c, process.ip) for c in process.containers]
-        ready = all(status["ready"] for status in statuses)
-        current = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}
-        gates = [g["conditionType"] for g in pod["spec"].get("readinessGates") or []]
-        gates_true = all(current.get(g, {}).get("status") == "True" for g in gates)
-
-        def condition(type_: str, ok: bool) -> Obj:
-            status = "True" if ok else "False"
-            previous = current.get(type_)
-            since = (previous.get("lastTransitionTime") if previous is not None
-                     and previous.get("status") == status else None) or _now()
-            return {"type": type_, "status": status, "lastTransitionTime": since}
-
-        desired: Obj = {
-            "phase": "Running",
-            "podIP": process.ip,
-            "podIPs": [{"ip": process.ip}],
-            "hostIP": "127.0.0.1",
-            "startTime": process.containers[0].started_at,
-            "conditions": [condition("PodScheduled", True), condition("Initialized", True),
-                           condition("ContainersReady", ready),
-                           condition("Ready", ready and gates_true)],
-            "containerStatuses": statuses,
-        }
+    def _update_status(self, pod: Obj, process: PodProcess) -> None:
+        desired = pod_status(pod, process, crash_loop=self.restart_backoff_s is not None)
         comparable = json.dumps({**desired, "containerStatuses": [
-            {**status, "state": list(status["state"])} for status in statuses]},
-            sort_keys=True)
+            {**status, "state": list(status["state"])} for status in
+            desired["containerStatuses"]]}, sort_keys=True)
         if process.last_status is not None and process.last_status.get("key") == comparable:
             return
         self._core.patch_namespaced_pod_status(
             pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": desired},
             _content_type="application/strategic-merge-patch+json")
         process.last_status = {"key": comparable}
-
-    def _container_status(self, container: _Container, ip: str) -> Obj:
-        alive = is_running(container.record)
-        probe = container.plan.readiness
-        ready = alive and (probe is None or _passes(probe, ip))
-        state: Obj = ({"running": {"startedAt": container.started_at}} if alive else
-                      {"terminated": {"exitCode": 1, "reason": "Error",
-                                      "startedAt": container.started_at,
-                                      "finishedAt": _now()}})
-        if not alive and self.restart_backoff_s is not None:
-            state = {"waiting": {"reason": "CrashLoopBackOff"}}
-        image = container.image or "local"
-        return {"name": container.name, "ready": ready, "restartCount": container.restarts,
-                "started": alive, "image": image, "imageID": f"fake://{image}",
-                "containerID": f"fake://{container.record.pid}", "state": state}
-
-
-def _passes(probe: Probe, ip: str) -> bool:
-    """A readiness probe against the pod's address (a kubelet's 1 s timeout)."""
-    try:
-        if probe.http_path is None:
-            with socket.create_connection((ip, probe.port), timeout=1.0):
-                return True
-        with urllib.request.urlopen(f"http://{ip}:{probe.port}{probe.http_path}",
-                                    timeout=1.0) as response:
-            return bool(200 <= response.status < 400)
-    except OSError:  # refused, timed out, or an HTTP error status (urllib raises it)
-        return False
 
 
 def _niceness(plan: LaunchPlan) -> int:

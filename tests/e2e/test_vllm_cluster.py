@@ -406,9 +406,19 @@ def _scale_decode(cluster: Cluster, replicas: int) -> None:
     _scale(cluster, "decode", replicas)
 
 
+def _scale_down(cluster: Cluster, role: str, victim: str) -> None:
+    """`kubectl scale` the role to one pod; back once `victim` is out of the router and its
+    engine has stopped."""
+    _scale(cluster, role, 1)
+    wait_for(f"{victim} out of the router and its engine stopped", lambda: cluster.router_metric(
+        "pd_router_endpoints", role=role) == 1.0 and cluster.kubelet.process_of(
+        cluster.namespace, victim) is None, 180)
+
+
 def _hook_lines(cluster: Cluster, pod: str, role: str) -> list[str]:
     """What the pod's preStop hook printed (the kubelet writes it into the engine's log)."""
-    logs = sorted((cluster.kubelet.work_dir / cluster.namespace).glob(f"{pod}-*/engine.log"))
+    logs = sorted((cluster.kubelet.work_dir / cluster.namespace).glob(f"{pod}-*/engine.log"),
+                  key=lambda path: path.stat().st_mtime)  # the incarnation that left last
     return [line for line in logs[-1].read_text().splitlines()
             if "drain" in line and role in line]
 
@@ -421,10 +431,7 @@ def test_decode_scaled_down_and_up_through_its_pdrole_fails_no_request(cluster: 
     victim = DECODES[1]
     router = _router_pod(cluster)
     started = time.monotonic()
-    _scale_decode(cluster, 1)
-    wait_for(f"{victim} out of the router and its engine stopped", lambda: cluster.router_metric(
-        "pd_router_endpoints", role="decode") == 1.0 and cluster.kubelet.process_of(
-        cluster.namespace, victim) is None, 180)
+    _scale_down(cluster, "decode", victim)
     down = time.monotonic()
     hook = _hook_lines(cluster, victim, "decode")
     print(f"{victim} scaled away in {down - started:.1f} s; completions "
@@ -474,10 +481,7 @@ def test_prefill_scaled_up_and_down_through_its_pdrole_fails_no_request(cluster:
     wait_for(f"{victim} serving", lambda: (cluster.engine_metric(
         victim, "vllm:e2e_request_latency_seconds_count") or 0) >= 3, 120)
     up = time.monotonic()
-    _scale(cluster, "prefill", 1)
-    wait_for(f"{victim} out of the router and its engine stopped", lambda: cluster.router_metric(
-        "pd_router_endpoints", role="prefill") == 1.0 and cluster.kubelet.process_of(
-        cluster.namespace, victim) is None, 180)
+    _scale_down(cluster, "prefill", victim)
     down = time.monotonic()
     hook = _hook_lines(cluster, victim, "prefill")
     print(f"{victim} joined in {up - started:.1f} s, left in {down - up:.1f} s; completions "

@@ -120,6 +120,15 @@ def test_each_role_scales_through_its_pdrole_and_the_last_edit_wins(
         r if (r := settled(cluster, PREFILL, 3)) and r["metadata"]["uid"] != uid else None))
     assert back["spec"]["replicas"] == 3
 
+    # One whose deployment label was edited away is still this role's scale target.
+    cluster.objects.patch_namespaced_custom_object(
+        GROUP, VERSION, cluster.ns, ROLES, PREFILL,
+        {"metadata": {"labels": {"pd.serving.dev/deployment": None}}})
+    scale(cluster, PREFILL, 1)
+    wait_for("prefill scaled to 1 through its unlabelled PDRole",
+             lambda: settled(cluster, PREFILL, 1))
+    assert sts_replicas(cluster, PREFILL) == 1
+
 
 def test_the_example_hpas_on_the_controller_manager_can_scale_each_role(
         operator: KopfRunner, cluster: Cluster) -> None:

@@ -205,6 +205,7 @@ class Reconciler:
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             self._set_managed((namespace, name), Counter())
             self._last_valid.pop((namespace, name), None)
+            self.role_scales.forget(namespace, name)
             return False, "success"
         parsed = self._parse(body)
         if parsed.pdd is None:

@@ -25,7 +25,7 @@ from pd_contract.api import API_VERSION
 from pd_operator.api import PDDeployment, PDDeploymentStatus, Role
 from pd_operator.api.role_scale import PDRole, PDRoleStatus
 from pd_operator.build.meta import object_meta
-from pd_operator.build.names import role_workload
+from pd_operator.build.names import LABEL_DEPLOYMENT, role_workload
 from pd_operator.engines import role_spec
 from pd_operator.kube import PDDEPLOYMENTS, PDROLES, KubeClient
 
@@ -79,9 +79,11 @@ class RoleScales:
         as they now stand (for `write_status`; one just created is left out)."""
         meta = pdd.metadata
         targets: dict[Role, Obj] = {}
+        listed = {obj["metadata"]["name"]: obj for obj in self.kube.list_objects(
+            PDROLES, meta.namespace, f"{LABEL_DEPLOYMENT}={meta.name}")}
         for role in (Role.PREFILL, Role.DECODE):
             count = role_spec(pdd, role).replicas
-            target = self._target(pdd, role)
+            target = self._target(pdd, role, listed.get(role_workload(meta.name, role)))
             if target is None:
                 continue  # just created with the PDDeployment's count
             decision = decide(role, count, target)
@@ -119,12 +121,19 @@ class RoleScales:
             if wanted != previous:
                 self.kube.replace_status(target, wanted)
 
-    def _target(self, pdd: PDDeployment, role: Role) -> Obj | None:
-        """The role's PDRole, or None after creating it. One whose role or PDDeployment was
-        edited to another gets its own back."""
+    def forget(self, namespace: str, name: str) -> None:
+        """The PDDeployment ``name`` is gone: drop what was kept for its PDRoles."""
+        for role in (Role.PREFILL, Role.DECODE):
+            self._messages.pop((namespace, role_workload(name, role)), None)
+
+    def _target(self, pdd: PDDeployment, role: Role, listed: Obj | None) -> Obj | None:
+        """The role's PDRole (``listed``: as the list by the deployment's label found it),
+        or None after creating it. One whose role or PDDeployment was edited to another gets
+        its own back; one whose label was edited away is read by its name."""
         name = role_workload(pdd.metadata.name, role)
         own = {"pdDeployment": pdd.metadata.name, "role": role.value}
-        target = self.kube.get(PDROLES, pdd.metadata.namespace, name)
+        target = listed if listed is not None else self.kube.get(
+            PDROLES, pdd.metadata.namespace, name)
         if target is None:
             self.kube.create({
                 "apiVersion": API_VERSION, "kind": PDRole.kind_name,

@@ -26,7 +26,7 @@ from pd_transfer.agent.report import build_status
 from pd_transfer.auth import PeerAuth, Purpose
 from pd_transfer.bootstrap import BootstrapServer, fetch_document, open_document
 from pd_transfer.errors import BootstrapError
-from pd_transfer.metrics import RecentFailure, RingWatermark, TransferSnapshot
+from pd_transfer.metrics import PendingKV, RecentFailure, RingWatermark, TransferSnapshot
 from pd_transfer.vllm.pod_agent import (
     LIVE_REQUESTS,
     RANK_REACHABLE,
@@ -108,7 +108,7 @@ def snapshot(rank: int, staging_mib: int = 8) -> TransferSnapshot:
                            high_water_bytes=2 * MIB, pending_allocations=rank,
                            quarantined_bytes=0),
         staging_bytes=staging_mib * MIB, registration_version=1, staging_since_unix_s=None,
-        refused_transitions={})
+        refused_transitions={}, pending=PendingKV(2 + rank, 4096 * (rank + 1), 0.5 + rank))
 
 
 def canned_report(rank: int, staging_mib: int = 8) -> RankReport:
@@ -257,6 +257,9 @@ def test_the_pod_report_merges_every_rank() -> None:
     assert status.ring.high_water_bytes == 4 * MIB
     assert status.ring.largest_free_extent_bytes == 5 * MIB
     assert status.ring.pending_grants == 1
+    # Every rank holds its share of the same requests: the most of any rank, bytes summed.
+    assert status.pending_kv.model_dump() == {"requests": 3, "bytes": 4096 + 8192,
+                                              "oldest_seconds": 1.5}
     assert [f.message for f in status.recent_failures] == ["room room-1: late",
                                                             "room room-0: late"]
     assert sorted((t.peer, t.transport) for t in status.transports) == [

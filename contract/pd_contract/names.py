@@ -28,6 +28,7 @@ __all__ = [
     "ENV_TRANSFER_CONFIG",
     "ENV_TRANSFER_METRICS_PORT",
     "LABEL_DEPLOYMENT",
+    "LABEL_KV_COMPAT",
     "LABEL_MANAGED_BY",
     "LABEL_ROLE",
     "TRANSFER_AUTH_KEY",
@@ -42,6 +43,9 @@ __all__ = [
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_DEPLOYMENT: Final = "pd.serving.dev/deployment"
 LABEL_ROLE: Final = "pd.serving.dev/role"
+# An engine pod's KV-compatibility key: a router pairs a prefill only with a decode whose
+# key is the same (the operator's build/compat.py derives it).
+LABEL_KV_COMPAT: Final = "pd.serving.dev/kv-compat"
 
 # `app.kubernetes.io/managed-by` of the TransferAgents the in-pod agents create.
 AGENT_MANAGER: Final = "pd-transfer-agent"

@@ -282,8 +282,16 @@ def test_completions_match_one_vllm_and_every_pod_reports_transfers(cluster: Clu
                        if (x.get("status") or {}).get("bytesTotal", 0) > 0]) == 3 else None), 60)
     assert sorted(a["metadata"]["name"] for a in moved) == sorted(
         [f"{NAME}-prefill-0", *DECODES])
-    transfer = cluster.pdd()["status"]["transfer"]
+    status = cluster.pdd()["status"]
+    transfer = status["transfer"]
     assert transfer["summary"] == "Healthy" and transfer["totals"]["bytes"] > 0, transfer
+    # Every engine pod carries the KV-compatibility key the status shows for both roles.
+    pods = cluster.core.list_namespaced_pod(
+        cluster.namespace, label_selector=f"pd.serving.dev/deployment={NAME},"
+                                          "pd.serving.dev/role in (prefill,decode)").items
+    keys = {p.metadata.labels["pd.serving.dev/kv-compat"] for p in pods}
+    assert len(pods) == 3 and keys == {status["prefill"]["kvCompat"]} == {
+        status["decode"]["kvCompat"]}, (keys, status["prefill"], status["decode"])
 
 
 def _rollout(cluster: Cluster) -> Obj:

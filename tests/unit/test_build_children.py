@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -25,6 +26,19 @@ def strip_hash(manifest: dict[str, Any]) -> dict[str, Any]:
     out = json.loads(json.dumps(manifest))
     out["metadata"].pop("annotations", None)
     return out
+
+
+# The KV-compatibility key of tiny_pdd(), from its spec as written: SHA-256 of the canonical
+# JSON of what decides the KV (docs/architecture.md), first 16 hex digits.
+TINY_KV_INPUTS = {
+    "model": {"name": "tiny", "source": "/models/tiny", "numLayers": 4, "numKVHeads": 2,
+              "headDim": 8, "kvDtype": "bfloat16", "attention": "MHA"},
+    "pageSize": 16,
+    "engine": {"framework": "reference", "image": "pd-operator/reference-engine:0.1.0"},
+    "transferBackend": "PDTransfer",
+}
+TINY_KV_COMPAT = hashlib.sha256(json.dumps(
+    TINY_KV_INPUTS, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def test_decode_statefulset_whole_object() -> None:
@@ -52,6 +66,7 @@ def test_decode_statefulset_whole_object() -> None:
             "template": {
                 "metadata": {
                     "labels": tiny_labels("decode", **{"pd.serving.dev/role": "decode",
+                                                  "pd.serving.dev/kv-compat": TINY_KV_COMPAT,
                                                   LABEL_TEMPLATE_HASH: template_hash}),
                     "annotations": {"pd.serving.dev/transfer-config-hash": config_hash},
                 },

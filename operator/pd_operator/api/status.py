@@ -36,6 +36,11 @@ class RoleStatus(APIModel):
     revision: str = Field(
         default="", description="Hash of the pod template of the current revision."
     )
+    kv_compat: str = Field(
+        default="", alias="kvCompat",
+        description="KV-compatibility key of the current revision's pods (their "
+        "pd.serving.dev/kv-compat label): a router pairs a prefill only with a decode of the "
+        "same key, so a change that moves it never mixes KV across revisions.")
     selector: str = Field(
         default="", description="Label selector of the role's pods (for the scale subresource)."
     )

@@ -8,6 +8,7 @@ from typing import Any, Final
 
 from pd_contract.names import (
     ENV_TRANSFER_AUTH_KEY_FILE,
+    LABEL_KV_COMPAT,
     TRANSFER_AUTH_MOUNT,
     TRANSFER_AUTH_PATH,
 )
@@ -15,6 +16,7 @@ from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
 from pd_operator.build.agent import build_agent_container, build_agent_token_volume
 from pd_operator.build.capabilities import DEFAULT_AGENT_IMAGE
+from pd_operator.build.compat import kv_compat_key
 from pd_operator.build.config import transfer_config_hash
 from pd_operator.build.engine import (
     ENGINE_CONTAINER,
@@ -154,6 +156,7 @@ def build_pod_template(pdd: PDDeployment, role: Role,
     rs = role_spec(pdd, role)
     name = pdd.metadata.name
     labels = base_labels(name, role.value) | role_selector(name, role) | dict(rs.pod.labels)
+    labels[LABEL_KV_COMPAT] = kv_compat_key(pdd)
     annotations = dict(rs.pod.annotations)
     annotations[ANNOTATION_TRANSFER_CONFIG_HASH] = transfer_config_hash(pdd)
     rdma = spec.network.rdma

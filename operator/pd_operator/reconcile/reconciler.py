@@ -51,6 +51,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
+from pd_contract.names import LABEL_KV_COMPAT
 from pd_operator.api import (
     PDDeployment,
     PDDeploymentStatus,
@@ -447,4 +448,5 @@ def _role(pdd: PDDeployment, desired: Sequence[Obj], role: Role) -> RoleObservat
         desired_replicas=int(sts["spec"]["replicas"]),
         revision=str(sts["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH]),
         selector=selector_string(role_selector(name, role)),
+        kv_compat=str(sts["spec"]["template"]["metadata"]["labels"][LABEL_KV_COMPAT]),
     )

@@ -98,6 +98,7 @@ class RoleObservation:
     desired_replicas: int
     revision: str
     selector: str
+    kv_compat: str = ""  # the pods' KV-compatibility key (build/compat.py)
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ def _role_status(role: RoleObservation, pods: Sequence[PodObservation]) -> RoleS
         ready_replicas=ready,
         updated_replicas=len(updated),
         revision=role.revision,
+        kv_compat=role.kv_compat,
         selector=role.selector,
         summary=f"{ready}/{role.desired_replicas}",
     )

@@ -22,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
@@ -33,6 +33,7 @@ from pd_transfer.router import protocols
 from pd_transfer.router.endpoints import Endpoint, EndpointTable
 from pd_transfer.router.errors import (
     MisconfiguredEndpoint,
+    NoCompatiblePair,
     NoEndpoint,
     UpstreamError,
     UpstreamFailure,
@@ -121,8 +122,7 @@ class Dispatcher:
 
     def _pd_transfer(self, handler: BaseHTTPRequestHandler, request: Request,
                      key: str | None) -> RelayResult:
-        prefill = self._pick(Role.PREFILL, key)
-        decode = self._pick(Role.DECODE, key)
+        prefill, decode = self._pick_pair(key)
         room = uuid.uuid4().hex
         prefill_body = protocols.pd_transfer_prefill(request.body, room, _bootstrap(decode))
         decode_body = protocols.pd_transfer_decode(request.body, room, _bootstrap(prefill))
@@ -171,8 +171,7 @@ class Dispatcher:
 
     def _vllm_nixl(self, handler: BaseHTTPRequestHandler, request: Request,
                    key: str | None) -> RelayResult:
-        prefill = self._pick(Role.PREFILL, key)
-        self._pick(Role.DECODE, key)  # 503 before prefill computes anything
+        prefill, _ = self._pick_pair(key)  # 503 before prefill computes anything
         with self._inflight.track(prefill):
             exchange = self._send(prefill, "POST", request.path,
                                   _json(protocols.nixl_prefill(request.body)),
@@ -194,7 +193,7 @@ class Dispatcher:
             _log.warning("request %s: prefill engine %s returned no kv_transfer_params, so "
                          "decode computes the prompt itself; do the prefill engines run "
                          "vLLM's NixlConnector?", request.request_id, prefill.describe())
-        decode = self._pick(Role.DECODE, key)
+        decode = self._pick_compatible(Role.DECODE, prefill.compat, key)
         return self._decode(handler, decode, request, protocols.nixl_decode(request.body,
                                                                             params))
 
@@ -209,6 +208,10 @@ class Dispatcher:
                 return self._relay(handler, exchange, request)
 
     def _pick(self, role: Role, key: str | None) -> Endpoint:
+        return self._policy.pick(role, self._ready(role), key)
+
+    def _ready(self, role: Role) -> tuple[Endpoint, ...]:
+        """The role's rotation, waiting up to the endpoint wait while it is empty."""
         endpoints = self._table.ready(role)
         if not endpoints:
             started = time.monotonic()
@@ -216,7 +219,55 @@ class Dispatcher:
             self._metrics.endpoint_wait(role, time.monotonic() - started, bool(endpoints))
             if not endpoints:
                 raise NoEndpoint(role, self._settings.endpoint_wait_s)
-        return self._policy.pick(role, endpoints, key)
+        return endpoints
+
+    def _pick_pair(self, key: str | None) -> tuple[Endpoint, Endpoint]:
+        """A prefill and a decode of the same KV-compatibility key. The prefill is picked
+        among those that have a compatible decode, then the decode among those. While both
+        roles have engines but no pair (a change of the key rolling out), waits up to the
+        endpoint wait for one; then NoCompatiblePair."""
+        prefills, decodes = self._ready(Role.PREFILL), self._ready(Role.DECODE)
+        keys = _paired(prefills, decodes)
+        if not keys:
+            started = time.monotonic()
+            ready = self._table.wait_until(
+                lambda rotation: bool(_paired(rotation[Role.PREFILL], rotation[Role.DECODE])),
+                self._settings.endpoint_wait_s, Role.DECODE)
+            prefills, decodes = ready[Role.PREFILL], ready[Role.DECODE]
+            keys = _paired(prefills, decodes)
+            waited = time.monotonic() - started
+            self._metrics.endpoint_wait(Role.DECODE, waited, bool(keys))
+            if not keys:
+                for role, endpoints in ((Role.PREFILL, prefills), (Role.DECODE, decodes)):
+                    if not endpoints:
+                        raise NoEndpoint(role, self._settings.endpoint_wait_s)
+                raise NoCompatiblePair(_keys(prefills), _keys(decodes),
+                                       self._settings.endpoint_wait_s)
+        prefill = self._policy.pick(Role.PREFILL, [p for p in prefills if p.compat in keys],
+                                    key)
+        decode = self._policy.pick(Role.DECODE, [d for d in decodes
+                                                 if d.compat == prefill.compat], key)
+        return prefill, decode
+
+    def _pick_compatible(self, role: Role, compat: str | None, key: str | None) -> Endpoint:
+        """An endpoint of ``role`` with the KV-compatibility key ``compat``, waiting up to
+        the endpoint wait for one."""
+        def matching(endpoints: tuple[Endpoint, ...]) -> list[Endpoint]:
+            return [e for e in endpoints if e.compat == compat]
+
+        found = matching(self._table.ready(role))
+        if not found:
+            started = time.monotonic()
+            ready = self._table.wait_until(lambda rotation: bool(matching(rotation[role])),
+                                           self._settings.endpoint_wait_s, role)
+            found = matching(ready[role])
+            self._metrics.endpoint_wait(role, time.monotonic() - started, bool(found))
+            if not found:
+                others = _keys(ready[role])
+                if not others:
+                    raise NoEndpoint(role, self._settings.endpoint_wait_s)
+                raise NoCompatiblePair([str(compat)], others, self._settings.endpoint_wait_s)
+        return self._policy.pick(role, found, key)
 
     def _send(self, endpoint: Endpoint, method: str, path: str, body: bytes | None,
               headers: dict[str, str]) -> Exchange:
@@ -249,6 +300,15 @@ class Dispatcher:
             self._metrics.upstream_error(exchange.endpoint.role,
                                          result.upstream_failure.failure)
         return result
+
+
+def _paired(prefills: Sequence[Endpoint], decodes: Sequence[Endpoint]) -> set[str | None]:
+    """The KV-compatibility keys that both a prefill and a decode have."""
+    return {p.compat for p in prefills} & {d.compat for d in decodes}
+
+
+def _keys(endpoints: Sequence[Endpoint]) -> list[str]:
+    return sorted({str(e.compat) for e in endpoints})
 
 
 def _bootstrap(endpoint: Endpoint) -> str:

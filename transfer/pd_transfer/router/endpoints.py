@@ -3,7 +3,9 @@
 A discovery (static flags, or the Kubernetes pod watch) replaces a role's endpoints whole;
 every request reads the current tuple once, so a request never sees half an update. An
 endpoint is an engine's OpenAI API (``host:port``) and, for the ``pd-transfer`` protocol,
-its pod's bootstrap address (``host:port`` of rank 0's bootstrap server).
+its pod's bootstrap address (``host:port`` of rank 0's bootstrap server), and its pod's
+KV-compatibility key (the ``pd.serving.dev/kv-compat`` label; None where none is known, as
+for engines given by URL): a request's prefill and decode have the same key.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -31,6 +33,7 @@ class Endpoint:
     port: int
     bootstrap: str | None = None
     pod: str | None = field(default=None, compare=False)
+    compat: str | None = field(default=None, compare=False)
 
     @property
     def name(self) -> str:
@@ -90,8 +93,7 @@ class EndpointTable:
         with self._lock:
             old = self._ready[role]
             self._ready[role] = new
-            if new:
-                self._changed.notify_all()
+            self._changed.notify_all()
         for endpoint in sorted(set(new) - set(old), key=lambda e: e.name):
             _log.info("%s endpoint %s joined the rotation", role.value, endpoint.describe())
         for endpoint in sorted(set(old) - set(new), key=lambda e: e.name):
@@ -118,6 +120,23 @@ class EndpointTable:
                 return self._ready[role]
             finally:
                 self._waiting[role] -= 1
+
+    def wait_until(self, done: Callable[[Mapping[Role, tuple[Endpoint, ...]]], bool],
+                   timeout_s: float, waiting_for: Role) -> dict[Role, tuple[Endpoint, ...]]:
+        """Every role's rotation once ``done(rotations)`` holds, or after ``timeout_s`` (the
+        caller checks again); counted as a request waiting for ``waiting_for``."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._waiting[waiting_for] += 1
+            try:
+                while not done(self._ready):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._changed.wait(left)
+                return dict(self._ready)
+            finally:
+                self._waiting[waiting_for] -= 1
 
     def waiting(self) -> dict[Role, int]:
         """Requests waiting now, per role, for an endpoint to join the rotation."""

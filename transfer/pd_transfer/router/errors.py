@@ -84,6 +84,21 @@ class NoEndpoint(RouterError):
         self.role = role
 
 
+class NoCompatiblePair(RouterError):
+    """Both roles have engines, but no prefill and decode share a KV-compatibility key."""
+
+    code: ClassVar[str] = "no_compatible_pair"
+    status = 503
+
+    def __init__(self, prefill_keys: list[str], decode_keys: list[str],
+                 waited_s: float = 0.0) -> None:
+        waited = f" after waiting {waited_s:g} s for one" if waited_s else ""
+        super().__init__(
+            f"no ready prefill and decode engine with the same KV-compatibility key{waited}: "
+            f"prefill keys {prefill_keys}, decode keys {decode_keys} (a change of the model, "
+            f"page size, KV dtype or image is rolling out; see GET /health)")
+
+
 class MisconfiguredEndpoint(RouterError):
     code: ClassVar[str] = "router_misconfigured"
 

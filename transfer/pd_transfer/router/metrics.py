@@ -17,7 +17,8 @@
   answered anything but 2xx behind decode's answer);
 - ``pd_router_endpoints{role}`` (gauge): ready endpoints in rotation;
 - ``pd_router_endpoint_waiting_requests{role}`` (gauge): requests waiting now for an
-  endpoint of a role that has none in rotation;
+  endpoint of a role that has none in rotation (``decode``: also those waiting for a decode
+  of their prefill's KV-compatibility key);
 - ``pd_router_endpoint_wait_seconds{role,outcome}`` (histogram): how long a request waited
   for one (``served``: one joined; ``refused``: none did, answered 503); requests that
   found one at once are not in it;
@@ -67,7 +68,8 @@ class _Live(Collector):
             endpoints.add_metric([role.value], count)
         waiting = GaugeMetricFamily("pd_router_endpoint_waiting_requests",
                                     "Requests waiting for an endpoint of a role that has none "
-                                    "in rotation.", labels=["role"])
+                                    "in rotation (decode: or none of a compatible KV key).",
+                                    labels=["role"])
         for role, count in self._table.waiting().items():
             waiting.add_metric([role.value], count)
         in_flight = GaugeMetricFamily("pd_router_in_flight_requests",

@@ -3,7 +3,8 @@
 An engine pod is an endpoint while it has a ``status.podIP``, its ``Ready`` condition is
 ``True`` (for pd_transfer pods that includes the transfer readiness gate) and it carries
 no ``deletionTimestamp`` (a terminating pod leaves at once, before its readiness drops).
-Its engine is ``http://<podIP>:<engine port>``, its bootstrap ``<podIP>:<bootstrap port>``.
+Its engine is ``http://<podIP>:<engine port>``, its bootstrap ``<podIP>:<bootstrap port>``,
+its KV-compatibility key the pod's ``pd.serving.dev/kv-compat`` label.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pd_contract.names import LABEL_DEPLOYMENT, LABEL_ROLE
+from pd_contract.names import LABEL_DEPLOYMENT, LABEL_KV_COMPAT, LABEL_ROLE
 from pd_contract.transferagent import Role
 from pd_transfer.router.endpoints import Endpoint
 
@@ -50,4 +51,6 @@ def pod_endpoint(pod: Mapping[str, Any], ports: EnginePorts) -> Endpoint | None:
     bootstrap = None
     if ports.bootstrap is not None:
         bootstrap = f"{ip}:{ports.bootstrap}"
-    return Endpoint(role, ip, ports.engine, bootstrap, pod=meta.get("name"))
+    compat = labels.get(LABEL_KV_COMPAT)
+    return Endpoint(role, ip, ports.engine, bootstrap, pod=meta.get("name"),
+                    compat=compat if isinstance(compat, str) else None)

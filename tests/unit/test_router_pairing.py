@@ -95,6 +95,10 @@ def test_a_request_waits_for_a_compatible_pair_then_is_served() -> None:
         client.join(10)
         assert answers == [200]
         assert len(new_decode.requests) == 1 and old_decode.requests == []
+        # The prefill half goes out beside decode's and may land after the answer.
+        deadline = time.monotonic() + 10
+        while not prefill.requests and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert len(prefill.requests) == 1
     finally:
         live.close(drain_s=5)

@@ -8,12 +8,13 @@ nor a GPU. Each test names the failure mode in docs/failure-modes.md it guards.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 from prometheus_client import generate_latest
 
-from pd_testbed.transfer_harness import Cluster, Request, message_type, of_type, seal_as
+from pd_testbed.transfer_harness import FAST, Cluster, Request, message_type, of_type, seal_as
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import Endpoint
 from pd_transfer.metrics import PendingKV
@@ -363,6 +364,30 @@ def test_request_kv_before_prefill_registered_is_buffered() -> None:
     cluster.senders[0].send_part(request.room, last=True)
     cluster.run(lambda: cluster.finished(request.room))
     assert cluster.states(request.room) == SUCCEEDED and cluster.verified(request)
+
+
+def test_request_kv_for_an_unregistered_room_is_kept_for_decodes_deadline() -> None:
+    """A RequestKV whose room prefill's engine has not scheduled yet (a long queue) is kept
+    as long as decode itself waits (its transfer deadline), not only the shorter KV lease;
+    after that it is refused LeaseExpired."""
+    timeouts = replace(FAST, kv_lease_s=0.2, transfer_s=0.6)
+    cluster = Cluster(mode="staged", timeouts=timeouts)
+    late, never = cluster.new_request(num_tokens=8), cluster.new_request(num_tokens=8)
+    for request in (late, never):
+        cluster.receivers[0].expect(request.room, request.dst_pages, request.num_tokens)
+    for _ in range(40):  # 0.4 s: past the lease, inside decode's deadline
+        cluster.step()
+        cluster.clock.advance(cluster.tick_s)
+    assert cluster.senders[0].debug_counts()["early_requests"] == 2
+    cluster.senders[0].register_request(late.room, late.src_pages, late.num_tokens)
+    cluster.senders[0].send_part(late.room, last=True)
+    cluster.run(lambda: cluster.finished(late.room)
+                and cluster.receivers[0].poll(never.room).finished)  # type: ignore[union-attr]
+    assert cluster.states(late.room) == SUCCEEDED and cluster.verified(late)
+    refused = cluster.receivers[0].poll(never.room)
+    assert refused is not None and refused.reason in (FailureReason.LEASE_EXPIRED,
+                                                      FailureReason.TRANSFER_TIMEOUT)
+    cluster.run(lambda: cluster.senders[0].debug_counts()["early_requests"] == 0, 10)
 
 
 def test_prefill_kv_hold_has_a_lease() -> None:

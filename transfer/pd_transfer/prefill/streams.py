@@ -67,7 +67,7 @@ class StreamOpener:
             if self.early_count() >= MAX_EARLY_REQUESTS:
                 ctx.reject("early_buffer_full", f"RequestKV for {message.room!r} from {peer}")
             elif all(p != peer for p, _, _ in waiting):
-                waiting.append((peer, message, ctx.clock() + ctx.timeouts.kv_lease_s))
+                waiting.append((peer, message, ctx.clock() + self._early_wait_s()))
             if not waiting:
                 del self._early[message.room]
             return
@@ -75,6 +75,14 @@ class StreamOpener:
             return  # a re-sent RequestKV: idempotent
         with ctx.guard(transfer):
             self._open_stream(transfer, peer, document, message)
+
+    def _early_wait_s(self) -> float:
+        """How long a RequestKV for a room not registered yet is kept. Decode waits for
+        the transfer up to its own deadline from that RequestKV, and prefill's engine may
+        queue the request that long under load: refusing it sooner fails a request decode
+        would still take. The KV lease bounds it from below, as before."""
+        timeouts = self._ctx.timeouts
+        return max(timeouts.kv_lease_s, timeouts.transfer_s)
 
     def expire_early(self, now: float) -> None:
         """Abort (LeaseExpired) the early RequestKVs whose room was not registered in time."""

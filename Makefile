@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck crds-check unit integration down clean-venv
+.PHONY: demo test test-long lint typecheck crds-check unit integration down clean-venv
 
 # The project and its development tooling (devtools/: the `pd-dev` command, the test bed), a
 # distribution of its own so that no image ships it; one pip call resolves both together.
@@ -42,6 +42,11 @@ test: $(STAMP) lint typecheck crds-check
 
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
+
+# End-to-end scenarios too long for CI on 2 cores (marker `long`; each has a benchmark).
+test-long: $(STAMP)
+	$(BIN)/pd-dev cluster build
+	PD_OPERATOR_REQUIRE_VLLM=1 $(BIN)/pytest --tb=short -m long tests/e2e
 
 integration: $(STAMP)
 	$(BIN)/pytest tests/integration tests/e2e

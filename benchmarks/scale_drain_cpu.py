@@ -37,10 +37,12 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -109,11 +111,20 @@ class Fleet:
                                                   "pd_router_endpoints", role=role)
 
     def drive(self, seed: int) -> None:
+        """Completions back to back through a Ready router. While none is Ready (not
+        paused), a client of the router's Service would be refused: one failed outcome per
+        second says so."""
         rng = random.Random(seed)
         while not self.stop.is_set():
-            router = None if self.paused.is_set() else self.router()
-            if router is None:
+            if self.paused.is_set():
                 time.sleep(0.2)
+                continue
+            router = self.router()
+            if router is None:
+                started = time.monotonic()
+                time.sleep(1.0)
+                self.outcomes.append(Outcome(started, time.monotonic(),
+                                             "no Ready router: the Service has no endpoint"))
                 continue
             started = time.monotonic()
             error = None
@@ -136,6 +147,44 @@ class Fleet:
         self.objects.patch_namespaced_custom_object_scale(
             GROUP, VERSION, self.namespace, "pdroles", f"{NAME}-{role}",
             {"spec": {"replicas": replicas}})
+
+    def deploy(self, edit: Callable[[Obj], None]) -> Obj:
+        """`examples/local-vllm.yaml` in this namespace, its PDDeployment changed by `edit`;
+        returns it once its router is Ready."""
+        config_map, pdd = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
+        for obj in (config_map, pdd):
+            obj["metadata"]["namespace"] = self.namespace
+        edit(pdd)
+        try:
+            self.core.create_namespaced_config_map(self.namespace, config_map)
+        except k8s.ApiException as exc:
+            if exc.status != 409:
+                raise
+        self.objects.create_namespaced_custom_object(GROUP, VERSION, self.namespace,
+                                                     "pddeployments", pdd)
+        wait_for("the router Ready", self.router, 420)
+        return cast(Obj, pdd)
+
+    def start_load(self, clients: int) -> list[threading.Thread]:
+        """`clients` drivers from a clean record, after 10 s of warm-up."""
+        self.outcomes.clear()
+        self.stop.clear()
+        drivers = [threading.Thread(target=self.drive, args=(seed,), daemon=True)
+                   for seed in range(clients)]
+        for thread in drivers:
+            thread.start()
+        time.sleep(10)
+        return drivers
+
+    def undeploy(self, drivers: list[threading.Thread]) -> None:
+        """Stop the load, delete the PDDeployment, wait until every engine is gone."""
+        self.stop.set()
+        for thread in drivers:
+            thread.join(150)
+        self.objects.delete_namespaced_custom_object(GROUP, VERSION, self.namespace,
+                                                     "pddeployments", NAME)
+        wait_for("every engine gone", lambda: not self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"pd.serving.dev/deployment={NAME}").items, 600)
 
     def hook_drain_s(self, pod: str) -> float | None:
         logs = sorted((self.kubelet.work_dir / self.namespace).glob(f"{pod}-*/engine.log"),
@@ -190,39 +239,66 @@ def summary(cycles: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_mode(fleet: Fleet, mode: str, clients: int, serve_s: float,
              cycles: int) -> dict[str, Any]:
-    config_map, pdd = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
-    for obj in (config_map, pdd):
-        obj["metadata"]["namespace"] = fleet.namespace
-    if mode == "no-drain":
-        for role in ("prefill", "decode"):
-            pdd["spec"][role]["drainSeconds"] = 0
-    try:
-        fleet.core.create_namespaced_config_map(fleet.namespace, config_map)
-    except k8s.ApiException as exc:
-        if exc.status != 409:
-            raise
-    fleet.objects.create_namespaced_custom_object(GROUP, VERSION, fleet.namespace,
-                                                  "pddeployments", pdd)
-    wait_for("the router Ready", fleet.router, 420)
-    fleet.outcomes.clear()
-    fleet.stop.clear()
-    drivers = [threading.Thread(target=fleet.drive, args=(seed,), daemon=True)
-               for seed in range(clients)]
-    for thread in drivers:
-        thread.start()
-    time.sleep(10)  # warm
+    def edit(pdd: Obj) -> None:
+        if mode == "no-drain":
+            for role in ("prefill", "decode"):
+                pdd["spec"][role]["drainSeconds"] = 0
+
+    fleet.deploy(edit)
+    drivers = fleet.start_load(clients)
     result: dict[str, Any] = {}
     for role in ("prefill", "decode"):
         runs = [scale_cycle(fleet, role, serve_s) for _ in range(cycles)]
         result[role] = {"summary": summary(runs), "runs": runs}
-    fleet.stop.set()
-    for thread in drivers:
-        thread.join(150)
-    fleet.objects.delete_namespaced_custom_object(GROUP, VERSION, fleet.namespace,
-                                                  "pddeployments", NAME)
-    wait_for("every engine gone", lambda: not fleet.core.list_namespaced_pod(
-        fleet.namespace, label_selector=f"pd.serving.dev/deployment={NAME}").items, 600)
+    fleet.undeploy(drivers)
     return result
+
+
+@contextmanager
+def local_fleet(prefix: str, ip_prefix: str, max_tokens: int) -> Iterator[Fleet]:
+    """A fresh local control plane, the operator (its own process) and the fake kubelet
+    serving one new namespace (`prefix-…`, pods on `ip_prefix`*); everything stops after."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    work = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
+    handle = start_control_plane(work / "cluster", Ports.free(), REPO / "crds",
+                                 controller_manager=True)
+    try:
+        api = handle.api_client()
+        core = k8s.CoreV1Api(api)
+        created = core.create_namespace(k8s.V1Namespace(
+            metadata=k8s.V1ObjectMeta(generate_name=f"{prefix}-")))
+        namespace = str(api.sanitize_for_serialization(created)["metadata"]["name"])  # type: ignore[no-untyped-call]
+        operator = OperatorProcess(handle, namespace, work)
+        operator.start()
+        kubelet = FakeKubelet(handle, work / "kubelet", namespace=namespace,
+                              ip_prefix=ip_prefix, restart_backoff_s=2.0)
+        kubelet_stop = threading.Event()
+        kubelet_thread = threading.Thread(target=kubelet.run, args=(kubelet_stop, 0.5),
+                                          daemon=True)
+        kubelet_thread.start()
+        try:
+            yield Fleet(api, namespace, kubelet, max_tokens)
+        finally:
+            kubelet_stop.set()
+            kubelet_thread.join(120)
+            operator.stop()
+    finally:
+        handle.stop()
+
+
+def save_results(benchmark: str, settings: dict[str, Any], results: dict[str, Any]) -> Path:
+    """Write `benchmarks/results/<benchmark>-<UTC time>.json` (host, settings, results)."""
+    record = {
+        "benchmark": benchmark,
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine()},
+        "settings": settings,
+        "results": results,
+    }
+    out = REPO / "benchmarks" / "results" / f"{benchmark}-{datetime.now(UTC):%Y%m%d-%H%M%S}.json"
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out.relative_to(REPO)}")
+    return out
 
 
 def main() -> int:
@@ -235,50 +311,15 @@ def main() -> int:
     parser.add_argument("--modes", default="no-drain,drain")
     args = parser.parse_args()
     require_vllm_env()
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    work = Path(tempfile.mkdtemp(prefix="scale-drain-"))
     results: dict[str, Any] = {}
-    handle = start_control_plane(work / "cluster", Ports.free(), REPO / "crds",
-                                 controller_manager=True)
-    try:
-        api = handle.api_client()
-        core = k8s.CoreV1Api(api)
-        created = core.create_namespace(k8s.V1Namespace(
-            metadata=k8s.V1ObjectMeta(generate_name="scale-drain-")))
-        namespace = str(api.sanitize_for_serialization(created)["metadata"]["name"])  # type: ignore[no-untyped-call]
-        operator = OperatorProcess(handle, namespace, work)
-        operator.start()
-        kubelet = FakeKubelet(handle, work / "kubelet", namespace=namespace,
-                              ip_prefix="127.201.7.", restart_backoff_s=2.0)
-        kubelet_stop = threading.Event()
-        kubelet_thread = threading.Thread(target=kubelet.run, args=(kubelet_stop, 0.5),
-                                          daemon=True)
-        kubelet_thread.start()
-        try:
-            fleet = Fleet(api, namespace, kubelet, args.max_tokens)
-            for mode in args.modes.split(","):
-                results[mode] = run_mode(fleet, mode, args.clients, args.serve_seconds,
-                                         args.cycles)
-                print(mode, json.dumps({role: results[mode][role]["summary"]
-                                        for role in ("prefill", "decode")}, indent=1),
-                      flush=True)
-        finally:
-            kubelet_stop.set()
-            kubelet_thread.join(120)
-            operator.stop()
-    finally:
-        handle.stop()
-    record = {
-        "benchmark": "scale_drain_cpu",
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": {"cpus": os.cpu_count(), "machine": platform.machine()},
-        "settings": vars(args),
-        "results": results,
-    }
-    out = REPO / "benchmarks" / "results" / (
-        f"scale_drain_cpu-{datetime.now(UTC):%Y%m%d-%H%M%S}.json")
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out.relative_to(REPO)}")
+    with local_fleet("scale-drain", "127.201.7.", args.max_tokens) as fleet:
+        for mode in args.modes.split(","):
+            results[mode] = run_mode(fleet, mode, args.clients, args.serve_seconds,
+                                     args.cycles)
+            print(mode, json.dumps({role: results[mode][role]["summary"]
+                                    for role in ("prefill", "decode")}, indent=1),
+                  flush=True)
+    save_results("scale_drain_cpu", vars(args), results)
     return 0
 
 

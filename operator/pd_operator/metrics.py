@@ -17,6 +17,9 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_se
 
 __all__ = [
     "API_WRITES",
+    "ENGINE_ROLLOUTS",
+    "ENGINE_ROLLOUT_DELETIONS",
+    "ENGINE_ROLLOUT_PHASE",
     "MANAGED_OBJECTS",
     "RECONCILES",
     "RECONCILE_DURATION",
@@ -69,10 +72,30 @@ STATUS_WRITES_COALESCED: Final = Counter(
     "reconcile that was already due, so that they cause no status write of their own.",
 )
 
+ENGINE_ROLLOUTS: Final = Counter(
+    "pd_operator_engine_rollouts_total",
+    "Engine pod-template rollouts that ended, by result (complete, failed: rolled back).",
+    ["result"],
+)
+ENGINE_ROLLOUT_DELETIONS: Final = Counter(
+    "pd_operator_engine_rollout_pod_deletions_total",
+    "Old-revision engine pods an engine rollout deleted (each drains before it stops).",
+    ["role"],
+)
+ENGINE_ROLLOUT_PHASE: Final = Gauge(
+    "pd_operator_engine_rollout_phase",
+    "1 for the phase each PDDeployment's engine rollout is in (status.rollout.phase).",
+    ["namespace", "name", "phase"],
+)
+
 for _kind in ("PDDeployment", "Pod"):
     STATUS_WRITES.labels(kind=_kind)
 for _result in ("success", "error", "conflict", "invalid"):
     RECONCILES.labels(result=_result)  # export zeros, so rates work from the first scrape
+for _result in ("complete", "failed"):
+    ENGINE_ROLLOUTS.labels(result=_result)
+for _role in ("prefill", "decode"):
+    ENGINE_ROLLOUT_DELETIONS.labels(role=_role)
 
 
 def api_writes_total() -> float:

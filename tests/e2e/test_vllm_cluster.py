@@ -15,12 +15,17 @@ In order:
 3. a decode engine killed (SIGKILL, its whole process group): the router drops it, the
    load goes on through the other decode, its report turns stale and its readiness gate
    False; the kubelet restarts it, and once it reports again the router sends it requests;
-4. the decode scaled 2 → 1 → 2 and the prefill 1 → 2 → 1 through their PDRoles (`kubectl
+4. the decode scaled 2 → 1 and the prefill 1 → 2 → 1 through their PDRoles (`kubectl
    scale`) under the load: no failed completion, the leaving engine's preStop hook
    (`pd-transfer drain`) ends before its engine stops (the prefill's once its connector
    holds no KV, every transfer of its engine's requests succeeded by its own counters), and
    the router pod is the same throughout; then the router's own rollout (a change of its
    args) fails no completion either;
+4b. engine rollouts (docs/failure-modes.md #42, #43) under the load: an engine argument
+   vLLM refuses rolls back by itself without deleting a serving pod; then (marked `long`,
+   `make test-long`) a page-size change (a new KV-compatibility key) rolls both roles surge
+   first, each old pod drained by its own counters, new engines in the same router, no
+   failed completion;
 5. the same example with `transfer.backend: EngineNative` (vLLM's own NixlConnector, the
    router's vllm-nixl protocol, the transfer-agent sidecar reporting from vLLM's metrics)
    serves completions, both pods report healthy transfers, and a staging pool patch on it
@@ -31,7 +36,7 @@ In order:
    fails every request with HTTP 500 while its /health stays 200): within one report window
    TransferHealthy=False names the pod and the reason, its readiness gate turns False, a
    Warning Event says so, and the router stops sending to it.
-Budget: about 10 minutes on 2 cores.
+Budget: about 9 minutes on 2 cores (16 with `long`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client as k8s
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd_devcluster import ControlPlaneHandle
 from pd_devcluster.kubelet import FakeKubelet
@@ -63,6 +69,7 @@ from pd_testbed.vllm import (
     VllmServer,
     complete,
     free_ports,
+    metrics_text,
     prompt_ids,
     running,
     scrape,
@@ -410,10 +417,6 @@ def _scale(cluster: Cluster, role: str, replicas: int) -> None:
         {"spec": {"replicas": replicas}})
 
 
-def _scale_decode(cluster: Cluster, replicas: int) -> None:
-    _scale(cluster, "decode", replicas)
-
-
 def _scale_down(cluster: Cluster, role: str, victim: str) -> None:
     """`kubectl scale` the role to one pod; back once `victim` is out of the router and its
     engine has stopped."""
@@ -431,11 +434,11 @@ def _hook_lines(cluster: Cluster, pod: str, role: str) -> list[str]:
             if "drain" in line and role in line]
 
 
-def test_decode_scaled_down_and_up_through_its_pdrole_fails_no_request(cluster: Cluster) -> None:
+def test_decode_scaled_down_through_its_pdrole_fails_no_request(cluster: Cluster) -> None:
     """Guards against a scale-down that stops a decode mid-generation, and a replica change
     that restarts the router (docs/failure-modes.md #39): `kubectl scale` on the decode's
-    PDRole, under the load; the leaving decode's preStop hook (`pd-transfer drain`) ends
-    before its engine is stopped, and the new decode joins the same router."""
+    PDRole 2 -> 1, under the load; the leaving decode's preStop hook (`pd-transfer drain`)
+    ends before its engine is stopped, and the router pod stays the same."""
     victim = DECODES[1]
     router = _router_pod(cluster)
     started = time.monotonic()
@@ -447,23 +450,10 @@ def test_decode_scaled_down_and_up_through_its_pdrole_fails_no_request(cluster: 
     assert hook[0].startswith("preStop: ") and hook[-1].startswith("drained decode after "), hook
     assert set(cluster.window(started, down)) == {"identical"}
     assert sum(cluster.window(started, down).values()) > 0
-    # Up again: a new engine starts (the load pauses, as a vLLM start beside two loaded
-    # engines took minutes on 2 cores) and joins the same router.
-    cluster.paused.set()
-    try:
-        _scale_decode(cluster, 2)
-        wait_for("the router back to two decode engines", lambda: cluster.router_metric(
-            "pd_router_endpoints", role="decode") == 2.0, 300)
-    finally:
-        cluster.paused.clear()
-    back = time.monotonic()
-    wait_for(f"{victim} serving", lambda: (cluster.engine_metric(
-        victim, "vllm:e2e_request_latency_seconds_count") or 0) > 0, 120)
-    print(f"{victim} back in the router {back - down:.1f} s after the scale-up; completions "
-          f"{dict(cluster.window(back, time.monotonic()))}")
-    assert set(cluster.window(started, time.monotonic())) == {"identical"}
     assert _router_pod(cluster) == router
-    assert cluster.pdd()["spec"]["decode"]["replicas"] == 2
+    assert cluster.pdd()["spec"]["decode"]["replicas"] == 1
+    # A new decode joining the same router is shown by the prefill's scale-up below and by
+    # the engine rollouts (new pods of both roles), which run on this one decode.
 
 
 DRAINED = re.compile(r"drained prefill after [0-9.]+ s: the engine finished ([0-9]+) "
@@ -533,7 +523,130 @@ def test_the_routers_own_rollout_fails_no_request(cluster: Cluster) -> None:
           f"{dict(cluster.window(started, done))}")
     assert set(cluster.window(started, done)) == {"identical"}
     assert sum(cluster.window(started, done).values()) > 0
-    assert "stopping: draining for up to 20 s" in old_log.read_text()
+    # The kubelet may remove the pod object before the stopping router's line is written.
+    wait_for("the old router's drain in its log", lambda: "stopping: draining for up to 20 s"
+             in old_log.read_text(), 30)
+
+
+def _engine_rollout(cluster: Cluster) -> Obj:
+    rollout: Obj = (cluster.pdd().get("status") or {}).get("rollout") or {}
+    return rollout
+
+
+def _engine_pods(cluster: Cluster) -> dict[str, str]:
+    """The engine pods now, by name: their uids."""
+    pods = cluster.core.list_namespaced_pod(
+        cluster.namespace, label_selector=f"pd.serving.dev/deployment={NAME},"
+                                          "pd.serving.dev/role in (prefill,decode)").items
+    return {p.metadata.name: p.metadata.uid for p in pods}
+
+
+def _connector_failed(cluster: Cluster, pod: str) -> int:
+    """The transfers `pod`'s connector counted failed so far (all ranks and sides)."""
+    ip = (cluster.pod(pod).get("status") or {})["podIP"]
+    return int(sum(sample.value for family in text_string_to_metric_families(
+        metrics_text(f"{ip}:9400")) for sample in family.samples
+        if sample.name == "pd_transfer_requests_total"
+        and sample.labels.get("result") == "failed"))
+
+
+def _hook_of(cluster: Cluster, pod: str, uid: str) -> list[str]:
+    """What one incarnation of `pod` printed from its preStop hook."""
+    log = cluster.kubelet.work_dir / cluster.namespace / f"{pod}-{uid[:8]}" / "engine.log"
+    return [line for line in log.read_text().splitlines() if "drain" in line]
+
+
+def test_a_revision_that_exits_at_start_rolls_back_by_itself_under_load(
+        cluster: Cluster) -> None:
+    """Guards against a bad revision replacing serving pods (docs/failure-modes.md #43): an
+    engine argument vLLM refuses makes the new pods exit at start; the rollout judges them,
+    rolls back by itself, and no serving pod was ever deleted; the load sees no failure.
+    Restoring the arguments then matches the pods already running: nothing restarts."""
+    before = _engine_pods(cluster)
+    args = cluster.pdd()["spec"]["engine"]["args"]
+    started = time.monotonic()
+    cluster.objects.patch_namespaced_custom_object(
+        GROUP, VERSION, cluster.namespace, "pddeployments", NAME,
+        {"spec": {"engine": {"args": [*args, "--no-such-engine-flag"]},
+                  "rollout": {"maxRestarts": 1}}})
+    back = wait_for("the rollout to roll back by itself", lambda: (
+        r := _engine_rollout(cluster)).get("phase") == "RolledBack" and r, 300)
+    done = time.monotonic()
+    print(f"rolled back in {done - started:.1f} s: {back['message']}; completions "
+          f"{dict(cluster.window(started, done))}")
+    assert back["reason"] in ("CrashLoop", "StartFailed"), back
+    assert set(back["failedRevisions"]) == {"prefill", "decode"}
+    assert _engine_pods(cluster) == before  # the serving pods were never touched
+    assert set(cluster.window(started, done)) == {"identical"}
+    assert sum(cluster.window(started, done).values()) > 0
+    progressing = cluster.condition("Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("False", "RolledBack")
+    cluster.objects.patch_namespaced_custom_object(
+        GROUP, VERSION, cluster.namespace, "pddeployments", NAME,
+        {"spec": {"engine": {"args": args}}})
+    wait_for("the spec back on the running revision", lambda: _engine_rollout(cluster).get(
+        "phase") == "Complete", 60)
+    assert _engine_pods(cluster) == before
+
+
+DRAINED_ANY = re.compile(r"drained (prefill|decode) after [0-9.]+ s: the engine finished "
+                         r"([0-9]+) requests; connector transfers: ([0-9]+) succeeded, "
+                         r"([0-9]+) failed")
+
+
+@pytest.mark.long
+def test_a_page_size_change_rolls_both_roles_under_load_with_no_failed_request(
+        cluster: Cluster) -> None:
+    """Guards against a change of the KV-compatibility key that fails requests
+    (docs/failure-modes.md #41, #42): the page size of both roles changes under the load.
+    New pods of the new key start beside the old ones, the router pairs only same-key pods,
+    each old pod is deleted only once a new pair serves and drains before it stops (its own
+    counters: no transfer failed while it rolled), and every completion is the single
+    vLLM's. Marked `long` (`make test-long`, not in CI): two waves of two vLLM starts beside
+    two loaded engines take 5 to 7 minutes on 2 cores; `benchmarks/rollout_under_load.py`
+    runs the same change against the per-role rolling update."""
+    old = _engine_pods(cluster)  # one pod per role since the decode's scale-down
+    assert sorted(old) == [f"{NAME}-decode-0", f"{NAME}-prefill-0"], old
+    router = _router_pod(cluster)
+    # The pods' connectors count for their whole life (a decode killed earlier failed a
+    # transfer of the prefill's): the rollout must add no failure to that count.
+    failed_before = {pod: _connector_failed(cluster, pod) for pod in old}
+    old_key = cluster.pdd()["status"]["decode"]["kvCompat"]
+    seen: list[Obj] = []
+    started = time.monotonic()
+    cluster.objects.patch_namespaced_custom_object(
+        GROUP, VERSION, cluster.namespace, "pddeployments", NAME,
+        {"spec": {"prefill": {"pageSize": 64}, "decode": {"pageSize": 64}}})
+
+    def complete_rollout() -> Obj | None:
+        rollout = _engine_rollout(cluster)
+        if rollout.get("phase") in ("Progressing", "Canary"):
+            seen.append(rollout)
+        return rollout if rollout.get("phase") == "Complete" and seen else None
+
+    done_status = wait_for("the rollout to complete", complete_rollout, 600, interval_s=1.0)
+    done = time.monotonic()
+    now = _engine_pods(cluster)
+    status = cluster.pdd()["status"]
+    print(f"page size rolled out in {done - started:.1f} s; completions "
+          f"{dict(cluster.window(started, done))}; pods {sorted(now)}")
+    assert set(cluster.window(started, done)) == {"identical"}
+    assert sum(cluster.window(started, done).values()) > 0
+    assert sorted(now) == sorted(old) and not set(now.values()) & set(old.values())
+    assert status["prefill"]["kvCompat"] == status["decode"]["kvCompat"] != old_key
+    assert any(r.get("keyChanged") for r in seen), seen[-1:]
+    assert done_status["stableRevisions"] == {"prefill": status["prefill"]["revision"],
+                                              "decode": status["decode"]["revision"]}
+    for pod, uid in old.items():
+        hook = _hook_of(cluster, pod, uid)
+        drained = DRAINED_ANY.search(hook[-1]) if hook else None
+        assert drained is not None, (pod, hook)
+        _, finished, succeeded, failed = drained.groups()
+        assert int(failed) == failed_before[pod], (failed_before, hook[-1])
+        assert int(succeeded) + int(failed) >= int(finished) > 0, hook[-1]
+    assert cluster.router_metric("pd_router_endpoints", role="prefill") == 1.0
+    assert cluster.router_metric("pd_router_endpoints", role="decode") == 1.0
+    assert _router_pod(cluster) == router  # new engines joined the same router
 
 
 NATIVE = f"{NAME}-native"

@@ -64,7 +64,7 @@ def test_printer_columns_and_subresources() -> None:
     pdd_crd = all_crds()[0]
     version = pdd_crd["spec"]["versions"][0]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Ready", "Prefill", "Decode", "Transfer", "Staging", "Age", "Phase"
+        "Ready", "Prefill", "Decode", "Transfer", "Staging", "Rollout", "Age", "Phase"
     ]
     assert version["subresources"]["scale"] == {
         "specReplicasPath": ".spec.decode.replicas",

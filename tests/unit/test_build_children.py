@@ -62,7 +62,7 @@ def test_decode_statefulset_whole_object() -> None:
             "selector": {"matchLabels": {"pd.serving.dev/deployment": "tiny",
                                          "pd.serving.dev/role": "decode"}},
             "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "RollingUpdate"},
+            "updateStrategy": {"type": "OnDelete"},
             "template": {
                 "metadata": {
                     "labels": tiny_labels("decode", **{"pd.serving.dev/role": "decode",

@@ -100,10 +100,11 @@ integration test tests/integration/test_chart_install.py runs the operator under
   resources: ["transferagents/status"]
   verbs: ["get", "update", "patch"]
 # Engine pods: watched (events map to their PDDeployment) and listed for status; `pods/status`
-# to set the transfer readiness gate condition the pod template declares.
+# to set the transfer readiness gate condition the pod template declares; deleted one at a
+# time by an engine rollout (each drains in its preStop hook first).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list", "watch", "delete"]
 - apiGroups: [""]
   resources: ["pods/status"]
   verbs: ["patch"]
@@ -115,6 +116,11 @@ integration test tests/integration/test_chart_install.py runs the operator under
 - apiGroups: ["apps"]
   resources: ["statefulsets", "deployments"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+# The StatefulSet controller's record of each pod template: a failed engine rollout puts
+# the last good one back.
+- apiGroups: ["apps"]
+  resources: ["controllerrevisions"]
+  verbs: ["list"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]

@@ -58,7 +58,10 @@ def _openapi(schema: Schema, defs: dict[str, Schema], *, in_status: bool) -> Sch
             for name, prop in props.items():
                 converted = _openapi(prop, defs, in_status=in_status)
                 is_model = "properties" in converted
-                if is_model and name not in required and "default" not in converted:
+                # An absent sub-object is defaulted to {} (its fields' defaults then
+                # apply), but not an optional one: there, absent means "none" (a canary).
+                if (is_model and name not in required and "default" not in converted
+                        and not converted.get("nullable")):
                     converted["default"] = {}
                 out_props[name] = converted
             out["properties"] = out_props
@@ -213,6 +216,8 @@ def pddeployment_crd() -> dict[str, Any]:
          "description": "KV-transfer health reported by the pods."},
         {"name": "Staging", "type": "string", "jsonPath": ".status.stagingRollout.summary",
          "description": "Decode staging pool size, or rollout progress."},
+        {"name": "Rollout", "type": "string", "jsonPath": ".status.rollout.summary",
+         "description": "Engine rollout phase and new pods serving of desired."},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1,
          "description": "Summary of the conditions."},

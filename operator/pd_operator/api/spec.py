@@ -10,6 +10,7 @@ from pydantic import Field
 from pd_contract.api import APIModel
 from pd_operator.api.common import ContainerResources, EnvVar, PodOverlay
 from pd_operator.api.network_spec import NetworkSpec
+from pd_operator.api.rollout_spec import RolloutSpec
 from pd_operator.api.transfer_spec import TransferSpec
 from pd_operator.api.types import (
     FRAMEWORK_BACKENDS,
@@ -284,6 +285,11 @@ class PDDeploymentSpec(APIModel):
     router: RouterSpec = Field(default_factory=RouterSpec, description="The PD router.")
     placement: PlacementSpec = Field(
         default_factory=PlacementSpec, description="Placement of the pods."
+    )
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        description="How a new engine pod template (image, arguments, model, page size...) "
+        "replaces the running pods of both roles.",
     )
 
     @property

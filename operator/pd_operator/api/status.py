@@ -10,6 +10,7 @@ from pydantic import Field
 from pd_contract.api import APIModel
 from pd_contract.transferagent import TransferFailure
 from pd_operator.api.conditions import Condition
+from pd_operator.api.revision_status import EngineRolloutStatus
 
 
 class Phase(StrEnum):
@@ -244,4 +245,8 @@ class PDDeploymentStatus(APIModel):
     )
     staging_rollout: StagingRolloutStatus = Field(
         default_factory=StagingRolloutStatus, description="Staging pool size rollout."
+    )
+    rollout: EngineRolloutStatus = Field(
+        default_factory=EngineRolloutStatus,
+        description="Engine pod-template rollout over both roles (spec.rollout).",
     )

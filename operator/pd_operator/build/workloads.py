@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
+from pd_operator.api.rollout_spec import RolloutStrategy
 from pd_operator.build.capabilities import DEFAULT_AGENT_IMAGE
 from pd_operator.build.meta import Manifest, object_meta
 from pd_operator.build.names import LABEL_ROLE, role_selector, role_workload
@@ -25,7 +26,10 @@ def build_statefulset(pdd: PDDeployment, role: Role,
             "selector": {"matchLabels": role_selector(name, role)},
             # Engines do not depend on each other's start order: start them all at once.
             "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "RollingUpdate"},
+            # Surge and Recreate: the operator decides which pod goes when
+            # (pd_operator.revisions); RollingUpdate: the StatefulSet controller does.
+            "updateStrategy": {"type": "RollingUpdate" if pdd.spec.rollout.strategy
+                               is RolloutStrategy.ROLLING_UPDATE else "OnDelete"},
             "template": build_pod_template(pdd, role, agent_image),
         },
     }

@@ -88,10 +88,12 @@ from pd_operator.metrics import (
     STATUS_WRITES,
 )
 from pd_operator.reconcile.diff import needs_apply, owned_by
+from pd_operator.reconcile.engine_rollout import EngineRollouts
 from pd_operator.reconcile.events import EventSpec, gate_events, transition_events
 from pd_operator.reconcile.gates import GateChange, transfer_gate_changes
 from pd_operator.reconcile.role_scale import RoleScales
 from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
+from pd_operator.revisions import RevisionStep
 from pd_operator.rollout.executor import RolloutExecutor
 from pd_operator.rollout.planner import RolloutStep, plan_step, recheck_seconds
 from pd_operator.status import (
@@ -172,6 +174,7 @@ class Reconciler:
         self.after_apply = after_apply
         self.rollouts = RolloutExecutor(kube)
         self.role_scales = RoleScales(kube)
+        self.engine_rollouts = EngineRollouts(kube)
         self._kinds = tuple(
             k for k in CHILD_KINDS if k != PDB or capabilities.pod_disruption_budgets
         )
@@ -207,6 +210,7 @@ class Reconciler:
             self._set_managed((namespace, name), Counter())
             self._last_valid.pop((namespace, name), None)
             self.role_scales.forget(namespace, name)
+            self.engine_rollouts.forget(namespace, name)
             return False, "success"
         parsed = self._parse(body)
         if parsed.pdd is None:
@@ -216,14 +220,19 @@ class Reconciler:
         if scale_targets is None:
             return True, "success"  # the PDDeployment's count changed: its event follows
         desired = build_children(pdd, self.capabilities)
-        roles = {r: _role(pdd, desired, r) for r in (Role.PREFILL, Role.DECODE)}
-        valid = self._last_valid[namespace, name] = _ValidGeneration(
-            pdd, {r: o.revision for r, o in roles.items()})
         selector = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_DEPLOYMENT}={name}"
         live = {child_key(obj): obj for obj in self.kube.list_children(namespace, selector,
                                                                         self._kinds)}
+        spec_revisions = self.engine_rollouts.prepare(pdd, parsed.previous.rollout, desired,
+                                                      live)
+        roles = {r: _role(pdd, desired, r) for r in (Role.PREFILL, Role.DECODE)}
+        valid = self._last_valid[namespace, name] = _ValidGeneration(
+            pdd, {r: o.revision for r, o in roles.items()})
         # First: the pods about to be created mount it.
         desired.insert(0, desired_transfer_key_secret(self.kube, pdd, live))
+        pods, fleet = self._observe_fleet(namespace, name, valid)
+        revisions = self.engine_rollouts.plan(pdd, parsed.previous.rollout, desired, live,
+                                              fleet=fleet, spec_revisions=spec_revisions)
         created: list[str] = []
         failure: str | None = None
         pending: OperatorError | None = None
@@ -239,19 +248,21 @@ class Reconciler:
                 raise
             failure, pending = f"{exc} ({failures + 1} attempts in a row)", exc
         self._set_managed((namespace, name), Counter(m["kind"] for m in desired))
-        pods, fleet = self._observe_fleet(namespace, name, valid)
         observed = self._observe(pdd, roles, fleet, live, created=created, failure=failure)
         short = any(short_of_pods(w, pods) for w in observed.workloads)
         if short:
             observed = replace(observed, child_events=self._failed_creates(namespace))
         step = plan_step(pdd.spec, parsed.previous.staging_rollout, fleet)
         status = compute_status(pdd, observed, fleet.now,
-                                staging_rollout=step.decision.status if step else None)
-        self._write_status(parsed, status, transfer_gate_changes(fleet), rollout=step)
+                                staging_rollout=step.decision.status if step else None,
+                                rollout=revisions.status)
+        self._write_status(parsed, status, transfer_gate_changes(fleet), rollout=step,
+                           revisions=None if pending is not None else revisions)
         self.role_scales.write_status(pdd, status, scale_targets)
         if pending is not None:
             raise pending
-        return self._recheck(pdd, fleet, step, missing_pods=short), "success"
+        return self._recheck(pdd, fleet, step, missing_pods=short,
+                             revisions_in=revisions.recheck_s), "success"
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -382,12 +393,15 @@ class Reconciler:
     @staticmethod
     def _recheck(
         pdd: PDDeployment, fleet: FleetObservation, step: RolloutStep | None, *,
-        missing_pods: bool = False,
+        missing_pods: bool = False, revisions_in: float | None = None,
     ) -> bool | RecheckAfter:
         """When time alone changes the status: a fresh report turning stale, a rollout's
-        analysis period ending, a StatefulSet's controller failing to create a pod."""
+        analysis period ending, a StatefulSet's controller failing to create a pod, an
+        engine rollout under way (readiness and deadlines)."""
         stale = fleet.next_stale_in()
         due = [] if stale is None else [stale + STALE_RECHECK_SLACK_S]
+        if revisions_in is not None:
+            due.append(revisions_in)
         if missing_pods:
             due.append(MISSING_PODS_RECHECK_S)
         if step is not None:
@@ -398,7 +412,7 @@ class Reconciler:
 
     def _write_status(
         self, parsed: _Parsed, status: PDDeploymentStatus, gates: Sequence[GateChange] = (),
-        rollout: RolloutStep | None = None,
+        rollout: RolloutStep | None = None, revisions: RevisionStep | None = None,
     ) -> None:
         """Write the pods' gates, then the status if it changed, then the rollout's
         TransferAgent writes, then the Events.
@@ -418,6 +432,9 @@ class Reconciler:
         if rollout is not None:
             self.rollouts.execute(rollout)
             events += [(e.type.value, e.reason.value, e.message) for e in rollout.decision.events]
+        if revisions is not None:
+            self.engine_rollouts.execute(namespace, parsed.body["metadata"]["name"], revisions)
+            events += [(e.type, e.reason, e.message) for e in revisions.events]
         events += gate_events(gates)
         now = self.clock()
         for event_type, reason, message in events:

@@ -31,6 +31,7 @@ from typing import Any, Final
 from pd_contract.transferagent import Role
 from pd_operator.api.conditions import Condition, ConditionStatus
 from pd_operator.api.resources import PDDeployment
+from pd_operator.api.revision_status import EngineRolloutPhase, EngineRolloutStatus
 from pd_operator.api.sizing import staging_in_use
 from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import (
@@ -207,6 +208,24 @@ def _progressing_condition(
                  "Every child is applied and every pod runs the current revision.", at)
 
 
+def _rollout_progressing(rollout: EngineRolloutStatus | None, at: At) -> Condition | None:
+    """Progressing as an engine rollout tells it, where it says more than the pod counts:
+    held (paused, blocked, a canary under analysis), rolling back, or rolled back."""
+    if rollout is None:
+        return None
+    phase = rollout.phase
+    if phase is EngineRolloutPhase.ROLLED_BACK:
+        return cond(PROGRESSING, F, Reason.ROLLED_BACK, rollout.message, at)
+    if phase in (EngineRolloutPhase.ROLLING_BACK, EngineRolloutPhase.PAUSED,
+                 EngineRolloutPhase.BLOCKED, EngineRolloutPhase.CANARY):
+        reason = {EngineRolloutPhase.ROLLING_BACK: Reason.ROLLING_BACK,
+                  EngineRolloutPhase.PAUSED: Reason.ROLLOUT_PAUSED,
+                  EngineRolloutPhase.BLOCKED: Reason.ROLLOUT_BLOCKED,
+                  EngineRolloutPhase.CANARY: Reason.CANARY}[phase]
+        return cond(PROGRESSING, T, reason, rollout.message, at)
+    return None
+
+
 def _workload_failure(workload: Mapping[str, Any]) -> tuple[str, str] | None:
     """(reason, message) of a failure a StatefulSet or Deployment reports in its conditions:
     `ReplicaFailure=True` (e.g. FailedCreate), or a Deployment's `Progressing=False`
@@ -297,6 +316,7 @@ def compute_status(
     spec_error: str | None = None,
     *,
     staging_rollout: StagingRolloutStatus | None = None,
+    rollout: EngineRolloutStatus | None = None,
 ) -> PDDeploymentStatus:
     """The status to write. `observed` may be None only when `spec_error` is set.
     `staging_rollout` is the rollout planner's `status.stagingRollout` (None: no rollout is
@@ -341,7 +361,8 @@ def compute_status(
     conditions = set_condition(conditions, ready_now, now)
     ready = find_condition(conditions, READY)
     assert ready is not None  # set just above
-    conditions = set_condition(conditions, _progressing_condition(observed, roles, at), now)
+    conditions = set_condition(conditions, _rollout_progressing(rollout, at)
+                               or _progressing_condition(observed, roles, at), now)
     conditions = set_condition(conditions, _degraded_condition(observed, ready, at), now)
     for condition in transfer_conditions:
         conditions = set_condition(conditions, condition, now)
@@ -354,4 +375,5 @@ def compute_status(
         decode=roles["decode"],
         transfer=transfer,
         staging_rollout=staging_rollout or StagingRolloutStatus(summary=_staging_summary(spec)),
+        rollout=rollout or EngineRolloutStatus(),
     )

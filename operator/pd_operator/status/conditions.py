@@ -69,6 +69,11 @@ class Reason:
     CREATING: Final = "Creating"
     ROLLING_UPDATE: Final = "RollingUpdate"
     SCALING_DOWN: Final = "ScalingDown"
+    ROLLING_BACK: Final = "RollingBack"  # an engine rollout failed; the last good revision returns
+    ROLLED_BACK: Final = "RolledBack"  # Progressing=False: the spec's revision is refused
+    ROLLOUT_PAUSED: Final = "RolloutPaused"
+    ROLLOUT_BLOCKED: Final = "RolloutBlocked"
+    CANARY: Final = "Canary"
     RECONCILE_COMPLETE: Final = "ReconcileComplete"
     # Degraded
     AS_EXPECTED: Final = "AsExpected"

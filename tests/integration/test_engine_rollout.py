@@ -1,0 +1,249 @@
+"""Engine rollouts (spec.rollout, pd_operator.revisions) against a real control plane: the
+real StatefulSet controller creates the pods from `OnDelete` StatefulSets and keeps the
+ControllerRevisions a rollback reads; the operator runs in-process.
+
+There is no kubelet. `Kubelet` below stands in for one: it marks a pod Running and Ready a
+moment after it appears (or, for a revision told to crash, reports its engine container
+restarting in CrashLoopBackOff). Pods have no node, so the API server removes a deleted pod
+at once: the drain itself is tested end to end with real engines
+(tests/e2e/test_vllm_cluster.py). While the rollout runs, the stand-in also samples each
+role's Ready pods, so a pod deleted before its replacement served shows as a dip.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kopf.testing import KopfRunner
+
+from pd_devcluster import ControlPlaneHandle
+from pd_operator.build.names import LABEL_TEMPLATE_HASH
+from pd_operator.kube import EVENTS, KindRef
+from pd_testbed.cluster import NAME, Cluster, example_body
+from pd_testbed.operator_runner import run_operator
+from pd_testbed.polling import wait_for
+
+pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
+
+Obj = dict[str, Any]
+PREFILL, DECODE = 1, 2
+START_S = 1.0  # a new pod is Ready this long after it appears
+STATEFULSETS = KindRef("apps/v1", "StatefulSet", "statefulsets")
+
+
+def is_ready(pod: Obj) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+class Kubelet(threading.Thread):
+    """Marks each new pod Ready after START_S, or crash-looping when `only` is set and its
+    revision is not in it; samples the fewest Ready pods each role had."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__(daemon=True)
+        self.cluster = cluster
+        self.only: set[str] | None = None
+        self.held = False  # no pod turns Ready while set (engines still starting)
+        self.uids: set[str] = set()  # every pod seen
+        self.seen: dict[str, float] = {}
+        self.least_ready: Counter[str] = Counter({"prefill": 99, "decode": 99})
+        self.most_pods: Counter[str] = Counter()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            ready: Counter[str] = Counter()
+            pods: Counter[str] = Counter()
+            for pod in self.cluster.pods():
+                meta = pod["metadata"]
+                role = meta["labels"]["pd.serving.dev/role"]
+                pods[role] += 1
+                first = self.seen.setdefault(meta["uid"], time.monotonic())
+                self.uids.add(meta["uid"])
+                if is_ready(pod):
+                    ready[role] += 1
+                elif self.only is not None and \
+                        meta["labels"].get(LABEL_TEMPLATE_HASH) not in self.only:
+                    self._crash(pod)
+                elif not self.held and time.monotonic() - first >= START_S:
+                    self.cluster.mark_ready(pod)
+            for role in ("prefill", "decode"):
+                self.least_ready[role] = min(self.least_ready[role], ready[role])
+                self.most_pods[role] = max(self.most_pods[role], pods[role])
+            time.sleep(0.1)
+
+    def _crash(self, pod: Obj) -> None:
+        if (pod.get("status") or {}).get("containerStatuses"):
+            return
+        statuses = [{"name": c["name"], "ready": False, "restartCount": 3, "image": c["image"],
+                     "imageID": "", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}
+                    for c in pod["spec"]["containers"]]
+        self.cluster.core.patch_namespaced_pod_status(
+            pod["metadata"]["name"], self.cluster.ns,
+            {"status": {"phase": "Running", "containerStatuses": statuses}})
+
+    def reset(self) -> None:
+        self.least_ready = Counter({"prefill": 99, "decode": 99})
+        self.most_pods = Counter()
+
+
+@pytest.fixture
+def kubelet(cluster: Cluster) -> Iterator[Kubelet]:
+    stand_in = Kubelet(cluster)
+    stand_in.start()
+    yield stand_in
+    stand_in.done.set()
+    stand_in.join(5)
+
+
+def rollout(cluster: Cluster) -> Obj:
+    return dict(cluster.status().get("rollout") or {})
+
+
+def revisions(cluster: Cluster, role: str) -> list[str]:
+    return sorted(p["metadata"]["labels"][LABEL_TEMPLATE_HASH] for p in cluster.pods(role))
+
+
+def events(cluster: Cluster) -> list[str]:
+    """The reasons of the PDDeployment's Events, oldest first."""
+    listed = [e for e in cluster.kube.list_objects(EVENTS, cluster.ns, "")
+              if e["involvedObject"]["name"] == NAME and e["involvedObject"]["kind"]
+              == "PDDeployment"]
+    return [str(e["reason"]) for e in sorted(
+        listed, key=lambda e: (e["metadata"]["creationTimestamp"], e["metadata"]["name"]))]
+
+
+def statefulset(cluster: Cluster, role: str) -> Obj:
+    found = cluster.kube.get(STATEFULSETS, cluster.ns, f"{NAME}-{role}")
+    assert found is not None
+    return found
+
+
+def settled(cluster: Cluster, kubelet: Kubelet) -> dict[str, str]:
+    """Create the example (1 prefill, 2 decode), wait until every pod serves and the
+    rollout reads Idle; the revision per role."""
+    body = example_body(cluster.ns)
+    body["spec"]["prefill"]["replicas"] = PREFILL
+    body["spec"]["decode"]["replicas"] = DECODE
+    body["spec"]["router"] = {"enabled": False}
+    cluster.create(body)
+    wait_for("Ready=True", lambda: cluster.condition("Ready").get("status") == "True", 60)
+    status = wait_for("the rollout status to read Idle", lambda: rollout(cluster)
+                      .get("phase") == "Idle" and cluster.status())
+    kubelet.reset()
+    return {role: status[role]["revision"] for role in ("prefill", "decode")}
+
+
+def test_an_argument_change_surges_each_role_and_never_dips(
+        operator: KopfRunner, cluster: Cluster, kubelet: Kubelet) -> None:
+    """Guards against a rollout that deletes an old pod before its replacement serves, or
+    that leaves surge pods or old revisions behind."""
+    old = settled(cluster, kubelet)
+    old_uids = {p["metadata"]["uid"] for p in cluster.pods()}
+    for role in ("prefill", "decode"):
+        assert statefulset(cluster, role)["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    cluster.patch_spec({"engine": {"env": [{"name": "ROLLOUT_TEST", "value": "1"}]}})
+    done = wait_for("the rollout to complete", lambda: rollout(cluster).get("phase")
+                    == "Complete" and rollout(cluster), 90)
+    status = cluster.status()
+    new = {role: status[role]["revision"] for role in ("prefill", "decode")}
+    assert new["prefill"] != old["prefill"] and new["decode"] != old["decode"]
+    assert revisions(cluster, "prefill") == [new["prefill"]] * PREFILL
+    assert revisions(cluster, "decode") == [new["decode"]] * DECODE
+    assert not {p["metadata"]["uid"] for p in cluster.pods()} & old_uids
+    # never fewer Ready pods than desired; one surge pod per role at most
+    assert dict(kubelet.least_ready) == {"prefill": PREFILL, "decode": DECODE}
+    assert dict(kubelet.most_pods) == {"prefill": PREFILL + 1, "decode": DECODE + 1}
+    assert done["stableRevisions"] == new and done["summary"] == "Complete"
+    assert done["keyChanged"] is False and done["failedRevisions"] == {}
+    assert [(r["role"], r["toRevision"], r["desired"], r["surge"]) for r in done["roles"]] == [
+        ("prefill", new["prefill"], PREFILL, 0), ("decode", new["decode"], DECODE, 0)]
+    assert cluster.condition("Progressing")["reason"] == "ReconcileComplete"
+    seen = wait_for("the rollout's Events", lambda: (e := events(cluster)) and
+                    "RolloutComplete" in e and e)
+    assert seen.count("RolloutStarted") == 1
+    assert seen.count("DrainingOldPod") == PREFILL + DECODE
+    # the StatefulSets are back at the spec's replicas
+    for role, want in (("prefill", PREFILL), ("decode", DECODE)):
+        assert statefulset(cluster, role)["spec"]["replicas"] == want
+
+
+def test_a_revision_that_crashes_at_start_rolls_back_and_stays_refused(
+        operator: KopfRunner, cluster: Cluster, kubelet: Kubelet) -> None:
+    """Guards against a failed revision replacing serving pods, a rollback that leaves the
+    bad template in the StatefulSet (a later pod would run it), or a retry loop."""
+    old = settled(cluster, kubelet)
+    old_uids = sorted(p["metadata"]["uid"] for p in cluster.pods())
+    kubelet.only = set(old.values())  # any other revision's engine exits at start
+    cluster.patch_spec({"engine": {"args": ["--exits-at-start"]}})
+    bad = wait_for("the new revision", lambda: (s := cluster.status())["prefill"]["revision"]
+                   != old["prefill"] and s["observedGeneration"] == 2 and s)
+    back = wait_for("the rollout to roll back", lambda: rollout(cluster).get("phase")
+                    == "RolledBack" and rollout(cluster), 90)
+    assert back["reason"] == "CrashLoop"
+    assert "restarted 3 times" in back["message"]
+    assert "rolled back to the last good revision" in back["message"]
+    assert back["failedRevisions"] == {"prefill": bad["prefill"]["revision"],
+                                       "decode": bad["decode"]["revision"]}
+    assert back["stableRevisions"] == old
+    # the old pods served throughout, the StatefulSets run the old template again
+    assert sorted(p["metadata"]["uid"] for p in cluster.pods()) == old_uids
+    assert dict(kubelet.least_ready) == {"prefill": PREFILL, "decode": DECODE}
+    for role in ("prefill", "decode"):
+        sts = statefulset(cluster, role)
+        assert sts["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH] == old[role]
+        assert sts["spec"]["replicas"] == (PREFILL if role == "prefill" else DECODE)
+    progressing = cluster.condition("Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("False", "RolledBack")
+    seen = wait_for("the Warning Events", lambda: (e := events(cluster)) and
+                    "RolledBack" in e and e)
+    assert "RolloutFailed" in seen
+    # it stays refused: no pod of the bad revision comes back
+    time.sleep(3)
+    assert sorted(p["metadata"]["uid"] for p in cluster.pods()) == old_uids
+    assert rollout(cluster)["phase"] == "RolledBack"
+    # a fixed spec rolls forward
+    kubelet.only = None
+    kubelet.reset()
+    cluster.patch_spec({"engine": {"args": ["--fixed"]}})
+    wait_for("the fixed spec to roll out", lambda: rollout(cluster).get("phase") == "Complete",
+             90)
+    assert rollout(cluster)["failedRevisions"] == {}
+    assert dict(kubelet.least_ready) == {"prefill": PREFILL, "decode": DECODE}
+
+
+def test_an_operator_restarted_mid_rollout_carries_on_without_a_step_twice(
+        control_plane: ControlPlaneHandle, namespace: str, monkeypatch: pytest.MonkeyPatch,
+        cluster: Cluster, kubelet: Kubelet) -> None:
+    """Guards against a rollout that a restarted operator forgets, restarts, or repeats
+    (a pod deleted twice, an extra surge): the operator stops while the surge pods start,
+    a new one finishes the rollout from the API's state alone."""
+    with run_operator(control_plane, namespace, monkeypatch) as first:
+        old = settled(cluster, kubelet)
+        before = set(kubelet.uids)
+        kubelet.held = True  # the new engines are still starting when the operator stops
+        cluster.patch_spec({"engine": {"env": [{"name": "ROLLOUT_TEST", "value": "2"}]}})
+        wait_for("both roles' surge pods", lambda: len(cluster.pods("prefill")) == PREFILL + 1
+                 and len(cluster.pods("decode")) == DECODE + 1, 30)
+        mid = rollout(cluster)
+    assert first.exception is None and first.exit_code == 0, first.output
+    assert mid["phase"] == "Progressing" and mid["stableRevisions"] == old
+    kubelet.held = False
+    with run_operator(control_plane, namespace, monkeypatch) as second:
+        done = wait_for("the rollout to complete", lambda: rollout(cluster).get("phase")
+                        == "Complete" and rollout(cluster), 90)
+    assert second.exception is None and second.exit_code == 0, second.output
+    assert done["startedAt"] == mid["startedAt"]  # the same rollout, carried on
+    status = cluster.status()
+    assert revisions(cluster, "prefill") == [status["prefill"]["revision"]] * PREFILL
+    assert revisions(cluster, "decode") == [status["decode"]["revision"]] * DECODE
+    # new pods: one surge pod per role and one replacement per old pod, nothing twice
+    assert len(kubelet.uids - before) == (PREFILL + 1) + (DECODE + 1)
+    assert dict(kubelet.least_ready) == {"prefill": PREFILL, "decode": DECODE}
+    assert events(cluster).count("DrainingOldPod") == PREFILL + DECODE

@@ -1,0 +1,420 @@
+"""The engine-rollout planner (pd_operator.revisions) stepped through whole rollouts on a
+simulated fleet: StatefulSets with `OnDelete` (a pod the controller creates runs the
+template it has now; an existing pod keeps its revision until deleted), pods that take a
+few passes to become Ready, deletions that drain for a pass. After every pass the test
+asserts what the rollout promises: a KV-compatible prefill/decode pair serves, each role
+keeps its serving pods (with surge room), at most `max(1, maxSurge)` pods of a role drain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from pd_contract.transferagent import Role
+from pd_operator.api.revision_status import EngineRolloutPhase, EngineRolloutStatus
+from pd_operator.api.rollout_spec import CanarySpec, RolloutSpec, RolloutStrategy
+from pd_operator.revisions import RoleTarget, RolloutPod, plan_revisions, serving_counts
+
+T0 = datetime(2026, 11, 29, 8, 0, tzinfo=UTC)
+ROLES = (Role.PREFILL, Role.DECODE)
+
+
+@dataclass
+class SimPod:
+    ordinal: int
+    revision: str
+    key: str
+    age: int = 0  # passes since created
+    deleting_for: int | None = None  # passes since deletion began
+    restarts: int = 0
+    uid: int = 0
+
+    def ready(self, start_passes: int, crashing: bool) -> bool:
+        return not crashing and self.age >= start_passes
+
+
+@dataclass
+class SimRole:
+    role: Role
+    desired: int
+    template: tuple[str, str]  # (revision, key) the StatefulSet creates pods from
+    replicas: int
+    pods: dict[int, SimPod] = field(default_factory=dict)
+
+
+@dataclass
+class Fleet:
+    """Both roles' StatefulSets and pods; `crash` lists revisions whose engine exits at
+    start, `hang` those that never become Ready."""
+
+    spec: RolloutSpec
+    roles: dict[Role, SimRole]
+    start_passes: int = 3
+    drain_passes: int = 1
+    crash: set[str] = field(default_factory=set)
+    hang: set[str] = field(default_factory=set)
+    status: EngineRolloutStatus = field(default_factory=EngineRolloutStatus)
+    now: datetime = T0
+    created: int = 0
+    deleted_old: list[str] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    history: list[tuple[str, str, str]] = field(default_factory=list)  # each pass's summary
+    spec_template: dict[Role, tuple[str, str]] = field(default_factory=dict)
+
+    @classmethod
+    def steady(cls, spec: RolloutSpec, prefill: int, decode: int, revision: str = "a",
+               key: str = "k1") -> Fleet:
+        roles = {}
+        for role, n in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
+            r = SimRole(role, n, (f"{role.value[0]}{revision}", key), n)
+            r.pods = {i: SimPod(i, r.template[0], key, age=10) for i in range(n)}
+            roles[role] = r
+        fleet = cls(spec, roles)
+        fleet.spec_template = {role: r.template for role, r in roles.items()}
+        fleet.step()  # the settled first pass records the stable revisions
+        return fleet
+
+    def change(self, role: Role, revision: str, key: str | None = None) -> None:
+        """The spec's template of `role` changes (the StatefulSet takes it at once)."""
+        template = (f"{role.value[0]}{revision}", key or self.roles[role].template[1])
+        self.spec_template[role] = template
+        self.roles[role].template = template
+
+    def pods(self) -> list[RolloutPod]:
+        out = []
+        for role, r in self.roles.items():
+            for pod in r.pods.values():
+                crashing = pod.revision in self.crash
+                out.append(RolloutPod(
+                    name=f"x-{role.value}-{pod.ordinal}",
+                    uid=f"{role.value}{pod.ordinal}-{pod.uid}",
+                    role=role, ordinal=pod.ordinal, revision=pod.revision, kv_compat=pod.key,
+                    ready=pod.ready(self.start_passes, crashing) and pod.revision not in self.hang,
+                    deleting=pod.deleting_for is not None, restarts=pod.restarts,
+                    created_at=self.now - timedelta(seconds=5 * pod.age)))
+        return out
+
+    def step(self) -> None:
+        """One reconcile pass, then the world moves on by 5 s."""
+        targets = {role: RoleTarget(role=role, desired=r.desired, revision=r.template[0],
+                                    kv_compat=r.template[1],
+                                    spec_revision=self.spec_template.get(role, r.template)[0],
+                                    live_replicas=r.replicas)
+                   for role, r in self.roles.items()}
+        # what the reconcile does first: a role whose spec revision failed runs the last
+        # good template (as pd_operator.reconcile.engine_rollout restores it)
+        for role, r in self.roles.items():
+            failed = self.status.failed_revisions.get(role.value)
+            if failed is not None and failed == targets[role].spec_revision:
+                good = self.status.stable_revisions[role.value]
+                r.template = (good, next(p.key for p in r.pods.values() if p.revision == good)
+                              if any(p.revision == good for p in r.pods.values())
+                              else r.template[1])
+                targets[role] = replace(targets[role], revision=good, kv_compat=r.template[1])
+        step = plan_revisions(self.spec, self.status, targets, self.pods(), self.now)
+        self.status = step.status
+        self.events += [e.reason for e in step.events]
+        self.history.append((step.status.phase.value, step.status.summary, step.status.reason))
+        for role, r in self.roles.items():
+            r.replicas = step.replicas[role]
+            if role.value in step.status.failed_revisions and \
+                    step.status.failed_revisions[role.value] == r.template[0]:
+                good = step.status.stable_revisions[role.value]
+                key = next((p.key for p in r.pods.values() if p.revision == good), r.template[1])
+                r.template = (good, key)
+        for pod in step.delete:
+            sim = self.roles[pod.role].pods[pod.ordinal]
+            assert sim.deleting_for is None, f"{pod.name} deleted twice"
+            sim.deleting_for = 0
+            self.deleted_old.append(f"{pod.name}@{pod.revision}")
+        self._world()
+        self.now += timedelta(seconds=5)
+
+    def _world(self) -> None:
+        for r in self.roles.values():
+            for ordinal, pod in list(r.pods.items()):
+                pod.age += 1
+                if pod.revision in self.crash:
+                    pod.restarts += 1
+                if pod.deleting_for is not None:
+                    pod.deleting_for += 1
+                    if pod.deleting_for > self.drain_passes:
+                        del r.pods[ordinal]
+                elif ordinal >= r.replicas:
+                    pod.deleting_for = 0  # the StatefulSet scales down: it drains too
+            for ordinal in range(r.replicas):
+                if ordinal not in r.pods:
+                    self.created += 1
+                    r.pods[ordinal] = SimPod(ordinal, r.template[0], r.template[1],
+                                             uid=self.created)
+
+    def serving(self) -> dict[Role, int]:
+        return serving_counts(self.pods())
+
+    def revisions(self, role: Role) -> list[str]:
+        return sorted(p.revision for p in self.roles[role].pods.values())
+
+    def run(self, until: EngineRolloutPhase, passes: int = 80, *,
+            floor: dict[Role, int] | None = None) -> int:
+        """Step until the phase is `until`, checking the invariants after every pass."""
+        for n in range(passes):
+            self.step()
+            serving = self.serving()
+            assert min(serving.values()) >= 1, f"pass {n}: no compatible pair serves: {serving}"
+            for role, least in (floor or {}).items():
+                assert serving[role] >= least, f"pass {n}: {role.value} serves {serving}"
+            for r in self.roles.values():
+                draining = sum(1 for p in r.pods.values() if p.deleting_for is not None)
+                assert draining <= max(1, self.spec.max_surge) + self.spec.max_surge
+            if self.status.phase is until:
+                return n
+        raise AssertionError(f"not {until.value} after {passes} passes: {self.history[-5:]}")
+
+
+def test_an_argument_change_surges_each_role_and_keeps_every_role_serving() -> None:
+    fleet = Fleet.steady(RolloutSpec(), prefill=1, decode=1)
+    assert fleet.status.phase is EngineRolloutPhase.IDLE
+    assert fleet.status.stable_revisions == {"prefill": "pa", "decode": "da"}
+    fleet.change(Role.PREFILL, "b")
+    fleet.change(Role.DECODE, "b")
+    fleet.run(EngineRolloutPhase.COMPLETE, floor={Role.PREFILL: 1, Role.DECODE: 1})
+    assert fleet.revisions(Role.PREFILL) == ["pb"] and fleet.revisions(Role.DECODE) == ["db"]
+    # each old pod deleted once, and no new one: the surge pods left by the scale-down
+    assert sorted(fleet.deleted_old) == ["x-decode-0@da", "x-prefill-0@pa"]
+    assert fleet.events[0] == "RolloutStarted" and fleet.events[-1] == "RolloutComplete"
+    assert fleet.status.stable_revisions == {"prefill": "pb", "decode": "db"}
+    assert fleet.status.summary == "Complete"
+    assert fleet.created == 4  # a surge pod and a replacement per role
+
+
+def test_a_key_change_never_pairs_across_keys_and_keeps_both_roles_at_their_replicas() -> None:
+    fleet = Fleet.steady(RolloutSpec(), prefill=2, decode=2)
+    fleet.change(Role.PREFILL, "b", key="k2")
+    fleet.change(Role.DECODE, "b", key="k2")
+    fleet.step()
+    assert fleet.status.key_changed
+    fleet.run(EngineRolloutPhase.COMPLETE, floor={Role.PREFILL: 2, Role.DECODE: 2})
+    assert fleet.revisions(Role.PREFILL) == ["pb", "pb"]
+    assert {p.kv_compat for p in fleet.pods()} == {"k2"}
+
+
+def test_one_role_changing_leaves_the_other_alone() -> None:
+    fleet = Fleet.steady(RolloutSpec(), prefill=2, decode=1)
+    fleet.change(Role.DECODE, "b")
+    fleet.run(EngineRolloutPhase.COMPLETE, floor={Role.PREFILL: 2, Role.DECODE: 1})
+    assert fleet.revisions(Role.PREFILL) == ["pa", "pa"]
+    assert all(name.startswith("x-decode") for name in fleet.deleted_old)
+
+
+def test_an_engine_that_exits_at_start_rolls_back_without_touching_an_old_pod() -> None:
+    fleet = Fleet.steady(RolloutSpec(max_restarts=2), prefill=1, decode=1)
+    fleet.crash = {"pb", "db"}
+    fleet.change(Role.PREFILL, "b")
+    fleet.change(Role.DECODE, "b")
+    fleet.run(EngineRolloutPhase.ROLLED_BACK, floor={Role.PREFILL: 1, Role.DECODE: 1})
+    assert "RolloutFailed" in fleet.events and fleet.events[-1] == "RolledBack"
+    assert fleet.deleted_old == []  # the old pods served throughout
+    assert fleet.revisions(Role.PREFILL) == ["pa"] and fleet.revisions(Role.DECODE) == ["da"]
+    assert fleet.status.failed_revisions == {"prefill": "pb", "decode": "db"}
+    assert fleet.status.reason == "CrashLoop"
+    assert "restarted 2 times" in fleet.status.message
+    assert "rolled back to the last good revision" in fleet.status.message
+    # the spec still renders the failed revision: it stays refused, the pods stay
+    for _ in range(5):
+        fleet.step()
+    assert fleet.status.phase is EngineRolloutPhase.ROLLED_BACK
+    assert fleet.revisions(Role.PREFILL) == ["pa"]
+    # a fixed spec rolls forward again
+    fleet.crash = set()
+    fleet.change(Role.PREFILL, "c")
+    fleet.change(Role.DECODE, "c")
+    fleet.run(EngineRolloutPhase.COMPLETE)
+    assert fleet.revisions(Role.PREFILL) == ["pc"] and fleet.status.failed_revisions == {}
+
+
+def test_a_pod_that_never_becomes_ready_rolls_back_at_the_progress_deadline() -> None:
+    fleet = Fleet.steady(RolloutSpec(progress_deadline_seconds=60), prefill=2, decode=2)
+    fleet.hang = {"pb"}
+    fleet.change(Role.PREFILL, "b")
+    fleet.run(EngineRolloutPhase.ROLLED_BACK, floor={Role.PREFILL: 2, Role.DECODE: 2})
+    assert fleet.status.reason == "ProgressDeadlineExceeded"
+    phases = [phase for phase, _, _ in fleet.history]
+    failed_at = phases.index("RollingBack") - phases.index("Progressing")
+    assert 60 / 5 <= failed_at <= 60 / 5 + 2  # the deadline from the surge pod's creation
+    assert fleet.revisions(Role.PREFILL) == ["pa", "pa"]
+
+
+def test_a_second_change_mid_rollout_rolls_forward_to_the_newest_and_leaves_no_other() -> None:
+    fleet = Fleet.steady(RolloutSpec(), prefill=2, decode=2)
+    fleet.change(Role.PREFILL, "b")
+    fleet.change(Role.DECODE, "b")
+    for _ in range(6):
+        fleet.step()
+    assert "pb" in fleet.revisions(Role.PREFILL)
+    fleet.change(Role.PREFILL, "c")
+    fleet.change(Role.DECODE, "c")
+    fleet.run(EngineRolloutPhase.COMPLETE, floor={Role.PREFILL: 2, Role.DECODE: 2})
+    assert fleet.revisions(Role.PREFILL) == ["pc", "pc"]
+    assert fleet.revisions(Role.DECODE) == ["dc", "dc"]
+    assert fleet.events.count("RolloutStarted") == 2
+
+
+def test_without_surge_room_one_pod_per_role_is_blocked_and_says_what_to_do() -> None:
+    fleet = Fleet.steady(RolloutSpec(max_surge=0), prefill=1, decode=1)
+    fleet.change(Role.PREFILL, "b")
+    fleet.run(EngineRolloutPhase.BLOCKED)
+    assert fleet.deleted_old == []
+    assert "maxSurge" in fleet.status.message
+    assert fleet.roles[Role.PREFILL].replicas == 1
+
+
+def test_without_surge_room_two_per_role_replace_in_place_and_keep_a_pair() -> None:
+    fleet = Fleet.steady(RolloutSpec(max_surge=0), prefill=2, decode=2)
+    fleet.change(Role.PREFILL, "b", key="k2")
+    fleet.change(Role.DECODE, "b", key="k2")
+    fleet.run(EngineRolloutPhase.COMPLETE, floor={Role.PREFILL: 1, Role.DECODE: 1})
+    assert fleet.created == 4  # in place: no surge pod at all
+    assert fleet.revisions(Role.DECODE) == ["db", "db"]
+
+
+def test_paused_takes_no_step_and_resumes() -> None:
+    fleet = Fleet.steady(RolloutSpec(paused=True), prefill=1, decode=1)
+    fleet.change(Role.PREFILL, "b")
+    for _ in range(5):
+        fleet.step()
+    assert fleet.status.phase is EngineRolloutPhase.PAUSED
+    assert fleet.created == 0 and fleet.deleted_old == []
+    fleet.spec = RolloutSpec()
+    fleet.run(EngineRolloutPhase.COMPLETE)
+    assert fleet.revisions(Role.PREFILL) == ["pb"]
+
+
+def test_a_canary_holds_for_its_analysis_then_goes_on() -> None:
+    spec = RolloutSpec(canary=CanarySpec(replicas=1, analysis_seconds=30))
+    fleet = Fleet.steady(spec, prefill=3, decode=3)
+    fleet.change(Role.PREFILL, "b")
+    fleet.change(Role.DECODE, "b")
+    fleet.run(EngineRolloutPhase.CANARY)
+    held = 0
+    while fleet.status.phase is EngineRolloutPhase.CANARY:
+        assert fleet.deleted_old == []
+        fleet.step()
+        held += 1
+    assert held >= 30 / 5 and "CanaryPassed" in fleet.events
+    fleet.run(EngineRolloutPhase.COMPLETE, floor={Role.PREFILL: 3, Role.DECODE: 3})
+    assert fleet.revisions(Role.PREFILL) == ["pb", "pb", "pb"]
+
+
+def test_recreate_deletes_every_old_pod_at_once() -> None:
+    fleet = Fleet.steady(RolloutSpec(strategy=RolloutStrategy.RECREATE), prefill=2, decode=1)
+    fleet.change(Role.PREFILL, "b")
+    fleet.change(Role.DECODE, "b")
+    fleet.step()
+    assert sorted(fleet.deleted_old) == ["x-decode-0@da", "x-prefill-0@pa", "x-prefill-1@pa"]
+    for _ in range(10):
+        fleet.step()
+    assert fleet.status.phase is EngineRolloutPhase.COMPLETE
+
+
+def test_rolling_update_only_reports() -> None:
+    spec = RolloutSpec(strategy=RolloutStrategy.ROLLING_UPDATE)
+    fleet = Fleet.steady(spec, prefill=1, decode=1)
+    fleet.change(Role.PREFILL, "b")
+    fleet.step()
+    assert fleet.status.phase is EngineRolloutPhase.PROGRESSING
+    assert fleet.status.reason == "RollingUpdate"
+    assert fleet.deleted_old == [] and fleet.roles[Role.PREFILL].replicas == 1
+
+
+@pytest.mark.parametrize("surge", [1, 2])
+def test_the_status_counts_each_revision(surge: int) -> None:
+    fleet = Fleet.steady(RolloutSpec(max_surge=surge), prefill=2, decode=2)
+    fleet.change(Role.PREFILL, "b")
+    fleet.step()
+    prefill = next(r for r in fleet.status.roles if r.role == "prefill")
+    assert prefill.to_revision == "pb" and prefill.desired == 2 and prefill.surge == surge
+    assert [(c.revision, c.pods, c.ready) for c in prefill.revisions] == [("pb", 0, 0),
+                                                                         ("pa", 2, 2)]
+    assert fleet.status.summary == "Progressing 2/4"
+
+
+def test_a_plain_scale_down_is_no_rollout() -> None:
+    fleet = Fleet.steady(RolloutSpec(), prefill=1, decode=3)
+    fleet.roles[Role.DECODE].desired = 2
+    for _ in range(4):
+        fleet.step()
+        assert fleet.status.phase is EngineRolloutPhase.IDLE
+    assert fleet.events == [] and fleet.roles[Role.DECODE].replicas == 2
+    assert len(fleet.roles[Role.DECODE].pods) == 2
+
+
+def test_a_key_change_behind_a_router_that_pairs_by_no_key_says_so() -> None:
+    fleet = Fleet.steady(RolloutSpec(), prefill=1, decode=1)
+    fleet.change(Role.PREFILL, "b", key="k2")
+    fleet.change(Role.DECODE, "b", key="k2")
+    targets = {role: RoleTarget(role=role, desired=r.desired, revision=r.template[0],
+                                kv_compat=r.template[1], spec_revision=r.template[0],
+                                live_replicas=r.replicas) for role, r in fleet.roles.items()}
+    step = plan_revisions(fleet.spec, fleet.status, targets, fleet.pods(), fleet.now,
+                          pairs_by_key=False)
+    assert step.status.key_changed
+    assert step.status.message.endswith(
+        "the router is not told the pods' keys: while both keys serve, a request can pair a "
+        "prefill with a decode of the other key")
+    paired = plan_revisions(fleet.spec, fleet.status, targets, fleet.pods(), fleet.now)
+    assert "router" not in paired.status.message
+
+
+def _pod(role: Role, ordinal: int, revision: str, key: str, **facts: object) -> RolloutPod:
+    fields: dict[str, object] = {"ready": True, "deleting": False, "created_at": T0}
+    fields.update(facts)
+    return RolloutPod(name=f"x-{role.value}-{ordinal}", uid=f"u-{role.value}-{ordinal}",
+                      role=role, ordinal=ordinal, revision=revision, kv_compat=key,
+                      **fields)  # type: ignore[arg-type]
+
+
+def _targets(prefill: tuple[str, str], decode: tuple[str, str],
+             live: tuple[int, int] = (1, 2)) -> dict[Role, RoleTarget]:
+    return {role: RoleTarget(role=role, desired=1, revision=rev, kv_compat=key,
+                             spec_revision=rev, live_replicas=n)
+            for role, (rev, key), n in ((Role.PREFILL, prefill, live[0]),
+                                        (Role.DECODE, decode, live[1]))}
+
+
+def test_a_failure_after_one_role_finished_rolls_back_every_role_the_rollout_moved() -> None:
+    """Guards against a rollback of one role only: after a key change, the other role
+    would keep the new key and no compatible pair would be left."""
+    previous = EngineRolloutStatus(phase=EngineRolloutPhase.PROGRESSING, started_at=T0,
+                                   stable_revisions={"prefill": "pa", "decode": "da"})
+    pods = [_pod(Role.PREFILL, 0, "pb", "k2"),
+            _pod(Role.DECODE, 0, "da", "k1"),
+            _pod(Role.DECODE, 1, "db", "k2", ready=False, restarts=2)]
+    step = plan_revisions(RolloutSpec(), previous, _targets(("pb", "k2"), ("db", "k2")), pods,
+                          T0 + timedelta(seconds=30))
+    assert step.status.phase is EngineRolloutPhase.ROLLING_BACK
+    assert step.status.failed_revisions == {"prefill": "pb", "decode": "db"}
+    assert step.delete == ()
+
+
+def test_transfers_are_judged_only_on_a_serving_pod_with_failures_of_its_own() -> None:
+    """Guards against a rollback over an agent's first report of an engine still starting
+    (it cannot read a rank yet: unhealthy with no transfer)."""
+    previous = EngineRolloutStatus(phase=EngineRolloutPhase.PROGRESSING, started_at=T0,
+                                   stable_revisions={"prefill": "pa", "decode": "da"})
+    later = T0 + timedelta(seconds=30)
+    targets = _targets(("pa", "k1"), ("db", "k1"))
+    starting = [_pod(Role.PREFILL, 0, "pa", "k1"), _pod(Role.DECODE, 0, "da", "k1"),
+                _pod(Role.DECODE, 1, "db", "k1", ready=False, transfer_failing=True)]
+    held = plan_revisions(RolloutSpec(), previous, targets, starting, later)
+    assert held.status.phase is EngineRolloutPhase.PROGRESSING
+    serving = [*starting[:2], replace(starting[2], ready=True,
+                                      transfer_detail="3 of 10 transfers failed.")]
+    failed = plan_revisions(RolloutSpec(), previous, targets, serving, later)
+    assert failed.status.reason == "TransferUnhealthy"
+    assert failed.status.message.startswith(
+        "decode pod x-decode-1 (revision db) reports its KV transfers failing: 3 of 10 "
+        "transfers failed: rolling back")
+    assert failed.status.failed_revisions == {"decode": "db"}

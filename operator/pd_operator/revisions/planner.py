@@ -117,6 +117,7 @@ class _Pass:
     targets: Mapping[Role, RoleTarget]
     pods: list[RolloutPod]
     now: datetime
+    pairs_by_key: bool = True  # the router pairs only pods of one key (plan_revisions)
 
     def __post_init__(self) -> None:
         self.failed = {r.value: self.previous.failed_revisions[r.value] for r in ROLES
@@ -140,7 +141,6 @@ class _Pass:
         self.stable = dict(self.previous.stable_revisions) or {
             r.value: Counter(x.revision for x in self.old[r]).most_common(1)[0][0]
             for r in ROLES if self.old[r]}
-        self.pairs_by_key = True
         self.key_changed = any(p.kv_compat != self.targets[p.role].kv_compat
                                for r in ROLES for p in self.old[r])
 
@@ -258,8 +258,7 @@ def plan_revisions(spec: RolloutSpec, previous: EngineRolloutStatus,
     """One planning pass (module docstring). `pairs_by_key`: the deployment's router pairs
     only pods of one KV-compatibility key (the vLLM router does; SGLang's router, given its
     engines as arguments, does not, and the messages say so while keys mix)."""
-    p = _Pass(spec, previous, targets, list(pods), now)
-    p.pairs_by_key = pairs_by_key
+    p = _Pass(spec, previous, targets, list(pods), now, pairs_by_key)
     desired = {r: targets[r].desired for r in ROLES}
     if not p.changing:
         return _settled(p, desired)

@@ -7,8 +7,8 @@ as recorded daemons (so `pd-dev cluster down` stops them with the rest), applies
 the examples and waits until the operator has written their status. Two run for real:
 
 - `examples/local-reference.yaml`: four reference-engine pods as local processes, their
-  agents reporting into TransferAgents, and a light `pd-transfer load` (a recorded daemon,
-  with the deployment's own agent ServiceAccount) keeping KV moving over NIXL;
+  agents reporting into TransferAgents, and a light `pd-transfer load` (a recorded daemon
+  that lists the engine pods, as a router does) keeping KV moving over NIXL;
 - `examples/local-vllm.yaml`: a vLLM prefill and decode pod (vLLM's CPU backend, moving KV
   with PDTransferConnector) and the router; the demo sends a completion through the router
   and shows it.
@@ -41,7 +41,6 @@ from pd_devcluster.cluster import (
     apply_crds,
     load_handle,
     save_handle,
-    service_account_kubeconfig,
     start_control_plane,
 )
 from pd_devcluster.components import Ports
@@ -143,15 +142,13 @@ def ensure_kubelet(handle: ControlPlaneHandle) -> ControlPlaneHandle:
 
 
 def ensure_load(handle: ControlPlaneHandle, namespace: str) -> ControlPlaneHandle:
-    """A light, long-running `pd-transfer load` against the reference example, as the
-    deployment's agent ServiceAccount (it only lists TransferAgents)."""
-    kubeconfig = service_account_kubeconfig(handle, namespace,
-                                            f"{REFERENCE_EXAMPLE}-transfer-agent")
+    """A light, long-running `pd-transfer load` against the reference example, with the
+    control plane's kubeconfig (it lists the engine pods: Ready, not leaving, by key)."""
     argv = [sys.executable, "-m", "pd_transfer.cli", "load", "--namespace", namespace,
             "--deployment", REFERENCE_EXAMPLE, "--rate", "4", "--concurrency", "2",
             "--tokens", "200", "--duration-seconds", "86400", "--timeout-seconds", "15"]
     return _ensure_daemon(handle, LOAD_PROCESS, argv,
-                          dict(os.environ, KUBECONFIG=str(kubeconfig)))
+                          dict(os.environ, KUBECONFIG=str(handle.kubeconfig_path)))
 
 
 def wait_for_transfers(api: k8s.ApiClient, namespace: str, timeout_s: float) -> int:

@@ -42,9 +42,8 @@ from typing import Any, cast
 import pytest
 import yaml
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 
-from pd_devcluster import ControlPlaneHandle, service_account_kubeconfig
+from pd_devcluster import ControlPlaneHandle
 from pd_devcluster.kubelet import FakeKubelet
 from pd_devcluster.processes import (
     ProcessRecord,
@@ -54,8 +53,8 @@ from pd_devcluster.processes import (
 )
 from pd_testbed.checkout import EXAMPLES_DIR
 from pd_testbed.polling import wait_for, wait_for_events
-from pd_transfer.agent.kube import KubeAgentClient
-from pd_transfer.reference.load import Engines, LoadConfig, engines_from_agents, run_one
+from pd_transfer.reference.load import Engines, LoadConfig, engines_from_pods, run_one
+from pd_transfer.router.pods import pod_selector
 
 __all__ = ["NAME", "LiveFleet", "LoadLog", "OperatorProcess", "Request", "SizeFault",
            "discover_engines", "live_fleet"]
@@ -198,6 +197,10 @@ class LiveFleet:
         self.resizing_now: set[str] = set()
         self.specs_seen: dict[str, list[Size]] = {}
         self.stop = threading.Event()
+        # Spans (start, end) in which the load found no prefill-decode pair of one key in
+        # rotation (Ready, not leaving), as its discovery saw them; the load waits meanwhile.
+        self.no_pair: list[tuple[float, float]] = []
+        self.no_pair_since: float | None = None
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -221,6 +224,12 @@ class LiveFleet:
     def in_force(self) -> dict[str, Size]:
         return {a["metadata"]["name"]: _size((a.get("status") or {}).get("staging"))
                 for a in self.agents()}
+
+    def without_pair_s(self, start: float, end: float) -> float:
+        """Seconds of [start, end) in which the load found no pair in rotation (`no_pair`)."""
+        since = self.no_pair_since
+        spans = [*self.no_pair, *([(since, end)] if since is not None else [])]
+        return round(sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans), 1)
 
     def pids(self) -> dict[str, int]:
         pods = self.core.list_namespaced_pod(
@@ -311,6 +320,14 @@ class LiveFleet:
                     with suppress(Exception):  # keep the last known engines
                         current = engines()
                     refreshed = time.monotonic()
+                    if not current.pairs():  # as a router waits for an endpoint
+                        self.no_pair_since = self.no_pair_since or refreshed
+                    elif self.no_pair_since is not None:
+                        self.no_pair.append((self.no_pair_since, refreshed))
+                        self.no_pair_since = None
+                if not current.pairs():
+                    self.stop.wait(0.2)
+                    continue
                 if not slots.acquire(timeout=0.1):
                     continue
                 started = time.monotonic()
@@ -357,8 +374,9 @@ def live_fleet(handle: ControlPlaneHandle, kube_client: k8s.ApiClient, work_dir:
         operator = OperatorProcess(handle, namespace, work_dir)
         operator.start()
         prefix = f"127.{random.randint(100, 250)}.{random.randint(1, 250)}."
+        # A container that exits is restarted (2 s, doubling), as a StatefulSet's pod is.
         kubelet = FakeKubelet(handle, work_dir / "kubelet", namespace=namespace,
-                              ip_prefix=prefix)
+                              ip_prefix=prefix, restart_backoff_s=2.0)
         fleet = LiveFleet(handle, kube_client, namespace, kubelet, operator)
         kubelet_stop = threading.Event()
         kubelet_thread = threading.Thread(target=kubelet.run, args=(kubelet_stop, 0.5),
@@ -369,17 +387,16 @@ def live_fleet(handle: ControlPlaneHandle, kube_client: k8s.ApiClient, work_dir:
             fleet.objects.create_namespaced_custom_object(
                 GROUP, VERSION, namespace, "pddeployments",
                 body(namespace, analysis_s=analysis_s, max_unavailable=max_unavailable))
-            sa = wait_for("the agent ServiceAccount", lambda: _sa_kubeconfig(
-                handle, namespace, work_dir), 60)
             wait_for("4 engines reporting their endpoints", lambda: len([
                 a for a in fleet.agents()
                 if ((a.get("status") or {}).get("endpoints") or {}).get("engine")]) == 4, 120)
             config = LoadConfig(namespace=namespace, deployment=NAME, rate=rate,
                                 duration_s=3600, tokens=tokens, concurrency=concurrency,
                                 timeout_s=10.0, discover_s=2.0)
+            engines = discover_engines(kube_client, namespace, NAME)
             threads = [threading.Thread(target=fleet.watch_resizes, daemon=True),
                        threading.Thread(target=fleet.drive_load, daemon=True,
-                                        args=(discover_engines(sa, namespace, NAME), config))]
+                                        args=(engines, config))]
             for thread in threads:
                 thread.start()
             wait_for("TransferHealthy=True", lambda: fleet.condition("TransferHealthy")
@@ -396,24 +413,13 @@ def live_fleet(handle: ControlPlaneHandle, kube_client: k8s.ApiClient, work_dir:
     assert not operator.errors(), "\n".join(operator.errors())
 
 
-def _sa_kubeconfig(handle: ControlPlaneHandle, namespace: str, work_dir: Path) -> Path | None:
-    try:
-        return service_account_kubeconfig(handle, namespace, f"{NAME}-transfer-agent",
-                                          path=work_dir / "sa-kubeconfig")
-    except Exception:  # the operator has not created it yet
-        return None
+def discover_engines(api: k8s.ApiClient, namespace: str, name: str) -> Callable[[], Engines]:
+    """What the load calls to find a PDDeployment's engines: its pods that are endpoints now,
+    as `pd-transfer load` lists them (a router's rule: Ready, not leaving, paired by key)."""
+    core = k8s.CoreV1Api(api)
 
-
-def discover_engines(kubeconfig: Path, namespace: str, name: str) -> Callable[[], Engines]:
-    """What the load calls to find a PDDeployment's engines: its TransferAgents' reported
-    endpoints, read with the agent ServiceAccount's token (`kubeconfig`), as a router would."""
     def discover() -> Engines:
-        api: k8s.ApiClient = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
-            config_file=str(kubeconfig))
-        client = KubeAgentClient(api)
-        try:
-            return engines_from_agents(client.list(namespace,
-                                                   f"pd.serving.dev/deployment={name}"))
-        finally:
-            client.close()
+        pods = core.list_namespaced_pod(namespace, label_selector=pod_selector(name),
+                                        _request_timeout=10)
+        return engines_from_pods(api.sanitize_for_serialization(pods)["items"])  # type: ignore[no-untyped-call]
     return discover

@@ -28,7 +28,7 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from pd_devcluster import ControlPlaneHandle, service_account_kubeconfig
+from pd_devcluster import ControlPlaneHandle
 from pd_devcluster.kubelet import FakeKubelet
 from pd_devcluster.processes import stop_process
 from pd_operator import settings
@@ -36,7 +36,7 @@ from pd_operator.workqueue import QueueTuning
 from pd_testbed.operator_runner import kopf_runner
 from pd_testbed.polling import wait_for
 from pd_testbed.rollout_harness import discover_engines
-from pd_transfer.reference.load import LoadConfig, LoadReport, engines_from_agents, run_load
+from pd_transfer.reference.load import Engine, Engines, LoadConfig, LoadReport, run_load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(300)]
 
@@ -116,15 +116,13 @@ def deployment(control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient,
             kubelet_thread.start()
             objects.create_namespaced_custom_object(GROUP, VERSION, namespace,
                                                     "pddeployments", body(namespace))
-            sa_kubeconfig = wait_for("the agent ServiceAccount", lambda: _try_kubeconfig(
-                control_plane, namespace, tmp_path_factory), 60)
             load_stop, report = threading.Event(), LoadReport()
             config = LoadConfig(namespace=namespace, deployment=NAME, rate=4.0,
                                 duration_s=3600, tokens=200, concurrency=2, timeout_s=10.0,
                                 discover_s=2.0, progress_s=30.0)
 
             def drive() -> None:
-                result = run_load(config, discover_engines(sa_kubeconfig, namespace, NAME),
+                result = run_load(config, discover_engines(kube_client, namespace, NAME),
                                   stop=load_stop)
                 report.__dict__.update(result.__dict__)
 
@@ -140,15 +138,6 @@ def deployment(control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient,
                 kubelet_thread.join(60)
                 core.delete_namespace(namespace)
         assert runner.exception is None, runner.output
-
-
-def _try_kubeconfig(handle: ControlPlaneHandle, namespace: str,
-                    factory: pytest.TempPathFactory) -> Path | None:
-    try:
-        return service_account_kubeconfig(handle, namespace, f"{NAME}-transfer-agent",
-                                          path=factory.mktemp("sa") / "kubeconfig")
-    except Exception:  # the operator has not created it yet
-        return None
 
 
 def test_steady_load_fills_transfer_status_for_every_pod(deployment: Deployment) -> None:
@@ -242,7 +231,12 @@ def test_tcp_with_rdma_required_is_not_verified(deployment: Deployment) -> None:
         a if len(a := deployment.agents(TCP_NAME)) == 2 and all(
             (x.get("status") or {}).get("endpoints", {}).get("engine") for x in a) else None),
         120)
-    engines = engines_from_agents(agents)
+    # Its pods are not Ready (RDMA required, none verified): the load is given them as
+    # their TransferAgents report them.
+    engines = Engines(*(tuple(Engine(a["metadata"]["name"], a["status"]["endpoints"]["engine"],
+                                     a["status"]["endpoints"]["bootstrap"])
+                              for a in agents if a["spec"]["role"] == role)
+                        for role in ("prefill", "decode")))
     report = run_load(LoadConfig(namespace=deployment.namespace, deployment=TCP_NAME,
                                  rate=5.0, duration_s=3.0, tokens=64, concurrency=1),
                       lambda: engines, say=lambda _: None)

@@ -13,7 +13,16 @@ tests, in order:
 3. a size that hurts the first resized pod (TEST-ONLY `SizeFault`: its engine drops Grants
    while that size is in force) → the rollout pauses and rolls back by itself, status and
    Events name the pod and why, and traffic recovers.
-Budget: about 4 minutes on 2 cores.
+
+Then engine rollouts (docs/failure-modes.md #41-#43) on the same fleet and load, whose
+client pairs only same-key pods that are Ready and not leaving, as a router does:
+4. an engine argument the engine refuses → the new pods exit at start, the rollout rolls
+   back by itself, no serving pod was deleted, no request failed;
+5. a page-size change (a new KV-compatibility key) on the staged path (prefill TP1, decode
+   TP2) → both roles roll surge first, each old pod deleted only once a pair of the new
+   key serves and drained by its preStop hook (its own counters: no transfer of it failed
+   while it rolled), no request failed.
+Budget: about 6 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -21,15 +30,17 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client as k8s
 
 from pd_devcluster import ControlPlaneHandle
+from pd_testbed.engine_rollout import drained, engine_pods, failed_transfers
 from pd_testbed.polling import wait_for
-from pd_testbed.rollout_harness import NAME, LiveFleet, SizeFault, live_fleet
+from pd_testbed.rollout_harness import GROUP, NAME, VERSION, LiveFleet, SizeFault, live_fleet
 
-pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(600)]
 
 MAX_UNAVAILABLE = 1
 START, GROWN, SHRUNK = (8, 8), (16, 8), (4, 8)
@@ -61,7 +72,8 @@ def test_grow_then_shrink_under_load_without_failures_or_restarts(fleet: LiveFle
         fleet.resize(size)
         done = fleet.wait_phase("Complete", to=size[0], timeout_s=150)
         window = fleet.log.window(started, time.monotonic())
-        print(f"rollout to {size}: {time.monotonic() - started:.1f} s, load {window}")
+        print(f"rollout to {size}: {time.monotonic() - started:.1f} s, load {window}, "
+              f"{fleet.without_pair_s(started, time.monotonic())} s without a pair")
         assert window["served"] > 0 and window["failed"] == 0, window
         assert fleet.in_force() == dict.fromkeys(PODS, size)
         assert sorted(done["updatedPods"]) == PODS
@@ -140,3 +152,83 @@ def test_a_size_that_hurts_rolls_back_and_traffic_recovers(fleet: LiveFleet) -> 
     finally:
         fault.done.set()
         fault.join(10)
+
+
+def _rollout(fleet: LiveFleet) -> dict[str, Any]:
+    return dict((fleet.pdd().get("status") or {}).get("rollout") or {})
+
+
+def _patch(fleet: LiveFleet, spec: dict[str, Any]) -> None:
+    fleet.objects.patch_namespaced_custom_object(GROUP, VERSION, fleet.ns, "pddeployments",
+                                                 NAME, {"spec": spec})
+
+
+def test_a_revision_that_exits_at_start_rolls_back_without_touching_a_serving_pod(
+        fleet: LiveFleet) -> None:
+    """Guards against a bad revision replacing serving pods (docs/failure-modes.md #43)."""
+    before = engine_pods(fleet.core, fleet.ns, NAME)
+    args = fleet.pdd()["spec"]["engine"].get("args") or []
+    started = time.monotonic()
+    _patch(fleet, {"engine": {"args": [*args, "--no-such-engine-flag"]},
+                   "rollout": {"maxRestarts": 1}})
+    back = wait_for("the rollout to roll back by itself", lambda: _rollout(fleet), 180,
+                    until=lambda r: r.get("phase") == "RolledBack")
+    window = fleet.log.window(started, time.monotonic())
+    print(f"rolled back in {time.monotonic() - started:.1f} s: {back['message']}; "
+          f"load {window}")
+    assert back["reason"] in ("CrashLoop", "StartFailed"), back
+    assert set(back["failedRevisions"]) == {"prefill", "decode"}
+    assert engine_pods(fleet.core, fleet.ns, NAME) == before
+    assert window["served"] > 0 and window["failed"] == 0, window
+    _patch(fleet, {"engine": {"args": args}})
+    wait_for("the spec back on the running revision", lambda: _rollout(fleet).get(
+        "phase") == "Complete", 60)
+    assert engine_pods(fleet.core, fleet.ns, NAME) == before
+
+
+def test_a_page_size_change_rolls_both_roles_surge_first_with_no_failed_request(
+        fleet: LiveFleet) -> None:
+    """Guards against a KV-compatibility change that fails requests or stops a pod with
+    work in it (docs/failure-modes.md #41, #42)."""
+    old = engine_pods(fleet.core, fleet.ns, NAME)
+    assert sorted(old) == PODS
+    ips = {pod: fleet.core.read_namespaced_pod(pod, fleet.ns).status.pod_ip for pod in old}
+    # The earlier tests failed transfers on purpose: the rollout must add none.
+    failed_before = {pod: failed_transfers(f"{ip}:9400") for pod, ip in ips.items()}
+    old_key = fleet.pdd()["status"]["decode"]["kvCompat"]
+    seen: list[dict[str, Any]] = []
+    started = time.monotonic()
+    # maxSurge 2: each role's new pods start at once beside its old ones (half the waves
+    # of maxSurge 1's, `tests/unit/test_revision_planner.py` steps both).
+    _patch(fleet, {"prefill": {"pageSize": 32}, "decode": {"pageSize": 32},
+                   "rollout": {"maxSurge": 2}})
+
+    def complete() -> dict[str, Any] | None:
+        rollout = _rollout(fleet)
+        if rollout.get("phase") in ("Progressing", "Canary"):
+            seen.append(rollout)
+        return rollout if rollout.get("phase") == "Complete" and seen else None
+
+    done = wait_for("the rollout to complete", complete, 300, interval_s=1.0)
+    window = fleet.log.window(started, time.monotonic())
+    status = fleet.pdd()["status"]
+    now = engine_pods(fleet.core, fleet.ns, NAME)
+    print(f"page size rolled out in {time.monotonic() - started:.1f} s: load {window}")
+    assert window["served"] > 0 and window["failed"] == 0, window
+    assert sorted(now) == PODS and not set(now.values()) & set(old.values())
+    assert status["prefill"]["kvCompat"] == status["decode"]["kvCompat"] != old_key
+    assert any(r.get("keyChanged") for r in seen), seen[-1:]
+    # Surge: each role had its 2 new pods beside its 2 old ones.
+    assert {role["role"] for r in seen for role in r.get("roles", [])
+            if sum(v.get("pods", 0) for v in role.get("revisions", [])) == 4} == {
+        "prefill", "decode"}, seen[-1:]
+    assert done["stableRevisions"] == {"prefill": status["prefill"]["revision"],
+                                       "decode": status["decode"]["revision"]}
+    for pod, uid in old.items():
+        ended = drained(fleet.kubelet, fleet.ns, pod, uid)
+        assert ended is not None, pod
+        assert ended.failed == failed_before[pod], (pod, failed_before[pod], ended)
+        assert ended.finished > 0, (pod, ended)
+    # Every pod of the new key moves KV again.
+    wait_for("TransferHealthy=True", lambda: fleet.condition("TransferHealthy").get(
+        "status") == "True", 60)

@@ -58,10 +58,10 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client as k8s
-from prometheus_client.parser import text_string_to_metric_families
 
 from pd_devcluster import ControlPlaneHandle
 from pd_devcluster.kubelet import FakeKubelet
+from pd_testbed.engine_rollout import drained, engine_pods, failed_transfers
 from pd_testbed.polling import wait_for
 from pd_testbed.rollout_harness import OperatorProcess
 from pd_testbed.vllm import (
@@ -69,7 +69,6 @@ from pd_testbed.vllm import (
     VllmServer,
     complete,
     free_ports,
-    metrics_text,
     prompt_ids,
     running,
     scrape,
@@ -534,26 +533,7 @@ def _engine_rollout(cluster: Cluster) -> Obj:
 
 
 def _engine_pods(cluster: Cluster) -> dict[str, str]:
-    """The engine pods now, by name: their uids."""
-    pods = cluster.core.list_namespaced_pod(
-        cluster.namespace, label_selector=f"pd.serving.dev/deployment={NAME},"
-                                          "pd.serving.dev/role in (prefill,decode)").items
-    return {p.metadata.name: p.metadata.uid for p in pods}
-
-
-def _connector_failed(cluster: Cluster, pod: str) -> int:
-    """The transfers `pod`'s connector counted failed so far (all ranks and sides)."""
-    ip = (cluster.pod(pod).get("status") or {})["podIP"]
-    return int(sum(sample.value for family in text_string_to_metric_families(
-        metrics_text(f"{ip}:9400")) for sample in family.samples
-        if sample.name == "pd_transfer_requests_total"
-        and sample.labels.get("result") == "failed"))
-
-
-def _hook_of(cluster: Cluster, pod: str, uid: str) -> list[str]:
-    """What one incarnation of `pod` printed from its preStop hook."""
-    log = cluster.kubelet.work_dir / cluster.namespace / f"{pod}-{uid[:8]}" / "engine.log"
-    return [line for line in log.read_text().splitlines() if "drain" in line]
+    return engine_pods(cluster.core, cluster.namespace, NAME)
 
 
 def test_a_revision_that_exits_at_start_rolls_back_by_itself_under_load(
@@ -589,11 +569,6 @@ def test_a_revision_that_exits_at_start_rolls_back_by_itself_under_load(
     assert _engine_pods(cluster) == before
 
 
-DRAINED_ANY = re.compile(r"drained (prefill|decode) after [0-9.]+ s: the engine finished "
-                         r"([0-9]+) requests; connector transfers: ([0-9]+) succeeded, "
-                         r"([0-9]+) failed")
-
-
 @pytest.mark.long
 def test_a_page_size_change_rolls_both_roles_under_load_with_no_failed_request(
         cluster: Cluster) -> None:
@@ -612,7 +587,8 @@ def test_a_page_size_change_rolls_both_roles_under_load_with_no_failed_request(
     router = _router_pod(cluster)
     # The pods' connectors count for their whole life (a decode killed earlier failed a
     # transfer of the prefill's): the rollout must add no failure to that count.
-    failed_before = {pod: _connector_failed(cluster, pod) for pod in old}
+    failed_before = {pod: failed_transfers(f"{cluster.pod(pod)['status']['podIP']}:9400")
+                     for pod in old}
     old_key = cluster.pdd()["status"]["decode"]["kvCompat"]
     seen: list[Obj] = []
     started = time.monotonic()
@@ -640,12 +616,10 @@ def test_a_page_size_change_rolls_both_roles_under_load_with_no_failed_request(
     assert done_status["stableRevisions"] == {"prefill": status["prefill"]["revision"],
                                               "decode": status["decode"]["revision"]}
     for pod, uid in old.items():
-        hook = _hook_of(cluster, pod, uid)
-        drained = DRAINED_ANY.search(hook[-1]) if hook else None
-        assert drained is not None, (pod, hook)
-        _, finished, succeeded, failed = drained.groups()
-        assert int(failed) == failed_before[pod], (failed_before, hook[-1])
-        assert int(succeeded) + int(failed) >= int(finished) > 0, hook[-1]
+        ended = drained(cluster.kubelet, cluster.namespace, pod, uid)
+        assert ended is not None, pod
+        assert ended.failed == failed_before[pod], (failed_before, ended)
+        assert ended.succeeded + ended.failed >= ended.finished > 0, ended
     assert cluster.router_metric("pd_router_endpoints", role="prefill") == 1.0
     assert cluster.router_metric("pd_router_endpoints", role="decode") == 1.0
     assert _router_pod(cluster) == router  # new engines joined the same router

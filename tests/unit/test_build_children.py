@@ -76,7 +76,8 @@ def test_decode_statefulset_whole_object() -> None:
                     "automountServiceAccountToken": True,
                     "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                     "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": 60,
+                    # The decode's default drain (300 s) and 60 s for the engine's own stop.
+                    "terminationGracePeriodSeconds": 360,
                     "readinessGates": [{"conditionType": "pd.serving.dev/transfer-ready"}],
                     "containers": [{
                         "name": "engine",
@@ -135,6 +136,13 @@ def test_decode_statefulset_whole_object() -> None:
                         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"},
                                           "periodSeconds": 15, "failureThreshold": 4,
                                           "timeoutSeconds": 5},
+                        # A leaving pod drains first (docs/failure-modes.md #39).
+                        "lifecycle": {"preStop": {"exec": {"command": [
+                            "pd-transfer", "drain", "--role", "decode", "--engine",
+                            "reference", "--engine-metrics-url",
+                            "http://127.0.0.1:9400/metrics", "--connector-metrics-url",
+                            "http://127.0.0.1:9400/metrics", "--settle-seconds", "5",
+                            "--timeout-seconds", "300"]}}},
                     }],
                     "volumes": [
                         {"name": "dshm",
@@ -639,7 +647,12 @@ def test_a_leaving_vllm_pod_drains_before_its_engine_is_stopped() -> None:
     native = _engine_pod(tiny_pdd(engine=vllm, transfer={"backend": "EngineNative"}), "prefill")
     assert native["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == [
         *hook[:2], "--role", "prefill", *hook[2:6], "--timeout-seconds", "180"]
-    # The reference engine's image serves no engine queue metrics: no hook.
+    # The reference engine: its running requests and ranks' live transfers, both on the
+    # transfer metrics port, and 5 s of settle for its clients' 2 s pod listing.
     reference = _engine_pod(tiny_pdd(), "decode")
-    assert "lifecycle" not in reference["containers"][0]
-    assert reference["terminationGracePeriodSeconds"] == 60
+    metrics = "http://127.0.0.1:9400/metrics"
+    assert reference["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == [
+        "pd-transfer", "drain", "--role", "decode", "--engine", "reference",
+        "--engine-metrics-url", metrics, "--connector-metrics-url", metrics,
+        "--settle-seconds", "5", "--timeout-seconds", "300"]
+    assert reference["terminationGracePeriodSeconds"] == 360

@@ -7,11 +7,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import cast
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pd_transfer.drain import Holding, drain, read_holding
 from pd_transfer.native.scrape import fetch_metrics
+from pd_transfer.reference.engine.main import EngineCollector
+from pd_transfer.reference.engine.service import EngineService
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -158,3 +162,62 @@ def test_drain_gives_up_at_its_deadline() -> None:
     assert said[-1] == ("decode not drained after 5.0 s (1 running, 0 waiting, 0 KV loads "
                         "live); stopping anyway")
     assert clock.now == 5.0
+
+
+REFERENCE = """# HELP pd_reference_requests_running Requests accepted, not answered
+# TYPE pd_reference_requests_running gauge
+pd_reference_requests_running {running}
+# HELP pd_reference_requests_finished_total Requests the engine answered, either way
+# TYPE pd_reference_requests_finished_total counter
+pd_reference_requests_finished_total 12.0
+# HELP pd_transfer_live_requests Requests in flight
+# TYPE pd_transfer_live_requests gauge
+pd_transfer_live_requests{{rank="0",role="decode"}} {live}
+pd_transfer_live_requests{{rank="1",role="decode"}} {live}
+# HELP pd_transfer_requests_total Finished requests
+# TYPE pd_transfer_requests_total counter
+pd_transfer_requests_total{{rank="0",result="succeeded",role="decode"}} 12.0
+pd_transfer_requests_total{{rank="1",result="succeeded",role="decode"}} 11.0
+pd_transfer_requests_total{{rank="1",result="failed",role="decode"}} 1.0
+"""
+
+
+def test_the_reference_engine_is_read_from_its_one_metrics_port(
+        server: tuple[str, Pages]) -> None:
+    """Guards against a reference pod's hook that ends while a request or its KV is live:
+    the engine has no queue (waiting is 0), its ranks' live requests are the KV it holds."""
+    base, pages = server
+    url = f"{base}/metrics"
+    pages.texts["/metrics"] = REFERENCE.format(running=1, live=1)
+    held = read_holding("reference", url, url)
+    assert held == Holding(1, 0, 2, with_connector=True, finished=12, succeeded=23, failed=1)
+    assert held.describe("decode") == "1 running, 0 waiting, 2 KV loads live"
+    pages.texts["/metrics"] = REFERENCE.format(running=0, live=1)
+    assert not read_holding("reference", url, url).empty
+    pages.texts["/metrics"] = REFERENCE.format(running=0, live=0)
+    assert read_holding("reference", url, url).empty
+
+
+def test_the_engines_collector_serves_what_the_hook_reads(server: tuple[str, Pages]) -> None:
+    """The names the reference engine exports are the ones `--engine reference` reads."""
+    class Service:
+        running_requests, finished_requests = 3, 17
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(cast(EngineService, Service())))
+    base, pages = server
+    pages.texts["/metrics"] = generate_latest(registry).decode()
+    held = read_holding("reference", f"{base}/metrics", None)
+    assert (held.running, held.waiting, held.finished) == (3, 0, 17)
+
+
+def test_drain_waits_out_its_settle_time_for_clients_that_list_pods() -> None:
+    """Guards against a leaving pod stopped before a client that lists the pods every few
+    seconds has seen it leave: empty from the start, the hook still ends at 5 s, not 1 s."""
+    clock, said = Clock(), []
+    assert drain("prefill", lambda: Holding(0, 0, 0, True, finished=4, succeeded=4, failed=0),
+                 timeout_s=60, interval_s=1.0, settle_s=5.0, say=said.append, clock=clock,
+                 sleep=clock.sleep)
+    assert clock.now == 5.0
+    assert said[-1] == ("drained prefill after 5.0 s: the engine finished 4 requests; "
+                        "connector transfers: 4 succeeded, 0 failed")

@@ -549,9 +549,11 @@ def test_request_kv_naming_pages_outside_the_decode_pool_is_a_violation() -> Non
 # Bounded state --------------------------------------------------------------------------------
 
 
-def test_10k_requests_with_failures_and_aborts_leave_every_map_at_baseline() -> None:
+@pytest.mark.parametrize("waves", [
+    pytest.param(25, id="2500"), pytest.param(100, id="10k", marks=pytest.mark.long)])
+def test_requests_with_failures_and_aborts_leave_every_map_at_baseline(waves: int) -> None:
     """docs/failure-modes.md #11: per-request state is released on every path, not only on
-    success."""
+    success. 2,500 requests in CI; the 10k run (`make test-long`) takes 50 s on 2 cores."""
     cluster = Cluster(mode="staged", kv_heads=1, layers=1, head_dim=2, page_size=1,
                       num_pages=256, ring_bytes=2048, tick_s=0.1)
     baseline = cluster.counts()
@@ -560,7 +562,7 @@ def test_10k_requests_with_failures_and_aborts_leave_every_map_at_baseline() -> 
     cluster.fabric.inject(FaultRule(FaultAction.DROP, lambda e: message_type(e) == "grant"
                                     and hash(e.payload) % 23 == 0, remaining=None))
     outcomes: dict[str, int] = {}
-    for wave in range(100):
+    for wave in range(waves):
         batch = [cluster.new_request(num_tokens=2) for _ in range(100)]
         for index, request in enumerate(batch):
             cluster.start(request)
@@ -577,13 +579,14 @@ def test_10k_requests_with_failures_and_aborts_leave_every_map_at_baseline() -> 
             for endpoint in cluster.endpoints:
                 endpoint.forget(request.room)
             cluster.retire(request)
-        assert wave < 100
+        assert wave < waves
     cluster.clock.advance(cluster.timeouts.quarantine_grace_s + 1)
     cluster.step()
     assert cluster.counts() == baseline
     assert cluster.receivers[0].ring.used_bytes == 0
-    assert outcomes["ok"] > 10000 and outcomes["Aborted"] >= 2000
-    assert sum(outcomes.values()) == 2 * 10000
+    requests = waves * 100  # one status on each side per request; a fifth of them aborted
+    assert outcomes["ok"] > requests and outcomes["Aborted"] >= requests // 5
+    assert sum(outcomes.values()) == 2 * requests
 
 
 def test_a_write_that_never_completes_fails_on_decode_and_prefill_logs_where_it_stopped(

@@ -18,6 +18,12 @@ succeeded and failed (summed over the ranks: each TP rank counts its share of a 
 Where the engine moves KV with its own connector (``--connector-metrics-url`` not given),
 only the engine's queues are known: KV a prefill still holds for a decode is not waited for.
 
+The reference engine (``--engine reference``) serves each request synchronously (a prefill's
+answer comes once its decode pulled the KV): its running requests are all its work, and its
+ranks' ``pd_transfer_live_requests`` the KV it holds. Its clients list its pods every few
+seconds rather than watch them, so ``--settle-seconds`` keeps the hook from ending before
+they can have seen the pod leave: a request that still arrives meanwhile is served.
+
 Exit 0 once drained; 1 at ``--timeout-seconds`` (Kubernetes then sends SIGTERM anyway, and
 the pod's terminationGracePeriodSeconds bounds the whole). An engine that refuses the
 connection has exited: nothing is left. One that does not answer in time is busy: not
@@ -41,19 +47,29 @@ from pd_transfer.native.scrape import fetch_metrics
 
 __all__ = ["ENGINE_QUEUES", "Holding", "add_drain_parser", "drain", "read_holding"]
 
-Engine = Literal["vllm", "sglang"]
+Engine = Literal["vllm", "sglang", "reference"]
 
-# Each engine's gauges of requests running and waiting (summed over their label sets).
-ENGINE_QUEUES: Final[Mapping[Engine, tuple[str, str]]] = {
+# Each engine's gauges of requests running and waiting (summed over their label sets); None:
+# the engine has no queue (every request it accepted runs).
+ENGINE_QUEUES: Final[Mapping[Engine, tuple[str, str | None]]] = {
     "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"),
     "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+    "reference": ("pd_reference_requests_running", None),
 }
 # Each engine's counter of requests it finished (the counter family's name).
 ENGINE_FINISHED: Final[Mapping[Engine, str]] = {
     "vllm": "vllm:request_success",
     "sglang": "sglang:num_requests",
+    "reference": "pd_reference_requests_finished",
 }
 CONNECTOR_LIVE: Final = "pd_transfer_connector_live_requests"
+# The gauge of requests whose KV the pod's transfer side still holds, with its label filter:
+# the KV connector's scheduler side in an engine, the ranks themselves in the reference.
+_LIVE: Final[Mapping[Engine, tuple[str, tuple[tuple[str, str], ...]]]] = {
+    "vllm": (CONNECTOR_LIVE, (("side", "scheduler"),)),
+    "sglang": (CONNECTOR_LIVE, (("side", "scheduler"),)),
+    "reference": ("pd_transfer_live_requests", ()),
+}
 CONNECTOR_PENDING_BYTES: Final = "pd_transfer_kv_pending_bytes"
 CONNECTOR_REQUESTS: Final = "pd_transfer_requests"
 _READ_TIMEOUT_S: Final = 5.0
@@ -143,7 +159,8 @@ def read_holding(engine_name: Engine, engine_url: str, connector_url: str | None
         gone = "Connection refused" in str(exc)
         return Holding(None, None, None, with_connector, engine_gone=gone)
     engine = _families(text)
-    holding = Holding(_gauge(engine, running_name), _gauge(engine, waiting_name), None,
+    waiting = 0 if waiting_name is None else _gauge(engine, waiting_name)
+    holding = Holding(_gauge(engine, running_name), waiting, None,
                       with_connector, finished=_count(engine, ENGINE_FINISHED[engine_name]))
     if connector_url is None:
         return holding
@@ -153,17 +170,18 @@ def read_holding(engine_name: Engine, engine_url: str, connector_url: str | None
         return holding
     return dataclasses.replace(
         holding,
-        transfers=_gauge(families, CONNECTOR_LIVE, (("side", "scheduler"),)),
+        transfers=_gauge(families, *_LIVE[engine_name]),
         pending_bytes=_gauge(families, CONNECTOR_PENDING_BYTES),
         succeeded=_count(families, CONNECTOR_REQUESTS, (("result", "succeeded"),)),
         failed=_count(families, CONNECTOR_REQUESTS, (("result", "failed"),)))
 
 
 def drain(role: str, read: Callable[[], Holding], *, timeout_s: float, interval_s: float,
-          say: Callable[[str], None] = print,
+          settle_s: float = 0.0, say: Callable[[str], None] = print,
           clock: Callable[[], float] = time.monotonic,
           sleep: Callable[[float], None] = time.sleep) -> bool:
-    """Read until two readings in a row are empty (True) or ``timeout_s`` passed (False)."""
+    """Read until two readings in a row are empty, ``settle_s`` after the start at the
+    earliest (True), or until ``timeout_s`` passed (False)."""
     started = clock()
     empty_in_a_row = 0
     last_said, last_text = -math.inf, ""
@@ -178,7 +196,7 @@ def drain(role: str, read: Callable[[], Holding], *, timeout_s: float, interval_
             say(f"draining {role}: {text} ({elapsed:.1f} s of {timeout_s:.0f} s)")
             last_said, last_text = elapsed, text
         empty_in_a_row = empty_in_a_row + 1 if holding.empty else 0
-        if empty_in_a_row >= 2 or holding.engine_gone:
+        if (empty_in_a_row >= 2 and elapsed >= settle_s) or holding.engine_gone:
             totals = f": {counted.totals()}" if counted is not None else ""
             say(f"drained {role} after {elapsed:.1f} s{totals}")
             return True
@@ -200,6 +218,8 @@ def add_drain_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="pd_transfer's metrics (http://127.0.0.1:9400/metrics in a PDTransfer pod)")
     add("--timeout-seconds", type=float, required=True)
     add("--interval-seconds", type=float, default=1.0)
+    add("--settle-seconds", type=float, default=0.0,
+        help="end no sooner than this: how long the pod's clients may take to see it leave")
     parser.set_defaults(handler=_run)
 
 
@@ -211,5 +231,5 @@ def _run(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     drained = drain(args.role, read, timeout_s=args.timeout_seconds,
-                    interval_s=args.interval_seconds, say=say)
+                    interval_s=args.interval_seconds, settle_s=args.settle_seconds, say=say)
     return 0 if drained else 1

@@ -38,10 +38,14 @@ class RankCollector(Collector):
         yield from families.values()
 
 
-def serve_metrics(registries: Sequence[CollectorRegistry], host: str, port: int) -> Any:
-    """Start the HTTP server on ``host:port``; returns prometheus_client's server handle
+def serve_metrics(registries: Sequence[CollectorRegistry], host: str, port: int,
+                  collectors: Sequence[Collector] = ()) -> Any:
+    """Start the HTTP server on ``host:port`` for the rank registries and the pod's own
+    ``collectors`` (no rank label); returns prometheus_client's server handle
     (``shutdown()`` stops it)."""
     combined = CollectorRegistry(auto_describe=False)
     combined.register(RankCollector(registries))
+    for collector in collectors:
+        combined.register(collector)
     server, _thread = start_http_server(port, addr=host, registry=combined)
     return server

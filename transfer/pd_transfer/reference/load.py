@@ -1,13 +1,15 @@
 """``pd-transfer load``: a steady stream of requests prefill → decode through the engines.
 
-Discovery: the engines of PDDeployment ``--deployment`` in ``--namespace`` are read from
-their TransferAgents (label ``pd.serving.dev/deployment``; ``status.endpoints`` gives each
-pod's engine and bootstrap address). Listing TransferAgents is all it needs, so it runs
-with the deployment's own agent ServiceAccount. Discovery repeats every
-``--discover-seconds``, so pods that come and go are followed.
+Discovery, as a router's: the engine pods of PDDeployment ``--deployment`` in
+``--namespace`` that are endpoints now (a pod IP, ``Ready``, no ``deletionTimestamp``: a
+leaving pod gets no new request while its preStop hook drains it), each with its engine
+and bootstrap address (the pod's ``http`` and ``kv-bootstrap`` ports) and its
+KV-compatibility key (the ``pd.serving.dev/kv-compat`` label). Listing pods is all it needs.
+Discovery repeats every ``--discover-seconds``, so pods that come and go are followed.
 
-Each request: a fresh room, a (prefill, decode) pair picked round-robin over the pods
-reporting now; ``POST /v1/decode`` on the decode engine and ``POST /v1/prefill`` on the
+Each request: a fresh room, a (prefill, decode) pair of the same key picked round-robin over
+the pairs serving now (during a rollout that changes the key both keys serve, never
+together); ``POST /v1/decode`` on the decode engine and ``POST /v1/prefill`` on the
 prefill engine at the same time (the decode side's result decides the outcome; its latency
 is the KV-ready latency as decode sees it). Requests start at ``--rate`` per second with at
 most ``--concurrency`` in flight. Progress every ``--progress-seconds`` on stderr; the
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import threading
 import time
@@ -31,19 +34,35 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_contract.names import LABEL_DEPLOYMENT
+from pd_transfer.router.pods import EnginePorts, pod_endpoint, pod_selector
 
-__all__ = ["Engines", "LoadConfig", "LoadReport", "add_load_parser", "discover", "run_load"]
+__all__ = ["Engine", "Engines", "LoadConfig", "LoadReport", "add_load_parser", "discover",
+           "engines_from_pods", "run_load"]
 
 _HTTP_SLACK_S = 10.0
 
 
 @dataclass(frozen=True)
-class Engines:
-    """The reporting engines of one deployment: (pod, engine address, bootstrap address)."""
+class Engine:
+    """One engine in rotation: its pod, engine and bootstrap addresses (``host:port``), and
+    its KV-compatibility key (None where the pod carries none)."""
 
-    prefill: tuple[tuple[str, str, str], ...]
-    decode: tuple[tuple[str, str, str], ...]
+    pod: str
+    address: str
+    bootstrap: str
+    compat: str | None = None
+
+
+@dataclass(frozen=True)
+class Engines:
+    """The engines of one deployment in rotation now, each role sorted by pod."""
+
+    prefill: tuple[Engine, ...]
+    decode: tuple[Engine, ...]
+
+    def pairs(self) -> list[tuple[Engine, Engine]]:
+        """Every (prefill, decode) of the same KV-compatibility key."""
+        return [(p, d) for p in self.prefill for d in self.decode if p.compat == d.compat]
 
 
 @dataclass(frozen=True)
@@ -55,7 +74,7 @@ class LoadConfig:
     tokens: int = 64
     concurrency: int = 4
     timeout_s: float = 30.0
-    discover_s: float = 5.0
+    discover_s: float = 2.0
     progress_s: float = 5.0
 
 
@@ -83,26 +102,42 @@ class LoadReport:
                 "requests_per_s": round(self.requests / self.seconds, 3) if self.seconds else 0}
 
 
-def engines_from_agents(agents: Sequence[dict[str, Any]]) -> Engines:
-    """The engines whose TransferAgent reports both an engine and a bootstrap address."""
-    found: dict[str, list[tuple[str, str, str]]] = {"prefill": [], "decode": []}
-    for agent in agents:
-        endpoints = (agent.get("status") or {}).get("endpoints") or {}
-        role = (agent.get("spec") or {}).get("role")
-        if role in found and endpoints.get("engine") and endpoints.get("bootstrap"):
-            found[role].append((agent["metadata"]["name"], endpoints["engine"],
-                                endpoints["bootstrap"]))
-    return Engines(tuple(sorted(found["prefill"])), tuple(sorted(found["decode"])))
+def _named_port(pod: dict[str, Any], name: str) -> int | None:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == name:
+                return int(port["containerPort"])
+    return None
+
+
+def engines_from_pods(pods: Sequence[dict[str, Any]]) -> Engines:
+    """The pods that are endpoints now (the module docstring), as engines."""
+    found: dict[str, list[Engine]] = {"prefill": [], "decode": []}
+    for pod in pods:
+        engine_port, bootstrap_port = _named_port(pod, "http"), _named_port(pod, "kv-bootstrap")
+        if engine_port is None or bootstrap_port is None:
+            continue
+        endpoint = pod_endpoint(pod, EnginePorts(engine_port, bootstrap_port))
+        if endpoint is None or endpoint.bootstrap is None:
+            continue
+        found[endpoint.role.value].append(Engine(str(endpoint.pod), endpoint.name,
+                                                 endpoint.bootstrap, endpoint.compat))
+    return Engines(*(tuple(sorted(found[role], key=lambda e: e.pod))
+                     for role in ("prefill", "decode")))
 
 
 def discover(namespace: str, deployment: str) -> Engines:
-    from pd_transfer.agent.kube import KubeAgentClient  # noqa: PLC0415 - kubernetes is heavy
+    """The deployment's engines, listed with ``$KUBECONFIG`` (or the pod's ServiceAccount)."""
+    from kubernetes import client, config  # noqa: PLC0415 - kubernetes is heavy
 
-    client = KubeAgentClient.from_environment()
-    try:
-        return engines_from_agents(client.list(namespace, f"{LABEL_DEPLOYMENT}={deployment}"))
-    finally:
-        client.close()
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    else:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+    with client.ApiClient() as api:
+        pods = client.CoreV1Api(api).list_namespaced_pod(
+            namespace, label_selector=pod_selector(deployment), _request_timeout=10)
+        return engines_from_pods(api.sanitize_for_serialization(pods)["items"])
 
 
 def post_json(address: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -122,20 +157,26 @@ def post_json(address: str, path: str, body: dict[str, Any], timeout_s: float) -
 
 
 def run_one(engines: Engines, pair: int, config: LoadConfig) -> dict[str, Any]:
-    """One request through pair ``pair`` (round-robin index); the decode side's answer."""
-    prefill = engines.prefill[pair % len(engines.prefill)]
-    decode = engines.decode[(pair // max(1, len(engines.prefill))) % len(engines.decode)]
+    """One request through pair ``pair`` (a round-robin index over ``engines.pairs()``); the
+    decode side's answer."""
+    pairs = engines.pairs()
+    if not pairs:
+        return {"state": "Failed", "reason": "NoCompatiblePair",
+                "detail": "no prefill has a decode of its KV-compatibility key"}
+    prefill, decode = pairs[pair % len(pairs)]
     room = f"load-{uuid.uuid4().hex[:16]}"
     timeout = config.timeout_s + _HTTP_SLACK_S
     with ThreadPoolExecutor(max_workers=1) as side:
-        sent = side.submit(post_json, prefill[1], "/v1/prefill",
-                           {"room": room, "num_tokens": config.tokens, "decode": [decode[2]],
-                            "timeout_seconds": config.timeout_s}, timeout)
-        got = post_json(decode[1], "/v1/decode",
-                        {"room": room, "num_tokens": config.tokens, "prefill": [prefill[2]],
-                         "timeout_seconds": config.timeout_s}, timeout)
+        sent = side.submit(post_json, prefill.address, "/v1/prefill",
+                           {"room": room, "num_tokens": config.tokens,
+                            "decode": [decode.bootstrap], "timeout_seconds": config.timeout_s},
+                           timeout)
+        got = post_json(decode.address, "/v1/decode",
+                        {"room": room, "num_tokens": config.tokens,
+                         "prefill": [prefill.bootstrap], "timeout_seconds": config.timeout_s},
+                        timeout)
         sent.result()
-    return dict(got, prefill_pod=prefill[0], decode_pod=decode[0])
+    return dict(got, prefill_pod=prefill.pod, decode_pod=decode.pod)
 
 
 def run_load(config: LoadConfig, discover_fn: Callable[[], Engines],
@@ -183,7 +224,7 @@ def run_load(config: LoadConfig, discover_fn: Callable[[], Engines],
                         f"{sum(report.failures.values())} failed "
                         f"{dict(report.failures) or ''}")
                 last_progress = now
-            if not engines.prefill or not engines.decode:
+            if not engines.pairs():
                 time.sleep(0.2)
                 continue
             if now < next_start:
@@ -200,7 +241,8 @@ def run_load(config: LoadConfig, discover_fn: Callable[[], Engines],
 def _run(args: argparse.Namespace) -> int:
     config = LoadConfig(namespace=args.namespace, deployment=args.deployment, rate=args.rate,
                         duration_s=args.duration_seconds, tokens=args.tokens,
-                        concurrency=args.concurrency, timeout_s=args.timeout_seconds)
+                        concurrency=args.concurrency, timeout_s=args.timeout_seconds,
+                        discover_s=args.discover_seconds)
     report = run_load(config, lambda: discover(config.namespace, config.deployment))
     data = report.to_json()
     if args.json:
@@ -227,5 +269,8 @@ def add_load_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     add("--tokens", type=int, default=64, help="prompt tokens per request")
     add("--concurrency", type=int, default=4, help="requests in flight at most")
     add("--timeout-seconds", type=float, default=30.0, help="per request")
+    add("--discover-seconds", type=float, default=2.0,
+        help="how often the engine pods are listed again (a leaving reference pod keeps "
+             "serving for its drain's settle time, 5 s, after it leaves the rotation)")
     add("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(handler=_run)

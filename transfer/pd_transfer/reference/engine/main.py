@@ -23,10 +23,14 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from pd_contract.config import TransferConfig
 from pd_contract.names import ENV_TRANSFER_AUTH_KEY_FILE, TRANSFER_AUTH_PATH
@@ -45,9 +49,27 @@ from pd_transfer.reference.engine.faults import FaultKind, FaultPlan
 from pd_transfer.reference.engine.http_api import EngineHTTPServer
 from pd_transfer.reference.engine.service import EngineOptions, EngineService
 
-__all__ = ["load_auth", "load_config", "run_engine"]
+__all__ = ["EngineCollector", "load_auth", "load_config", "run_engine"]
 
 _log = logging.getLogger("pd_transfer.reference.engine")
+
+
+class EngineCollector(Collector):
+    """The engine's own gauges, which ``pd-transfer drain --engine reference`` reads."""
+
+    def __init__(self, service: EngineService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[Metric]:
+        running = GaugeMetricFamily(
+            "pd_reference_requests_running",
+            "Requests the engine accepted and has not answered (a prefill's until its decode "
+            "pulled the KV)")
+        running.add_metric([], self._service.running_requests)
+        finished = CounterMetricFamily(
+            "pd_reference_requests_finished", "Requests the engine answered, either way")
+        finished.add_metric([], self._service.finished_requests)
+        yield from (running, finished)
 
 
 def load_config(path: Path) -> TransferConfig:
@@ -148,7 +170,7 @@ def run_engine(args: argparse.Namespace) -> int:
         return 2
     http = EngineHTTPServer(_Backend(service, faults), identity.ip, args.port)
     metrics = serve_metrics([r.endpoint.metrics.registry for r in service.ranks],
-                            identity.ip, identity.metrics_port)
+                            identity.ip, identity.metrics_port, (EngineCollector(service),))
     reporting: Reporting | None = None
     try:
         client = KubeAgentClient.from_environment()

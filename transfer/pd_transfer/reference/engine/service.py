@@ -242,6 +242,7 @@ class EngineService:
         self._results_lock = threading.Lock()
         self._live: set[str] = set()
         self._results: OrderedDict[str, RequestResult] = OrderedDict()
+        self.finished_requests = 0  # answered, succeeded or failed: `pd-transfer drain` reads it
 
     def _build_rank(self, rank: int, pool: KVPool) -> _Rank:
         # Imported here: NIXL must load only after the UCX environment is configured.
@@ -425,6 +426,7 @@ class EngineService:
             r.endpoint.forget(room)
         with self._results_lock:
             self._results[room] = result
+            self.finished_requests += 1
             while len(self._results) > FINISHED_RESULTS:
                 self._results.popitem(last=False)
         return result
@@ -452,6 +454,12 @@ class EngineService:
             bytes=sum(s.bytes_transferred for s in statuses if s is not None),
             ranks=ranks,
         )
+
+    @property
+    def running_requests(self) -> int:
+        """Requests accepted and not yet answered (a prefill's until its decode pulled)."""
+        with self._results_lock:
+            return len(self._live)
 
     def lookup(self, room: str) -> dict[str, Any] | None:
         """A finished request's result, a live one's rank statuses, or None if unknown."""

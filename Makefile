@@ -43,10 +43,10 @@ test: $(STAMP) lint typecheck crds-check
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
 
-# End-to-end scenarios too long for CI on 2 cores (marker `long`; each has a benchmark).
+# Scenarios too long for CI on 2 cores (marker `long`; docs/testbed.md lists them).
 test-long: $(STAMP)
 	$(BIN)/pd-dev cluster build
-	PD_OPERATOR_REQUIRE_VLLM=1 $(BIN)/pytest --tb=short -m long tests/e2e
+	PD_OPERATOR_REQUIRE_VLLM=1 $(BIN)/pytest --tb=short -m long tests
 
 integration: $(STAMP)
 	$(BIN)/pytest tests/integration tests/e2e

@@ -16,9 +16,10 @@ from pd_testbed.vllm.scrape import metrics_text
 
 __all__ = ["DRAINED", "Drained", "drained", "engine_pods", "failed_transfers"]
 
+# The connector's part is missing where the engine moves KV with its own connector.
 DRAINED: Final = re.compile(r"drained (prefill|decode) after ([0-9.]+) s: the engine finished "
-                            r"([0-9]+) requests; connector transfers: ([0-9]+) succeeded, "
-                            r"([0-9]+) failed")
+                            r"([0-9]+) requests(?:; connector transfers: ([0-9]+) succeeded, "
+                            r"([0-9]+) failed)?")
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,8 @@ class Drained:
     role: str
     seconds: float
     finished: int
-    succeeded: int
-    failed: int
+    succeeded: int | None  # None: no connector of ours in the pod
+    failed: int | None
 
 
 def engine_pods(core: k8s.CoreV1Api, namespace: str, deployment: str) -> dict[str, str]:
@@ -48,7 +49,9 @@ def drained(kubelet: FakeKubelet, namespace: str, pod: str, uid: str) -> Drained
     if not found:
         return None
     role, seconds, finished, succeeded, failed = found[-1].groups()
-    return Drained(role, float(seconds), int(finished), int(succeeded), int(failed))
+    return Drained(role, float(seconds), int(finished),
+                   None if succeeded is None else int(succeeded),
+                   None if failed is None else int(failed))
 
 
 def failed_transfers(metrics_address: str) -> int:

@@ -32,11 +32,14 @@ In order:
    is refused with the rule's message (this control plane has no CEL, so the operator
    refuses it: SpecValid=False, a Warning Event, nothing rolled out; on 1.29+ the API
    server refuses it first with the same message, `tests/integration/test_crd_cel_server.py`);
+5b. (marked `long`) an environment variable added to the EngineNative deployment under one
+   client's completions rolls out surge first with no failed completion, each old pod
+   drained of its engine's queues;
 6. an EngineNative decode whose model has other KV heads than its prefill's (vLLM then
    fails every request with HTTP 500 while its /health stays 200): within one report window
    TransferHealthy=False names the pod and the reason, its readiness gate turns False, a
    Warning Event says so, and the router stops sending to it.
-Budget: about 9 minutes on 2 cores (16 with `long`).
+Budget: about 9 minutes on 2 cores (about 26 with `long`).
 """
 
 from __future__ import annotations
@@ -619,6 +622,7 @@ def test_a_page_size_change_rolls_both_roles_under_load_with_no_failed_request(
         ended = drained(cluster.kubelet, cluster.namespace, pod, uid)
         assert ended is not None, pod
         assert ended.failed == failed_before[pod], (failed_before, ended)
+        assert ended.succeeded is not None and ended.failed is not None, ended
         assert ended.succeeded + ended.failed >= ended.finished > 0, ended
     assert cluster.router_metric("pd_router_endpoints", role="prefill") == 1.0
     assert cluster.router_metric("pd_router_endpoints", role="decode") == 1.0
@@ -632,7 +636,8 @@ NATIVE_REFUSAL = (
     "has no staging pool to resize. Remove them, or set spec.transfer.backend to PDTransfer.")
 
 
-def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) -> None:
+def _native_up(cluster: Cluster) -> HttpTarget:
+    """The EngineNative deployment in place of the PDTransfer one (its router, serving)."""
     cluster.stop.set()  # the load and the PDTransfer deployment give the cores back
     cluster.objects.delete_namespaced_custom_object(GROUP, VERSION, cluster.namespace,
                                                     "pddeployments", NAME)
@@ -642,10 +647,15 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
     _engine_native(pdd, NATIVE)
     cluster.objects.create_namespaced_custom_object(GROUP, VERSION, cluster.namespace,
                                                     "pddeployments", pdd)
-
-    target = wait_for("the EngineNative router Ready", lambda: _router_of(cluster, NATIVE), 300)
+    target: HttpTarget = wait_for("the EngineNative router Ready",
+                                  lambda: _router_of(cluster, NATIVE), 300)
     _wait_serving(cluster, NATIVE)
     _first_native_request(target, cluster.expected[len(PROMPTS[0])])
+    return target
+
+
+def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) -> None:
+    target = _native_up(cluster)
     for prompt in PROMPTS[:2]:  # NixlConnector on 2 loaded CPU cores: seconds per request
         _wait_serving(cluster, NATIVE)
         started = time.monotonic()
@@ -697,6 +707,96 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
         else None), 120)
     assert sorted(agents) == [f"{NATIVE}-decode-0", f"{NATIVE}-prefill-0"]
     assert all(s.get("healthy") is True for s in agents.values()), agents
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1800)
+def test_engine_native_argument_change_rolls_out_under_load_with_no_failed_request(
+        cluster: Cluster) -> None:
+    """Guards against a rollout that fails requests on vLLM's own NixlConnector
+    (docs/failure-modes.md #42): an environment variable added under one client's steady
+    completions through the router. New pods start beside the old, each old pod is deleted
+    only once a new pair serves and drains its engine's queues in its preStop hook (KV its
+    NixlConnector still holds is not visible to it), and every completion is the single
+    vLLM's. Marked `long` (`make test-long`): four vLLM starts with NixlConnector beside
+    loaded engines take about 10 minutes on 2 cores. Run after the test above, it finds the
+    EngineNative deployment in place."""
+    if not _exists(cluster, NATIVE):
+        _native_up(cluster)
+    # The test above left a staging pool the rules refuse; without it the spec is valid.
+    cluster.objects.patch_namespaced_custom_object(
+        GROUP, VERSION, cluster.namespace, "pddeployments", NATIVE,
+        {"spec": {"transfer": {"staging": {"decodePoolMiB": None}}}})
+    wait_for("SpecValid=True", lambda: _condition(cluster, NATIVE, "SpecValid").get(
+        "status") == "True", 60)
+    old = engine_pods(cluster.core, cluster.namespace, NATIVE)
+    outcomes: list[Outcome] = []
+    stop = threading.Event()
+
+    def drive() -> None:
+        rng = random.Random(7)
+        while not stop.is_set():
+            target = _router_of(cluster, NATIVE)
+            if target is None:
+                time.sleep(0.5)
+                continue
+            prompt = rng.choice(PROMPTS[:2])
+            started = time.monotonic()
+            try:
+                got = complete(target, prompt, MAX_TOKENS, timeout_s=240).token_ids
+                result = "identical" if got == cluster.expected[len(prompt)] else "DIFFERENT"
+            except Exception as exc:  # the outcome is what the test judges
+                result = f"{type(exc).__name__}: {str(exc)[:160]}"
+            outcomes.append(Outcome(started, time.monotonic(), result))
+
+    client = threading.Thread(target=drive, daemon=True)
+    client.start()
+    seen: list[Obj] = []
+    try:
+        wait_for("a completion before the change", lambda: outcomes, 300)
+        started = time.monotonic()
+        env = cluster.objects.get_namespaced_custom_object(
+            GROUP, VERSION, cluster.namespace, "pddeployments", NATIVE)["spec"]["engine"].get(
+            "env") or []
+        cluster.objects.patch_namespaced_custom_object(
+            GROUP, VERSION, cluster.namespace, "pddeployments", NATIVE,
+            {"spec": {"engine": {"env": [*env, {"name": "PD_ROLLOUT_MARK", "value": "1"}]}}})
+
+        def complete_rollout() -> Obj | None:
+            status = cluster.objects.get_namespaced_custom_object(
+                GROUP, VERSION, cluster.namespace, "pddeployments", NATIVE).get("status") or {}
+            rollout: Obj = status.get("rollout") or {}
+            if rollout.get("phase") in ("Progressing", "Canary"):
+                seen.append(rollout)
+            return rollout if rollout.get("phase") == "Complete" and seen else None
+
+        wait_for("the EngineNative rollout to complete", complete_rollout, 1500,
+                 interval_s=2.0)
+        done = time.monotonic()
+    finally:
+        stop.set()
+        client.join(300)
+    during = Counter(o.result for o in outcomes if started <= o.started and o.ended <= done)
+    now = engine_pods(cluster.core, cluster.namespace, NATIVE)
+    print(f"EngineNative argument change rolled out in {done - started:.1f} s; completions "
+          f"{dict(during)}; all {dict(Counter(o.result for o in outcomes))}")
+    assert set(Counter(o.result for o in outcomes)) == {"identical"}
+    assert sum(during.values()) > 0
+    assert sorted(now) == sorted(old) and not set(now.values()) & set(old.values())
+    for pod, uid in old.items():
+        ended = drained(cluster.kubelet, cluster.namespace, pod, uid)
+        assert ended is not None and ended.failed is None, (pod, ended)
+
+
+def _exists(cluster: Cluster, name: str) -> bool:
+    try:
+        cluster.objects.get_namespaced_custom_object(GROUP, VERSION, cluster.namespace,
+                                                     "pddeployments", name)
+    except k8s.ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
 
 
 def _first_native_request(target: Any, expected: list[int]) -> None:

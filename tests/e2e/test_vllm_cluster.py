@@ -23,9 +23,9 @@ In order:
    args) fails no completion either;
 4b. engine rollouts (docs/failure-modes.md #42, #43) under the load: an engine argument
    vLLM refuses rolls back by itself without deleting a serving pod; then (marked `long`,
-   `make test-long`) a page-size change (a new KV-compatibility key) rolls both roles surge
-   first, each old pod drained by its own counters, new engines in the same router, no
-   failed completion;
+   `make test-long`) an engine argument (the same KV-compatibility key) and a page-size
+   change (a new key) each roll both roles surge first, each old pod drained by its own
+   counters, new engines in the same router, no failed completion;
 5. the same example with `transfer.backend: EngineNative` (vLLM's own NixlConnector, the
    router's vllm-nixl protocol, the transfer-agent sidecar reporting from vLLM's metrics)
    serves completions, both pods report healthy transfers, and a staging pool patch on it
@@ -39,7 +39,7 @@ In order:
    fails every request with HTTP 500 while its /health stays 200): within one report window
    TransferHealthy=False names the pod and the reason, its readiness gate turns False, a
    Warning Event says so, and the router stops sending to it.
-Budget: about 9 minutes on 2 cores (about 26 with `long`).
+Budget: about 9 minutes on 2 cores (about 30 more with `long`).
 """
 
 from __future__ import annotations
@@ -53,226 +53,48 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client as k8s
 
 from pd_devcluster import ControlPlaneHandle
-from pd_devcluster.kubelet import FakeKubelet
 from pd_testbed.engine_rollout import drained, engine_pods, failed_transfers
 from pd_testbed.polling import wait_for
-from pd_testbed.rollout_harness import OperatorProcess
-from pd_testbed.vllm import (
-    HttpTarget,
-    VllmServer,
-    complete,
-    free_ports,
-    prompt_ids,
-    running,
-    scrape,
-    vllm_env_or_skip,
+from pd_testbed.vllm import HttpTarget, complete
+from pd_testbed.vllm_cluster import (
+    DECODES,
+    GROUP,
+    MAX_TOKENS,
+    NAME,
+    NATIVE,
+    PROMPTS,
+    STALE_S,
+    VERSION,
+    Cluster,
+    Outcome,
+    condition_of,
+    engine_native,
+    exists,
+    first_native_request,
+    manifests,
+    router_of,
+    running_cluster,
+    wait_serving,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "local-vllm.yaml"
-NAME = "local-vllm"
-GROUP, VERSION = "pd.serving.dev", "v1alpha1"
-MAX_TOKENS = 6
-# Short, one chunk with layer groups (≥ minTokens 128), and longer than the 256-token chunk.
-PROMPTS = [prompt_ids(n, seed=4000 + n) for n in (7, 150, 300, 700)]
-DECODES = [f"{NAME}-decode-0", f"{NAME}-decode-1"]
-STALE_S = 10
-
 Obj = dict[str, Any]
-
-
-@dataclass
-class Outcome:
-    started: float
-    ended: float
-    result: str  # "identical", "DIFFERENT", or the error
-
-
-@dataclass
-class Cluster:
-    handle: ControlPlaneHandle
-    namespace: str
-    kubelet: FakeKubelet
-    operator: OperatorProcess
-    api: k8s.ApiClient
-    expected: dict[int, list[int]]
-    outcomes: list[Outcome] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-    paused: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def objects(self) -> k8s.CustomObjectsApi:
-        return k8s.CustomObjectsApi(self.api)
-
-    @property
-    def core(self) -> k8s.CoreV1Api:
-        return k8s.CoreV1Api(self.api)
-
-    def pdd(self) -> Obj:
-        found: Obj = self.objects.get_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, "pddeployments", NAME)
-        return found
-
-    def condition(self, type_: str) -> Obj:
-        return next((c for c in (self.pdd().get("status") or {}).get("conditions", [])
-                     if c["type"] == type_), {})
-
-    def agents(self) -> list[Obj]:
-        listed: Obj = self.objects.list_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, "transferagents")
-        return list(listed["items"])
-
-    def pod(self, name: str) -> Obj:
-        """The pod (an empty object while it does not exist)."""
-        try:
-            found = self.core.read_namespaced_pod(name, self.namespace)
-        except k8s.ApiException as exc:
-            if exc.status == 404:
-                return {}
-            raise
-        return dict(self.api.sanitize_for_serialization(found))  # type: ignore[no-untyped-call]
-
-    def pod_condition(self, name: str, type_: str) -> Obj:
-        return next((c for c in (self.pod(name).get("status") or {}).get("conditions") or []
-                     if c["type"] == type_), {})
-
-    def router(self) -> HttpTarget | None:
-        return _router_of(self, NAME)
-
-    def router_metric(self, name: str, **labels: str) -> float | None:
-        router = self.router()
-        return None if router is None else scrape(f"{router.host}:{router.port}", name,
-                                                  **labels)
-
-    def router_metric_of(self, deployment: str, name: str, **labels: str) -> float | None:
-        """A metric of `deployment`'s router pod, Ready or not (an unready router answers)."""
-        pods = self.api.sanitize_for_serialization(  # type: ignore[no-untyped-call]
-            self.core.list_namespaced_pod(
-                self.namespace, label_selector=f"pd.serving.dev/deployment={deployment},"
-                                               "app.kubernetes.io/component=router"))
-        ips = [p["status"]["podIP"] for p in pods["items"]
-               if (p.get("status") or {}).get("podIP")]
-        return scrape(f"{ips[0]}:8000", name, **labels) if ips else None
-
-    def engine_metric(self, pod: str, name: str) -> float | None:
-        ip = (self.pod(pod).get("status") or {}).get("podIP")
-        try:
-            return scrape(f"{ip}:8000", name, engine="0", model_name="tiny-llama")
-        except OSError:
-            return None
-
-    def window(self, start: float, end: float) -> Counter[str]:
-        return Counter(o.result for o in list(self.outcomes) if start <= o.started
-                       and o.ended <= end)
-
-    def drive_load(self, seed: int) -> None:
-        rng = random.Random(seed)
-        while not self.stop.is_set():
-            router = None if self.paused.is_set() else self.router()
-            if router is None:
-                time.sleep(0.5)
-                continue
-            prompt = rng.choice(PROMPTS)
-            started = time.monotonic()
-            try:
-                got = complete(router, prompt, MAX_TOKENS, timeout_s=60).token_ids
-                result = "identical" if got == self.expected[len(prompt)] else "DIFFERENT"
-            except Exception as exc:  # the outcome is what the test judges
-                result = f"{type(exc).__name__}: {str(exc)[:120]}"
-            self.outcomes.append(Outcome(started, time.monotonic(), result))
-
-
-def _manifests(namespace: str) -> tuple[Obj, Obj]:
-    config_map, pdd = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
-    for obj in (config_map, pdd):
-        obj["metadata"]["namespace"] = namespace
-    spec = pdd["spec"]
-    spec["decode"]["replicas"] = len(DECODES)
-    spec["transfer"]["health"] = {"windowSeconds": 10, "maxFailureRatio": 0.05,
-                                  "reportIntervalSeconds": 5, "staleAfterSeconds": STALE_S}
-    spec["transfer"]["staging"]["rollout"] = {"maxUnavailable": 1, "analysisSeconds": 5,
-                                              "maxFailureRatio": 0.05, "autoRollback": True}
-    return config_map, pdd
-
-
-def _engine_native(pdd: Obj, name: str) -> Obj:
-    """`pdd` made the EngineNative deployment `name` (one decode; vLLM's NixlConnector moves
-    the KV over UCX's TCP, so no staging sizes); returns its spec."""
-    pdd["metadata"]["name"] = name
-    spec: Obj = pdd["spec"]
-    spec["decode"]["replicas"] = 1
-    spec["transfer"]["backend"] = "EngineNative"
-    del spec["transfer"]["staging"]["prefillBufferMiB"], spec["transfer"]["staging"][
-        "decodePoolMiB"]
-    spec["transfer"]["transport"] = {"ucxTransports": ["tcp", "self", "sm"]}
-    # The default window and staleness (60 s): a 10 s limit flaps the condition to Unknown
-    # whenever 2 loaded cores delay a report's write or the operator's read of it by 10 s.
-    spec["transfer"]["health"].update({"windowSeconds": 60, "staleAfterSeconds": 60})
-    return spec
 
 
 @pytest.fixture(scope="module")
 def cluster(control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    vllm = vllm_env_or_skip()
-    work = Path(tmp_path_factory.mktemp("vllm-cluster"))
-    core = k8s.CoreV1Api(kube_client)
-    namespace = core.create_namespace(k8s.V1Namespace(
-        metadata=k8s.V1ObjectMeta(generate_name="pdvllm-"))).metadata.name
-    config_map, pdd = _manifests(namespace)
-    model_dir = work / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(config_map["data"]["config.json"])
-    (port,) = free_ports(1)
-    single = VllmServer(role="single", port=port, vllm=vllm, model_dir=model_dir,
-                        log_dir=work, load_format="dummy", max_num_batched_tokens=256)
-    with ExitStack() as stack:
-        operator = OperatorProcess(control_plane, namespace, work)
-        operator.start()
-        stack.callback(operator.stop)
-        kubelet = FakeKubelet(control_plane, work / "kubelet", namespace=namespace,
-                              ip_prefix=f"127.{random.randint(100, 250)}.{random.randint(1, 250)}.",
-                              restart_backoff_s=2.0)
-        kubelet_stop = threading.Event()
-        kubelet_thread = threading.Thread(target=kubelet.run, args=(kubelet_stop, 0.5),
-                                          daemon=True)
-        kubelet_thread.start()
-        stack.callback(kubelet_thread.join, 60)
-        stack.callback(kubelet_stop.set)
-        core.create_namespaced_config_map(namespace, config_map)
-        k8s.CustomObjectsApi(kube_client).create_namespaced_custom_object(
-            GROUP, VERSION, namespace, "pddeployments", pdd)
-        stack.enter_context(running([single]))
-        live = Cluster(control_plane, namespace, kubelet, operator, kube_client, {})
-        live.expected = {len(p): complete(single, p, MAX_TOKENS).token_ids for p in PROMPTS}
-        wait_for("the router Ready (a ready prefill and decode engine)", live.router, 300)
-        wait_for("3 engines reporting their endpoints", lambda: len([
-            a for a in live.agents()
-            if ((a.get("status") or {}).get("endpoints") or {}).get("engine")]) == 3, 300)
-        loads = [threading.Thread(target=live.drive_load, args=(seed,), daemon=True)
-                 for seed in (1, 2)]
-        for thread in loads:
-            thread.start()
-        try:
-            yield live
-        finally:
-            live.stop.set()
-            for thread in loads:
-                thread.join(90)
-            core.delete_namespace(namespace)
-    assert not operator.errors(), "\n".join(operator.errors())
+    with running_cluster(control_plane, kube_client,
+                         Path(tmp_path_factory.mktemp("vllm-cluster"))) as live:
+        yield live
 
 
 def test_completions_match_one_vllm_and_every_pod_reports_transfers(cluster: Cluster) -> None:
@@ -351,7 +173,7 @@ def test_killed_decode_leaves_the_router_goes_stale_and_comes_back(cluster: Clus
             "stalePods", []) else None), STALE_S + 120)
     assert victim in stale["stalePods"]
     gate = wait_for(f"{victim}'s transfer gate False", lambda: (
-        g if (g := cluster.pod_condition(victim, "pd.serving.dev/transfer-ready")).get(
+        g if (g := cluster.podcondition_of(victim, "pd.serving.dev/transfer-ready")).get(
             "status") == "False" else None), 120)
     print(f"{victim} killed: out of the router after {dropped - killed:.1f} s, gate "
           f"{gate.get('reason')} after {time.monotonic() - killed:.1f} s")
@@ -373,7 +195,7 @@ def test_killed_decode_leaves_the_router_goes_stale_and_comes_back(cluster: Clus
     finally:
         cluster.paused.clear()
     back = time.monotonic()
-    assert cluster.pod_condition(victim, "pd.serving.dev/transfer-ready")["status"] == "True"
+    assert cluster.podcondition_of(victim, "pd.serving.dev/transfer-ready")["status"] == "True"
     # Requests the restarted engine finished (its counters start at 0 with the process).
     wait_for(f"{victim} serving again", lambda: (cluster.engine_metric(
         victim, "vllm:e2e_request_latency_seconds_count") or 0) > 0, 120)
@@ -573,16 +395,19 @@ def test_a_revision_that_exits_at_start_rolls_back_by_itself_under_load(
 
 
 @pytest.mark.long
-def test_a_page_size_change_rolls_both_roles_under_load_with_no_failed_request(
-        cluster: Cluster) -> None:
-    """Guards against a change of the KV-compatibility key that fails requests
-    (docs/failure-modes.md #41, #42): the page size of both roles changes under the load.
-    New pods of the new key start beside the old ones, the router pairs only same-key pods,
-    each old pod is deleted only once a new pair serves and drains before it stops (its own
-    counters: no transfer failed while it rolled), and every completion is the single
-    vLLM's. Marked `long` (`make test-long`, not in CI): two waves of two vLLM starts beside
-    two loaded engines take 5 to 7 minutes on 2 cores; `benchmarks/rollout_under_load.py`
-    runs the same change against the per-role rolling update."""
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("change", ["argument", "page size"])
+def test_a_change_rolls_both_roles_under_load_with_no_failed_request(
+        cluster: Cluster, change: str) -> None:
+    """Guards against an engine change that fails requests (docs/failure-modes.md #41,
+    #42), under the load: an engine argument (the KV-compatibility key stays: old and new
+    pods may pair), then the page size of both roles (a new key: the router pairs only
+    same-key pods). New pods start beside the old ones, each old pod is deleted only once a
+    new pair serves and drains before it stops (its own counters: no transfer failed while
+    it rolled), and every completion is the single vLLM's. Marked `long` (`make test-long`,
+    not in CI): two waves of two vLLM starts beside two loaded engines take 5 to 7 minutes
+    per change on 2 cores; `benchmarks/rollout_under_load.py` runs the same changes against
+    the per-role rolling update."""
     if DECODES[1] in _engine_pods(cluster):  # run alone (`make test-long`): one per role
         _scale_down(cluster, "decode", DECODES[1])
     old = _engine_pods(cluster)
@@ -593,11 +418,14 @@ def test_a_page_size_change_rolls_both_roles_under_load_with_no_failed_request(
     failed_before = {pod: failed_transfers(f"{cluster.pod(pod)['status']['podIP']}:9400")
                      for pod in old}
     old_key = cluster.pdd()["status"]["decode"]["kvCompat"]
+    args = cluster.pdd()["spec"]["engine"].get("args") or []
     seen: list[Obj] = []
     started = time.monotonic()
     cluster.objects.patch_namespaced_custom_object(
         GROUP, VERSION, cluster.namespace, "pddeployments", NAME,
-        {"spec": {"prefill": {"pageSize": 64}, "decode": {"pageSize": 64}}})
+        {"spec": {"engine": {"args": [*args, "--max-num-seqs", "64"]}}
+         if change == "argument" else
+         {"prefill": {"pageSize": 64}, "decode": {"pageSize": 64}}})
 
     def complete_rollout() -> Obj | None:
         rollout = _engine_rollout(cluster)
@@ -605,17 +433,21 @@ def test_a_page_size_change_rolls_both_roles_under_load_with_no_failed_request(
             seen.append(rollout)
         return rollout if rollout.get("phase") == "Complete" and seen else None
 
-    done_status = wait_for("the rollout to complete", complete_rollout, 600, interval_s=1.0)
+    done_status = wait_for("the rollout to complete", complete_rollout, 900, interval_s=1.0)
     done = time.monotonic()
     now = _engine_pods(cluster)
     status = cluster.pdd()["status"]
-    print(f"page size rolled out in {done - started:.1f} s; completions "
+    print(f"{change} rolled out in {done - started:.1f} s; completions "
           f"{dict(cluster.window(started, done))}; pods {sorted(now)}")
     assert set(cluster.window(started, done)) == {"identical"}
     assert sum(cluster.window(started, done).values()) > 0
     assert sorted(now) == sorted(old) and not set(now.values()) & set(old.values())
-    assert status["prefill"]["kvCompat"] == status["decode"]["kvCompat"] != old_key
-    assert any(r.get("keyChanged") for r in seen), seen[-1:]
+    keys = {status["prefill"]["kvCompat"], status["decode"]["kvCompat"]}
+    if change == "argument":
+        assert keys == {old_key} and not any(r.get("keyChanged") for r in seen), seen[-1:]
+    else:
+        assert len(keys) == 1 and old_key not in keys
+        assert any(r.get("keyChanged") for r in seen), seen[-1:]
     assert done_status["stableRevisions"] == {"prefill": status["prefill"]["revision"],
                                               "decode": status["decode"]["revision"]}
     for pod, uid in old.items():
@@ -629,7 +461,6 @@ def test_a_page_size_change_rolls_both_roles_under_load_with_no_failed_request(
     assert _router_pod(cluster) == router  # new engines joined the same router
 
 
-NATIVE = f"{NAME}-native"
 NATIVE_REFUSAL = (
     "spec.transfer.staging.prefillBufferMiB and decodePoolMiB cannot be set with "
     "spec.transfer.backend EngineNative: the vllm engine's own KV connector moves the KV and "
@@ -643,21 +474,21 @@ def _native_up(cluster: Cluster) -> HttpTarget:
                                                     "pddeployments", NAME)
     wait_for("the PDTransfer pods gone", lambda: not cluster.core.list_namespaced_pod(
         cluster.namespace, label_selector=f"pd.serving.dev/deployment={NAME}").items, 120)
-    _, pdd = _manifests(cluster.namespace)
-    _engine_native(pdd, NATIVE)
+    _, pdd = manifests(cluster.namespace)
+    engine_native(pdd, NATIVE)
     cluster.objects.create_namespaced_custom_object(GROUP, VERSION, cluster.namespace,
                                                     "pddeployments", pdd)
     target: HttpTarget = wait_for("the EngineNative router Ready",
-                                  lambda: _router_of(cluster, NATIVE), 300)
-    _wait_serving(cluster, NATIVE)
-    _first_native_request(target, cluster.expected[len(PROMPTS[0])])
+                                  lambda: router_of(cluster, NATIVE), 300)
+    wait_serving(cluster, NATIVE)
+    first_native_request(target, cluster.expected[len(PROMPTS[0])])
     return target
 
 
 def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) -> None:
     target = _native_up(cluster)
     for prompt in PROMPTS[:2]:  # NixlConnector on 2 loaded CPU cores: seconds per request
-        _wait_serving(cluster, NATIVE)
+        wait_serving(cluster, NATIVE)
         started = time.monotonic()
         got = complete(target, prompt, MAX_TOKENS, timeout_s=240).token_ids
         print(f"EngineNative, {len(prompt)} tokens through the router: "
@@ -687,13 +518,13 @@ def test_engine_native_serves_and_refuses_a_staging_rollout(cluster: Cluster) ->
         GROUP, VERSION, cluster.namespace, "pddeployments", NATIVE).get("status") or {})
     assert after.get("stagingRollout") == before.get("stagingRollout")
     # Nothing was touched: the router still serves.
-    _wait_serving(cluster, NATIVE)
+    wait_serving(cluster, NATIVE)
     assert complete(target, PROMPTS[0], MAX_TOKENS, timeout_s=240).token_ids == (
         cluster.expected[len(PROMPTS[0])])
     # Both pods report through their sidecars.
     # A report interval past the busy engine's late answers (its sidecar's /metrics reads
     # time out while a request runs for seconds on 2 loaded cores).
-    healthy = wait_for("EngineNative TransferHealthy=True", lambda: _condition(
+    healthy = wait_for("EngineNative TransferHealthy=True", lambda: condition_of(
         cluster, NATIVE, "TransferHealthy"), 180, until=lambda c: c.get("status") == "True")
     print(f"EngineNative transfer health: {healthy['message']}")
 
@@ -721,13 +552,13 @@ def test_engine_native_argument_change_rolls_out_under_load_with_no_failed_reque
     vLLM's. Marked `long` (`make test-long`): four vLLM starts with NixlConnector beside
     loaded engines take about 10 minutes on 2 cores. Run after the test above, it finds the
     EngineNative deployment in place."""
-    if not _exists(cluster, NATIVE):
+    if not exists(cluster, NATIVE):
         _native_up(cluster)
     # The test above left a staging pool the rules refuse; without it the spec is valid.
     cluster.objects.patch_namespaced_custom_object(
         GROUP, VERSION, cluster.namespace, "pddeployments", NATIVE,
         {"spec": {"transfer": {"staging": {"decodePoolMiB": None}}}})
-    wait_for("SpecValid=True", lambda: _condition(cluster, NATIVE, "SpecValid").get(
+    wait_for("SpecValid=True", lambda: condition_of(cluster, NATIVE, "SpecValid").get(
         "status") == "True", 60)
     old = engine_pods(cluster.core, cluster.namespace, NATIVE)
     outcomes: list[Outcome] = []
@@ -736,7 +567,7 @@ def test_engine_native_argument_change_rolls_out_under_load_with_no_failed_reque
     def drive() -> None:
         rng = random.Random(7)
         while not stop.is_set():
-            target = _router_of(cluster, NATIVE)
+            target = router_of(cluster, NATIVE)
             if target is None:
                 time.sleep(0.5)
                 continue
@@ -788,39 +619,6 @@ def test_engine_native_argument_change_rolls_out_under_load_with_no_failed_reque
         assert ended is not None and ended.failed is None, (pod, ended)
 
 
-def _exists(cluster: Cluster, name: str) -> bool:
-    try:
-        cluster.objects.get_namespaced_custom_object(GROUP, VERSION, cluster.namespace,
-                                                     "pddeployments", name)
-    except k8s.ApiException as exc:
-        if exc.status == 404:
-            return False
-        raise
-    return True
-
-
-def _first_native_request(target: Any, expected: list[int]) -> None:
-    """The first request makes vLLM's NixlConnector hand-shake with the prefill engine,
-    which vLLM 0.32 gives a fixed 5 s to answer (``RCVTIMEO`` in its ``_nixl_handshake``)
-    while that engine computes the same request's prefill: on 2 shared cores it can miss it,
-    and the request fails with a 500 (the decode logs ``handshake_setup_failed``). The next
-    request hand-shakes again, so a 500 here gets one more try; any other answer is checked."""
-    try:
-        got = complete(target, PROMPTS[0], MAX_TOKENS, timeout_s=240).token_ids
-    except RuntimeError as error:
-        if "answered 500" not in str(error):
-            raise
-        print(f"EngineNative: first request failed ({error}); vLLM's handshake, once more")
-        got = complete(target, PROMPTS[0], MAX_TOKENS, timeout_s=240).token_ids
-    assert got == expected
-
-
-def _condition(cluster: Cluster, name: str, type_: str) -> Obj:
-    status = cluster.objects.get_namespaced_custom_object(
-        GROUP, VERSION, cluster.namespace, "pddeployments", name).get("status") or {}
-    return next((c for c in status.get("conditions", []) if c["type"] == type_), {})
-
-
 MISMATCHED = f"{NAME}-kv-mismatch"
 LOAD_S = 60
 
@@ -833,14 +631,14 @@ def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_rou
                                                     "pddeployments", NATIVE)
     wait_for("the EngineNative pods gone", lambda: not cluster.core.list_namespaced_pod(
         cluster.namespace, label_selector=f"pd.serving.dev/deployment={NATIVE}").items, 120)
-    config_map, pdd = _manifests(cluster.namespace)
+    config_map, pdd = manifests(cluster.namespace)
     config = json.loads(config_map["data"]["config.json"])
     config["num_key_value_heads"] = 4  # the decode's model: 4 KV heads, its prefill's 2
     other = {"apiVersion": "v1", "kind": "ConfigMap",
              "metadata": {"name": "tiny-llama-4kv", "namespace": cluster.namespace},
              "data": {"config.json": json.dumps(config)}}
     cluster.core.create_namespaced_config_map(cluster.namespace, other)
-    spec = _engine_native(pdd, MISMATCHED)
+    spec = engine_native(pdd, MISMATCHED)
     spec["decode"]["pod"] = {
         "volumes": [{"name": "model", "configMap": {"name": "tiny-llama-4kv"}}],
         "volumeMounts": [{"name": "model", "mountPath": "/models/tiny-llama",
@@ -848,25 +646,25 @@ def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_rou
     cluster.objects.create_namespaced_custom_object(GROUP, VERSION, cluster.namespace,
                                                     "pddeployments", pdd)
     decode = f"{MISMATCHED}-decode-0"
-    wait_for(f"{decode} Running with its sidecar", lambda: cluster.pod_condition(
+    wait_for(f"{decode} Running with its sidecar", lambda: cluster.podcondition_of(
         decode, "ContainersReady").get("status") == "True", 300)
-    wait_for("the router has the prefill and the decode", lambda: _router_of(
+    wait_for("the router has the prefill and the decode", lambda: router_of(
         cluster, MISMATCHED) is not None, 120)
-    router = _router_of(cluster, MISMATCHED)
+    router = router_of(cluster, MISMATCHED)
     assert router is not None
     started = time.monotonic()
     answers = Counter()
     # Requests for up to LOAD_S, then none: a sidecar sees the failures at its first
     # reading after them, and they stay in the 60 s window. Without the load the 2 cores
     # serve the control plane again (with it the API server's reads took 30 s).
-    while time.monotonic() - started < LOAD_S and _condition(
+    while time.monotonic() - started < LOAD_S and condition_of(
             cluster, MISMATCHED, "TransferHealthy").get("status") != "False":
         try:
             complete(router, PROMPTS[1], MAX_TOKENS, timeout_s=60)
             answers["ok"] += 1
         except RuntimeError as exc:
             answers[str(exc).split(":")[0]] += 1
-    unhealthy = wait_for("TransferHealthy=False", lambda: _condition(
+    unhealthy = wait_for("TransferHealthy=False", lambda: condition_of(
         cluster, MISMATCHED, "TransferHealthy"), 180, until=lambda c: c.get("status") == "False")
     noticed = time.monotonic() - started
     print(f"mismatched decode: answers {dict(answers)}; TransferHealthy=False after "
@@ -874,7 +672,7 @@ def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_rou
     assert answers["ok"] == 0, answers
     assert decode in unhealthy["message"]
     gate = wait_for(f"{decode}'s transfer gate False", lambda: (
-        g if (g := cluster.pod_condition(decode, "pd.serving.dev/transfer-ready")).get(
+        g if (g := cluster.podcondition_of(decode, "pd.serving.dev/transfer-ready")).get(
             "status") == "False" else None), 120)
     assert decode in gate.get("message", "") or gate.get("reason")
     events = cluster.core.list_namespaced_event(
@@ -884,27 +682,3 @@ def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_rou
         MISMATCHED, "pd_router_endpoints", role="decode") == 0.0, 120)
 
 
-def _wait_serving(cluster: Cluster, name: str) -> None:
-    """Until `name`'s router has a prefill and a decode in rotation. With vLLM's
-    NixlConnector on 2 cores a decode waiting for its KV spins and starves the prefill engine
-    (docs/failure-modes.md #33): the prefill's /metrics then goes unanswered past its
-    sidecar's busy grace, its pod is taken out of rotation until a reading succeeds again,
-    and a request sent meanwhile waits in the router for it (`--endpoint-wait-seconds`)."""
-    wait_for(f"{name}'s router serving (a prefill and a decode in rotation)", lambda: all(
-        cluster.router_metric_of(name, "pd_router_endpoints", role=role) == 1.0
-        for role in ("prefill", "decode")), 300)
-
-
-def _router_of(cluster: Cluster, name: str) -> HttpTarget | None:
-    pods = cluster.api.sanitize_for_serialization(  # type: ignore[no-untyped-call]
-        cluster.core.list_namespaced_pod(
-            cluster.namespace, label_selector=f"pd.serving.dev/deployment={name},"
-                                              "app.kubernetes.io/component=router"))
-    for pod in pods["items"]:
-        status = pod.get("status") or {}
-        if pod["metadata"].get("deletionTimestamp"):
-            continue  # as a Service: a terminating pod is no endpoint
-        if status.get("podIP") and any(c["type"] == "Ready" and c["status"] == "True"
-                                       for c in status.get("conditions") or []):
-            return HttpTarget("router", status["podIP"], 8000)
-    return None

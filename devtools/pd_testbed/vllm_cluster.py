@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,20 +143,29 @@ class Cluster:
                        and o.ended <= end)
 
     def drive_load(self, seed: int) -> None:
+        """One client of the fleet's router: greedy completions back to back, each judged
+        against the single vLLM, into `outcomes`, until `stop` (waiting while `paused`)."""
+        self.drive(seed, lambda: None if self.paused.is_set() else self.router(),
+                   prompts=PROMPTS, timeout_s=60, outcomes=self.outcomes, stop=self.stop)
+
+    def drive(self, seed: int, router: Callable[[], HttpTarget | None], *,
+              prompts: Sequence[list[int]], timeout_s: float, outcomes: list[Outcome],
+              stop: threading.Event) -> None:
+        """A client of whichever router `router()` finds (none: it waits)."""
         rng = random.Random(seed)
-        while not self.stop.is_set():
-            router = None if self.paused.is_set() else self.router()
-            if router is None:
+        while not stop.is_set():
+            target = router()
+            if target is None:
                 time.sleep(0.5)
                 continue
-            prompt = rng.choice(PROMPTS)
+            prompt = rng.choice(prompts)
             started = time.monotonic()
             try:
-                got = complete(router, prompt, MAX_TOKENS, timeout_s=60).token_ids
+                got = complete(target, prompt, MAX_TOKENS, timeout_s=timeout_s).token_ids
                 result = "identical" if got == self.expected[len(prompt)] else "DIFFERENT"
             except Exception as exc:  # the outcome is what the test judges
-                result = f"{type(exc).__name__}: {str(exc)[:120]}"
-            self.outcomes.append(Outcome(started, time.monotonic(), result))
+                result = f"{type(exc).__name__}: {str(exc)[:160]}"
+            outcomes.append(Outcome(started, time.monotonic(), result))
 
 
 def manifests(namespace: str) -> tuple[Obj, Obj]:

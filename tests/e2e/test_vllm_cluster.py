@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import threading
@@ -564,23 +563,9 @@ def test_engine_native_argument_change_rolls_out_under_load_with_no_failed_reque
     outcomes: list[Outcome] = []
     stop = threading.Event()
 
-    def drive() -> None:
-        rng = random.Random(7)
-        while not stop.is_set():
-            target = router_of(cluster, NATIVE)
-            if target is None:
-                time.sleep(0.5)
-                continue
-            prompt = rng.choice(PROMPTS[:2])
-            started = time.monotonic()
-            try:
-                got = complete(target, prompt, MAX_TOKENS, timeout_s=240).token_ids
-                result = "identical" if got == cluster.expected[len(prompt)] else "DIFFERENT"
-            except Exception as exc:  # the outcome is what the test judges
-                result = f"{type(exc).__name__}: {str(exc)[:160]}"
-            outcomes.append(Outcome(started, time.monotonic(), result))
-
-    client = threading.Thread(target=drive, daemon=True)
+    client = threading.Thread(target=cluster.drive, daemon=True, args=(
+        7, lambda: router_of(cluster, NATIVE)), kwargs={
+        "prompts": PROMPTS[:2], "timeout_s": 240, "outcomes": outcomes, "stop": stop})
     client.start()
     seen: list[Obj] = []
     try:

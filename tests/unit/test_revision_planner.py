@@ -56,6 +56,7 @@ class Fleet:
     drain_passes: int = 1
     crash: set[str] = field(default_factory=set)
     hang: set[str] = field(default_factory=set)
+    unready: set[str] = field(default_factory=set)  # pods (name@revision) not Ready for now
     status: EngineRolloutStatus = field(default_factory=EngineRolloutStatus)
     now: datetime = T0
     created: int = 0
@@ -92,7 +93,8 @@ class Fleet:
                     name=f"x-{role.value}-{pod.ordinal}",
                     uid=f"{role.value}{pod.ordinal}-{pod.uid}",
                     role=role, ordinal=pod.ordinal, revision=pod.revision, kv_compat=pod.key,
-                    ready=pod.ready(self.start_passes, crashing) and pod.revision not in self.hang,
+                    ready=pod.ready(self.start_passes, crashing) and pod.revision not in self.hang
+                    and f"x-{role.value}-{pod.ordinal}@{pod.revision}" not in self.unready,
                     deleting=pod.deleting_for is not None, restarts=pod.restarts,
                     created_at=self.now - timedelta(seconds=5 * pod.age)))
         return out
@@ -233,6 +235,30 @@ def test_an_engine_that_exits_at_start_rolls_back_without_touching_an_old_pod() 
     fleet.change(Role.DECODE, "c")
     fleet.run(EngineRolloutPhase.COMPLETE)
     assert fleet.revisions(Role.PREFILL) == ["pc"] and fleet.status.failed_revisions == {}
+
+
+def test_an_old_pod_that_is_not_ready_is_kept_until_a_new_pod_of_its_role_serves() -> None:
+    """Guards against a bad revision costing a pod that was only briefly unready (its
+    transfer gate False for one window): with room to surge, no old pod goes before a new
+    pod of its role serves; a revision that exits at start deletes nothing."""
+    fleet = Fleet.steady(RolloutSpec(max_restarts=2), prefill=2, decode=2)
+    fleet.unready = {"x-decode-0@da"}
+    fleet.crash = {"pb", "db"}
+    fleet.change(Role.PREFILL, "b")
+    fleet.change(Role.DECODE, "b")
+    fleet.run(EngineRolloutPhase.ROLLING_BACK)
+    fleet.unready = set()  # its window passed: Ready again
+    fleet.run(EngineRolloutPhase.ROLLED_BACK)
+    assert fleet.deleted_old == []
+    assert fleet.revisions(Role.DECODE) == ["da", "da"]
+    # A revision that serves: the unready old pod is then the first of its role to go.
+    fleet.unready = {"x-decode-0@da"}
+    fleet.crash = set()
+    fleet.change(Role.PREFILL, "c")
+    fleet.change(Role.DECODE, "c")
+    fleet.run(EngineRolloutPhase.COMPLETE, floor={Role.PREFILL: 2, Role.DECODE: 1})
+    decodes = [d for d in fleet.deleted_old if d.startswith("x-decode")]
+    assert decodes[0] == "x-decode-0@da", fleet.deleted_old
 
 
 def test_a_pod_that_never_becomes_ready_rolls_back_at_the_progress_deadline() -> None:

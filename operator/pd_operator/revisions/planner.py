@@ -13,7 +13,11 @@ Surge, one planning pass:
    pods (Ready, not deleting, with a Ready pod of the other role of the same
    KV-compatibility key to pair with) as it wants, or as it has if fewer, and at least one
    compatible pair serves. With ``maxSurge: 0`` each role may dip by one pod, never below
-   one pair. An old pod that is not Ready serves nothing and may always go. A role deletes
+   one pair. With ``maxSurge`` above 0, until a pod of the target revision serves in a
+   role, only its surplus old pods (a surge pod of an earlier change, to make room) may go,
+   not even one that is not Ready (it may recover): a revision that never serves costs no
+   other pod. Then an old pod that is not Ready serves nothing and may always go. A role
+   deletes
    at most ``max(1, maxSurge)`` pods at a time, the least useful first (not Ready, then the
    highest ordinal), and the role furthest behind goes first, which keeps the P:D ratio
    between ``P:(D+surge)`` and ``(P+surge):D``. A deleted pod drains in its preStop hook
@@ -314,8 +318,16 @@ def _surge(p: _Pass) -> RevisionStep:
         if limit is not None and new >= limit:
             canary_hold = True
             continue
+        # With room to surge, until a pod of the target revision serves in the role only
+        # surplus old pods (a surge pod of an earlier change) may go, to make room for one:
+        # a revision that never serves costs no other pod, not even an unready one (it may
+        # recover).
+        proven = p.spec.max_surge == 0 or any(
+            x.serving for x in p.pods if x.role == role
+            and x.revision == p.targets[role].revision)
         room = max(1, p.spec.max_surge) - sum(1 for x in p.pods if x.role == role and x.deleting)
-        candidates = sorted((x for x in p.old[role] if not x.deleting),
+        candidates = sorted((x for x in p.old[role] if not x.deleting
+                             and (proven or x.ordinal >= p.targets[role].desired)),
                             key=lambda x: (x.ready, -x.ordinal))
         for pod in candidates:
             if room <= 0 or (limit is not None and new >= limit):

@@ -85,6 +85,7 @@ class Request:
     ok: bool
     reason: str
     latency_s: float
+    detail: str = ""  # a failure's room, pair and the engine's words
 
 
 @dataclass
@@ -108,7 +109,8 @@ class LoadLog:
         def pct(q: float) -> float | None:
             return round(ok[min(len(ok) - 1, int(q * len(ok)))], 4) if ok else None
         return {"requests": len(inside), "served": len(ok), "failed": sum(failed.values()),
-                "failures_by_reason": dict(failed), "p50_latency_s": pct(0.5),
+                "failures_by_reason": dict(failed),
+                "failures": [r.detail for r in inside if not r.ok][:5], "p50_latency_s": pct(0.5),
                 "p99_latency_s": pct(0.99), "seconds": round(end - start, 2)}
 
 
@@ -340,9 +342,11 @@ class LiveFleet:
                     finally:
                         slots.release()
                     ok = got.get("state") == "Succeeded"
-                    self.log.add(Request(started, time.monotonic(), ok,
-                                         "" if ok else str(got.get("reason")),
-                                         float(got.get("latency_s", 0.0))))
+                    self.log.add(Request(
+                        started, time.monotonic(), ok, "" if ok else str(got.get("reason")),
+                        float(got.get("latency_s", 0.0)), "" if ok else (
+                            f"{got.get('room')} {got.get('prefill_pod')} -> "
+                            f"{got.get('decode_pod')}: {got.get('detail')}")))
                 pool.submit(one, next(pairs))
                 self.stop.wait(1.0 / config.rate)
 

@@ -11,6 +11,11 @@ One test, two phases (a vLLM start takes half a minute or more on 2 cores):
    stays 200; the decode's TransferAgent says healthy false with the failures by reason
    within one report window (typically one reading interval plus a reporter tick).
 The agents then stop on SIGTERM with exit code 0.
+
+Marked `long` (`make test-long`, about 130 s on 2 cores): CI runs the same sidecars through
+the operator in `tests/e2e/test_vllm_cluster.py` (the EngineNative decode reports its
+transfers and health; a decode with other KV heads turns TransferHealthy False naming it)
+and their metric mapping on vLLM's captured metrics (`tests/unit/test_native_vllm.py`).
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from pd_testbed.vllm import (
     vllm_env_or_skip,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.long, pytest.mark.timeout(900)]
 
 GROUP, VERSION = "pd.serving.dev", "v1alpha1"
 MODEL = ModelSpec(layers=2, kv_heads=2, hidden=256, heads=4)

@@ -176,7 +176,7 @@ def run_one(engines: Engines, pair: int, config: LoadConfig) -> dict[str, Any]:
                          "prefill": [prefill.bootstrap], "timeout_seconds": config.timeout_s},
                         timeout)
         sent.result()
-    return dict(got, prefill_pod=prefill.pod, decode_pod=decode.pod)
+    return dict(got, room=room, prefill_pod=prefill.pod, decode_pod=decode.pod)
 
 
 def run_load(config: LoadConfig, discover_fn: Callable[[], Engines],

@@ -161,6 +161,17 @@ class WindowCounts(APIModel):
         default=None, description="Transfer durations in the window, where the engine times "
         "them (absent otherwise; see status.unknown)."
     )
+    requests: int | None = Field(
+        default=None, ge=0, description="Requests the engine ended in the window, whatever "
+        "their outcome, where it counts them (absent otherwise; see status.unknown)."
+    )
+    request_errors: int | None = Field(
+        default=None, ge=0, description="Of those, the requests the engine ended with a "
+        "server error (vLLM: finished_reason error, answered HTTP 500; the reference engine: "
+        "a failed request). An engine rollout fails a new revision whose pod's share of them, "
+        "less its transfers a peer's going away failed, is above the deployment's "
+        "maxFailureRatio."
+    )
 
 
 class PeerTransport(APIModel):

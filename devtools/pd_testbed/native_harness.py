@@ -88,7 +88,8 @@ class Run:
                                  self.agent.reporting_client(self.api),
                                  ReporterTuning(report_interval_s=self.report_interval_s),
                                  clock=lambda: self.now_s, wall=lambda: NOW,
-                                 rng=random.Random(0), amend=self.agent.amend)
+                                 rng=random.Random(0), amend=self.agent.amend,
+                                 requests=self.agent.request_counts)
 
     def _fetch(self, url: str, timeout_s: float) -> str:
         assert url == URL

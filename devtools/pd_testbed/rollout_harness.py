@@ -322,12 +322,12 @@ class LiveFleet:
                     with suppress(Exception):  # keep the last known engines
                         current = engines()
                     refreshed = time.monotonic()
-                    if not current.pairs():  # as a router waits for an endpoint
+                    if not current.pairs:  # as a router waits for an endpoint
                         self.no_pair_since = self.no_pair_since or refreshed
                     elif self.no_pair_since is not None:
                         self.no_pair.append((self.no_pair_since, refreshed))
                         self.no_pair_since = None
-                if not current.pairs():
+                if not current.pairs:
                     self.stop.wait(0.2)
                     continue
                 if not slots.acquire(timeout=0.1):

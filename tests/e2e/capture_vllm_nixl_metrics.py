@@ -59,7 +59,8 @@ MAX_TOKENS = 4
 LEASE_S = 90
 # Families (by name, without the `_total`/`_bucket` sample suffixes) kept in the captures.
 KEEP = ("vllm:nixl_", "vllm:num_requests_running", "vllm:num_requests_waiting",
-        "vllm:num_requests_kv_fetch_by_stage", "process_start_time_seconds")
+        "vllm:num_requests_kv_fetch_by_stage", "vllm:request_success",
+        "process_start_time_seconds")
 
 
 def write_capture(out: Path, name: str, server: VllmServer, what: str) -> None:

@@ -21,11 +21,11 @@ In order:
    holds no KV, every transfer of its engine's requests succeeded by its own counters), and
    the router pod is the same throughout; then the router's own rollout (a change of its
    args) fails no completion either;
-4b. engine rollouts (docs/failure-modes.md #42, #43) under the load: an engine argument
-   vLLM refuses rolls back by itself without deleting a serving pod; then (marked `long`,
-   `make test-long`) an engine argument (the same KV-compatibility key) and a page-size
-   change (a new key) each roll both roles surge first, each old pod drained by its own
-   counters, new engines in the same router, no failed completion;
+4b. (marked `long`, `make test-long`) engine rollouts (docs/failure-modes.md #42, #43)
+   under the load: an engine argument vLLM refuses rolls back by itself without deleting a
+   serving pod; an engine argument (the same KV-compatibility key) and a page-size change
+   (a new key) each roll both roles surge first, each old pod drained by its own counters,
+   new engines in the same router, no failed completion;
 5. the same example with `transfer.backend: EngineNative` (vLLM's own NixlConnector, the
    router's vllm-nixl protocol, the transfer-agent sidecar reporting from vLLM's metrics)
    serves completions, both pods report healthy transfers, and a staging pool patch on it
@@ -38,8 +38,9 @@ In order:
 6. an EngineNative decode whose model has other KV heads than its prefill's (vLLM then
    fails every request with HTTP 500 while its /health stays 200): within one report window
    TransferHealthy=False names the pod and the reason, its readiness gate turns False, a
-   Warning Event says so, and the router stops sending to it.
-Budget: about 9 minutes on 2 cores (about 30 more with `long`).
+   Warning Event says so, the router stops sending to it, and its sidecar counts the
+   requests vLLM ended with an error.
+Budget: about 8 minutes on 2 cores (about 32 more with `long`).
 """
 
 from __future__ import annotations
@@ -360,12 +361,18 @@ def _engine_pods(cluster: Cluster) -> dict[str, str]:
     return engine_pods(cluster.core, cluster.namespace, NAME)
 
 
+@pytest.mark.long
 def test_a_revision_that_exits_at_start_rolls_back_by_itself_under_load(
         cluster: Cluster) -> None:
     """Guards against a bad revision replacing serving pods (docs/failure-modes.md #43): an
     engine argument vLLM refuses makes the new pods exit at start; the rollout judges them,
     rolls back by itself, and no serving pod was ever deleted; the load sees no failure.
-    Restoring the arguments then matches the pods already running: nothing restarts."""
+    Restoring the arguments then matches the pods already running: nothing restarts.
+
+    Marked `long` (`make test-long`): four vLLM starts that exit, 86–116 s in CI on 2
+    cores. CI runs the same rollback on the reference fleet
+    (`tests/e2e/test_rollout_e2e.py`) and against the real StatefulSet controller
+    (`tests/integration/test_engine_rollout.py`)."""
     before = _engine_pods(cluster)
     args = cluster.pdd()["spec"]["engine"]["args"]
     started = time.monotonic()
@@ -656,6 +663,13 @@ def test_engine_native_decode_with_other_kv_heads_is_reported_and_leaves_the_rou
           f"{noticed:.1f} s: {unhealthy['reason']}: {unhealthy['message']}")
     assert answers["ok"] == 0, answers
     assert decode in unhealthy["message"]
+    # Its sidecar counts the requests vLLM ended with an error (finished_reason "error",
+    # the HTTP 500s) among those it ended. An engine rollout rolls back on them.
+    window = wait_for(f"{decode}'s report to count its request errors", lambda: next(
+        ((a.get("status") or {}).get("window") or {} for a in cluster.agents()
+         if a["metadata"]["name"] == decode), {}), 60,
+        until=lambda w: (w.get("requestErrors") or 0) > 0)
+    assert window["requests"] >= window["requestErrors"], window
     gate = wait_for(f"{decode}'s transfer gate False", lambda: (
         g if (g := cluster.podcondition_of(decode, "pd.serving.dev/transfer-ready")).get(
             "status") == "False" else None), 120)

@@ -29,6 +29,7 @@ import pytest
 from pd_testbed.polling import wait_for
 from pd_testbed.vllm import (
     CHUNK_TOKENS,
+    SERVED_MODEL_NAME,
     TINY_LLAMA,
     CompletionResult,
     PdTransferServer,
@@ -41,6 +42,7 @@ from pd_testbed.vllm import (
     pd_transfer_server,
     prompt_ids,
     running,
+    scrape,
     vllm_metric,
 )
 
@@ -196,6 +198,8 @@ def test_prefill_killed_mid_transfer_decode_fails_or_recomputes_per_policy(
     expected = fleet.expected(prompt)
     failing, recomputing = "fail-" + uuid.uuid4().hex, "recompute-" + uuid.uuid4().hex
     victim = fleet.prefill_victim
+    errors_before = {d.name: request_errors(d) for d in (fleet.decode_fail,
+                                                         fleet.decode_recompute)}
     with ThreadPoolExecutor(max_workers=2) as pool:
         # Mid-transfer: prefill has posted the first of the prompt's 6 chunks. This model's
         # chunks take milliseconds (and prefill's token budget runs one prompt at a time),
@@ -225,10 +229,27 @@ def test_prefill_killed_mid_transfer_decode_fails_or_recomputes_per_policy(
     assert to_recompute.result().token_ids == expected
     (end,) = events(fleet.decode_recompute, recomputing, "end")
     assert end["state"] == "Failed"
+    # The connector counts the request vLLM ended with an error (its pod's reports carry it
+    # into the engine rollout's analysis), as vLLM's own counter does; a recomputed one is
+    # no error.
+    after = {d.name: request_errors(d) for d in (fleet.decode_fail, fleet.decode_recompute)}
+    assert after == {fleet.decode_fail.name: tuple(
+                         n + 1 for n in errors_before[fleet.decode_fail.name]),
+                     fleet.decode_recompute.name: errors_before[fleet.decode_recompute.name]}
     for decode in (fleet.decode_fail, fleet.decode_recompute):
         assert_drains(decode, TRANSFER_S + 5)
         other = prompt_ids(300, seed=22)
         assert fleet.pd(fleet.prefill, decode, other).token_ids == fleet.expected(other)
+
+
+def request_errors(server: PdTransferServer) -> tuple[float, float]:
+    """The requests ``server``'s engine ended with an error: by the connector's count (its
+    pod agent's metrics) and by vLLM's own (``finished_reason="error"``)."""
+    counted = server.metric("pd_transfer_connector_request_errors_total")
+    own = scrape(f"{server.server.host}:{server.server.port}", "vllm:request_success_total",
+                 engine="0", model_name=SERVED_MODEL_NAME, finished_reason="error")
+    assert counted is not None and own is not None, (server.name, counted, own)
+    return counted, own
 
 
 def _exception(future: Future[CompletionResult]) -> BaseException | None:

@@ -30,6 +30,7 @@ from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.report import (
     Connections,
     ReportFacts,
+    RequestCounts,
     WindowSample,
     build_status,
     compute_window,
@@ -111,6 +112,27 @@ def test_window_counts_only_the_last_window() -> None:
     assert window.failures_by_reason == {"GrantTimeout": 2, "Aborted": 1}
     # trimming keeps the baseline and everything after it; no window loses data
     assert trim_samples(samples, 12.0, 7.0) == samples[1:]
+
+
+def test_window_counts_the_engines_requests_and_their_errors_where_it_counts_them() -> None:
+    """Guards against a window that loses the engine's request errors, or invents counts
+    for an engine that does not report them (an engine rollout judges new pods by them)."""
+    # Cumulative: t=0 nothing counted yet, t=5 (8 ended, 1 error), t=12 (20 ended, 4 errors).
+    samples = [WindowSample(0.0, 0, 0), WindowSample(5.0, 8, 0, {}, RequestCounts(8, 1)),
+               WindowSample(12.0, 20, 0, {}, RequestCounts(20, 4))]
+    since_start = compute_window(samples, 12.0, 10.0)  # baseline t=0 counted nothing: 0
+    assert (since_start.requests, since_start.request_errors) == (20, 4)
+    last = compute_window(samples, 12.0, 7.0)  # baseline t=5
+    assert (last.requests, last.request_errors) == (12, 3)
+    wire = last.to_wire()
+    assert (wire["requests"], wire["requestErrors"]) == (12, 3)
+    # An engine restarted inside the window counts again from 0: never a negative count.
+    restarted = [*samples, WindowSample(14.0, 21, 0, {}, RequestCounts(1, 0))]
+    assert compute_window(restarted, 14.0, 5.0).request_errors == 0
+    # An engine whose agent cannot read them: absent, not 0.
+    unknown = compute_window([WindowSample(0.0, 5, 1)], 1.0, 10.0)
+    assert (unknown.requests, unknown.request_errors) == (None, None)
+    assert "requests" not in unknown.to_wire() and "requestErrors" not in unknown.to_wire()
 
 
 def test_build_status_sums_ranks_and_judges_health() -> None:
@@ -208,6 +230,22 @@ class Clock:
 def make_reporter(api: FakeAgentAPI, source: Source, clock: Clock) -> Reporter:
     return Reporter(make_facts(ratio=0.1), source, api, ReporterTuning(report_interval_s=5.0),
                     clock=clock, wall=lambda: NOW, rng=random.Random(0))
+
+
+def test_the_written_window_counts_the_engines_request_errors() -> None:
+    """Guards the wiring from an agent's request counts to the status an engine rollout
+    reads: each tick samples them, the written window holds what ended within it."""
+    api, source, clock = FakeAgentAPI(), Source(), Clock()
+    counts = [RequestCounts(0, 0)]
+    reporter = Reporter(make_facts(ratio=0.1), source, api,
+                        ReporterTuning(report_interval_s=5.0), clock=clock, wall=lambda: NOW,
+                        rng=random.Random(0), requests=lambda: counts[0])
+    assert reporter.tick() is True
+    counts[0] = RequestCounts(12, 5)
+    clock.now += 5.0
+    assert reporter.tick() is True
+    window = api.objects[("ns", "demo-decode-0")]["status"]["window"]
+    assert (window["requests"], window["requestErrors"]) == (12, 5)
 
 
 def test_first_tick_creates_the_agent_owned_by_its_pod() -> None:

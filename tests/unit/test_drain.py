@@ -201,7 +201,7 @@ def test_the_reference_engine_is_read_from_its_one_metrics_port(
 def test_the_engines_collector_serves_what_the_hook_reads(server: tuple[str, Pages]) -> None:
     """The names the reference engine exports are the ones `--engine reference` reads."""
     class Service:
-        running_requests, finished_requests = 3, 17
+        running_requests, finished_requests, failed_requests = 3, 17, 2
 
     registry = CollectorRegistry()
     registry.register(EngineCollector(cast(EngineService, Service())))
@@ -209,6 +209,7 @@ def test_the_engines_collector_serves_what_the_hook_reads(server: tuple[str, Pag
     pages.texts["/metrics"] = generate_latest(registry).decode()
     held = read_holding("reference", f"{base}/metrics", None)
     assert (held.running, held.waiting, held.finished) == (3, 0, 17)
+    assert "pd_reference_requests_failed_total 2.0" in pages.texts["/metrics"]
 
 
 def test_drain_waits_out_its_settle_time_for_clients_that_list_pods() -> None:

@@ -31,6 +31,11 @@ ENDPOINTS = AgentEndpoints(engine="10.0.0.7:8000", metrics="10.0.0.7:9400")
 MIB = 1024 * 1024
 
 
+# SGLang 0.5.23 exports no per-outcome request count the agent maps: request errors are
+# unknown (an engine rollout judges SGLang pods by transfers, restarts and readiness).
+PREFILL_UNKNOWN = ["agents", "peers", "pendingKV", "ring", "transports",
+                   "window.requestErrors", "window.requests"]
+
 def status(**fields: object) -> TransferAgentStatus:
     """A report as the agent writes it at `NOW` (SGLang exports no start time: the
     incarnation is the pod UID and the wall time of the agent's first reading, `NOW`)."""
@@ -73,7 +78,7 @@ def test_healthy_prefill_reports_what_it_sent() -> None:
     assert result == status(
         bytes_total=PREFILL_BYTES, transfers_total=5, live_requests=1,
         window=WindowCounts(seconds=60, transfers=5, transfer_time=PREFILL_TIMES),
-        queues=PREFILL_QUEUES, unknown=["agents", "peers", "pendingKV", "ring", "transports"])
+        queues=PREFILL_QUEUES, unknown=PREFILL_UNKNOWN)
 
 
 def test_failing_prefill_counts_failures_by_reason_and_is_unhealthy() -> None:
@@ -88,13 +93,13 @@ def test_failing_prefill_counts_failures_by_reason_and_is_unhealthy() -> None:
         window=WindowCounts(seconds=60, transfers=9, failures=4, failures_by_reason=reasons,
                             transfer_time=PREFILL_TIMES),
         recent_failures=[transfer, bootstrap], healthy=False, last_error=transfer.message,
-        queues=PREFILL_QUEUES, unknown=["agents", "peers", "pendingKV", "ring", "transports"])
+        queues=PREFILL_QUEUES, unknown=PREFILL_UNKNOWN)
 
 
 DECODE_QUEUES = [QueueDepth(name="decodePrealloc", depth=3, high_water=3),
                  QueueDepth(name="decodeTransfer", depth=2, high_water=2)]
 DECODE_UNKNOWN = ["agents", "bytesTotal", "peers", "pendingKV", "ring", "transports",
-                  "window.transferTime"]
+                  "window.requestErrors", "window.requests", "window.transferTime"]
 
 
 def test_decode_counts_arrivals_and_lists_bytes_and_times_unknown() -> None:

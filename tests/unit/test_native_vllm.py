@@ -25,14 +25,15 @@ from pd_transfer.native.vllm_nixl import VLLM_0_32_0
 pytestmark = pytest.mark.timeout(10)
 
 P = "vllm_0.32.0_nixl_"
-# process_start_time_seconds 1.79567598278e+09 in the healthy pair's captures (both servers
-# were launched together), 1.79567613271e+09 in the mismatched decode's.
-PAIR_INCARNATION = "uid-1-1795675982780"
-MISMATCH_INCARNATION = "uid-1-1795676132710"
+# process_start_time_seconds 1.79596415918e+09 in the healthy decode's captures (its prefill
+# started 10 ms before it), 1.79596421132e+09 in the mismatched decode's.
+PAIR_INCARNATION = "uid-1-1795964159180"
+PREFILL_INCARNATION = "uid-1-1795964159170"
+MISMATCH_INCARNATION = "uid-1-1795964211320"
 ENDPOINTS = AgentEndpoints(engine="10.0.0.7:8000", metrics="10.0.0.7:9400")
 NO_FETCH = [QueueDepth(name="kvFetchWaitingToStart"), QueueDepth(name="kvFetchInProgress"),
             QueueDepth(name="kvFetchCompletedWaiting")]
-FAILED_TRANSFERS = ("vllm:nixl_num_failed_transfers_total +6 since the previous reading: "
+FAILED_TRANSFERS = ("vllm:nixl_num_failed_transfers_total +5 since the previous reading: "
                     "failed NIXL transfers, handshakes and notifications")
 
 
@@ -40,7 +41,8 @@ def decode(**changes: object) -> TransferAgentStatus:
     """A decode report with nothing measured yet; `changes` are what a test expects."""
     base = TransferAgentStatus(
         pod_uid="uid-1", endpoints=ENDPOINTS, incarnation=PAIR_INCARNATION,
-        window=WindowCounts(seconds=60, transfer_time=TransferTime()), healthy=True,
+        window=WindowCounts(seconds=60, transfer_time=TransferTime(), requests=0,
+                            request_errors=0), healthy=True,
         report_time=NOW, observed_generation=1, queues=NO_FETCH,
         unknown=["agents", "peers", "pendingKV", "ring", "transports"])
     return base.model_copy(update=changes)
@@ -53,9 +55,9 @@ PREFILL_UNKNOWN = ["agents", "bytesTotal", "liveRequests", "peers", "pendingKV",
 
 def prefill(**changes: object) -> TransferAgentStatus:
     base = TransferAgentStatus(
-        pod_uid="uid-1", endpoints=ENDPOINTS, incarnation=PAIR_INCARNATION,
-        window=WindowCounts(seconds=60), healthy=True, report_time=NOW,
-        observed_generation=1, unknown=PREFILL_UNKNOWN)
+        pod_uid="uid-1", endpoints=ENDPOINTS, incarnation=PREFILL_INCARNATION,
+        window=WindowCounts(seconds=60, requests=0, request_errors=0), healthy=True,
+        report_time=NOW, observed_generation=1, unknown=PREFILL_UNKNOWN)
     return base.model_copy(update=changes)
 
 
@@ -66,46 +68,53 @@ def test_healthy_decode_reports_transfers_bytes_and_transfer_time() -> None:
     run.read(P + "decode_fresh.prom", 0).read(P + "decode_warm.prom", 5)
     status = run.read(P + "decode_healthy.prom", 10).report(10)
     # healthy: vllm:nixl_xfer_time_seconds_count 5 (1 warm-up + 4), _bytes_transferred_sum
-    # 458752 (65536 + 4 × 98304), failures 0. The engine started after the agent, so all of
-    # it is in the 60 s window. Buckets: 4 in (0, 0.005], 1 in (0.3, 0.5]:
-    #   p50: rank 2.5 of 5 → first bucket, 0.005 × 2.5/4 = 0.003125
-    #   p90: rank 4.5 → (0.3, 0.5], 0.3 + 0.2 × 0.5/1 = 0.4; p99: 0.3 + 0.2 × 0.95 = 0.49
+    # 458752 (65536 + 4 × 98304), failures 0; vllm:request_success_total 5 (all
+    # finished_reason "length"), 0 "error". The engine started after the agent, so all of it
+    # is in the 60 s window. Buckets: 2 in (0.005, 0.01], 2 in (0.01, 0.025], 1 in (0.1, 0.2]:
+    #   p50: rank 2.5 of 5 → (0.01, 0.025], 0.01 + 0.015 × 0.5/2 = 0.01375
+    #   p90: rank 4.5 → (0.1, 0.2], 0.1 + 0.1 × 0.5/1 = 0.15; p99: 0.1 + 0.1 × 0.95 = 0.195
     assert status == decode(
         bytes_total=458752, transfers_total=5,
-        window=WindowCounts(seconds=60, transfers=5, transfer_time=TransferTime(
-            count=5, p50_seconds=0.003125, p90_seconds=0.4, p99_seconds=0.49)))
+        window=WindowCounts(seconds=60, transfers=5, requests=5, request_errors=0,
+                            transfer_time=TransferTime(count=5, p50_seconds=0.01375,
+                                                       p90_seconds=0.15, p99_seconds=0.195)))
 
 
 def test_a_decode_agent_started_after_its_engine_counts_only_what_it_saw() -> None:
     """Guards against an agent restart reporting the engine's whole history as the window."""
     run = Run(VLLM_0_32_0, "decode")
-    run.agent.tracker.agent_start_unix_s = 1.8e9  # after the engine's start (1.7957e9)
+    run.agent.tracker.agent_start_unix_s = 1.8e9  # after the engine's start (1.7960e9)
     run.read(P + "decode_warm.prom", 0)
     status = run.read(P + "decode_healthy.prom", 10).report(10)
     # Totals are the engine's (since its start): 5 transfers, 458752 bytes. The window is
-    # what the agent saw: 5 - 1 = 4 transfers, all in (0, 0.005]:
-    #   p50 0.005 × 2/4 = 0.0025, p90 0.005 × 3.6/4 = 0.0045, p99 0.005 × 3.96/4 = 0.00495
+    # what the agent saw: 5 - 1 = 4 transfers and requests (the warm-up's transfer was in
+    # (0.1, 0.2]), 2 in (0.005, 0.01] and 2 in (0.01, 0.025]:
+    #   p50: rank 2 → (0.005, 0.01], 0.005 + 0.005 × 2/2 = 0.01
+    #   p90: rank 3.6 → (0.01, 0.025], 0.01 + 0.015 × 1.6/2 = 0.022; p99: 0.01 + 0.015 ×
+    #   1.96/2 = 0.0247
     assert status == decode(
         bytes_total=458752, transfers_total=5,
-        window=WindowCounts(seconds=60, transfers=4, transfer_time=TransferTime(
-            count=4, p50_seconds=0.0025, p90_seconds=0.0045, p99_seconds=0.00495)))
+        window=WindowCounts(seconds=60, transfers=4, requests=4, request_errors=0,
+                            transfer_time=TransferTime(count=4, p50_seconds=0.01,
+                                                       p90_seconds=0.022, p99_seconds=0.0247)))
 
 
 def test_decode_with_other_kv_heads_than_its_prefill_is_unhealthy_with_the_reason() -> None:
     """Guards against a fleet that looks Ready and serves nothing: every request fails with
-    HTTP 500 ('compatibility hash mismatch') while /health stays 200; only
-    vllm:nixl_num_failed_transfers_total grows (6 after 3 requests: a failed handshake is
-    counted per handshake, and each request tried two)."""
+    HTTP 500 ('compatibility hash mismatch') while /health stays 200;
+    vllm:nixl_num_failed_transfers_total grows (5 after 3 requests: a failed handshake is
+    counted per handshake attempt) and vLLM counts the 3 requests as finished_reason
+    "error", the request errors an engine rollout judges."""
     status = Run(VLLM_0_32_0, "decode").read(P + "decode_kv_heads_mismatch.prom", 0).report(0)
     failure = TransferFailure(pod="demo-decode-0", reason="TransferFailed",
                               message=FAILED_TRANSFERS, time=NOW)
-    # 6 failed of 6 (no READ completed): ratio 1 > 0.05.
+    # 5 failed of 5 (no READ completed): ratio 1 > 0.05; 3 requests, 3 errors.
     assert status == decode(
-        incarnation=MISMATCH_INCARNATION, transfers_total=6, failures_total=6,
-        failures_by_reason={"TransferFailed": 6},
-        window=WindowCounts(seconds=60, transfers=6, failures=6,
-                            failures_by_reason={"TransferFailed": 6},
-                            transfer_time=TransferTime()),
+        incarnation=MISMATCH_INCARNATION, transfers_total=5, failures_total=5,
+        failures_by_reason={"TransferFailed": 5},
+        window=WindowCounts(seconds=60, transfers=5, failures=5,
+                            failures_by_reason={"TransferFailed": 5},
+                            transfer_time=TransferTime(), requests=3, request_errors=3),
         recent_failures=[failure], healthy=False, last_error=FAILED_TRANSFERS)
 
 
@@ -119,10 +128,12 @@ def test_failing_decode_is_written_at_once_not_at_the_next_interval() -> None:
     # The engine restarted as the mismatched decode (another process start time).
     failing = run.read(P + "decode_kv_heads_mismatch.prom", 2).report(2)
     assert failing is not None
-    # Totals: the new incarnation's own (6 failed); the window: both incarnations, 5 + 6.
+    # Totals: the new incarnation's own (5 failed); the window: both incarnations, 5 + 5
+    # transfers, and 5 + 3 requests of which the 3 errors.
     assert (failing.healthy, failing.incarnation, failing.transfers_total,
-            failing.failures_total) == (False, MISMATCH_INCARNATION, 6, 6)
-    assert (failing.window.transfers, failing.window.failures) == (11, 6)
+            failing.failures_total) == (False, MISMATCH_INCARNATION, 5, 5)
+    assert (failing.window.transfers, failing.window.failures) == (10, 5)
+    assert (failing.window.requests, failing.window.request_errors) == (8, 3)
 
 
 def test_prefill_reports_expired_leases_as_its_peers_failures_and_unknown_transfers() -> None:
@@ -132,9 +143,21 @@ def test_prefill_reports_expired_leases_as_its_peers_failures_and_unknown_transf
     are recent failures of a peer, not failures of this pod (which would make the router
     drop a healthy prefill for a broken decode)."""
     run = Run(VLLM_0_32_0, "prefill")
-    run.read(P + "prefill_fresh.prom", 0).read(P + "prefill_warm.prom", 5)
-    status = run.read(P + "prefill_leases_expired.prom", 100).report(100)
-    # warm: kv_expired_reqs 1, notifications_after_expiry 1; leases_expired: 4 and 1.
+    # This capture's decode read nothing after a lease expired; an earlier one's did once,
+    # on a loaded machine: the warm and later captures with that counter at 1 stand in.
+    late = 'vllm:nixl_num_notifications_after_expiry_total{engine="0",model_name="tiny-llama"}'
+
+    def read_late(name: str, at_s: float) -> None:
+        text = capture(P + name)
+        assert f"{late} 0.0" in text
+        run.read_text(text.replace(f"{late} 0.0", f"{late} 1.0"), at_s)
+
+    run.read(P + "prefill_fresh.prom", 0)
+    read_late("prefill_warm.prom", 5)
+    read_late("prefill_leases_expired.prom", 100)
+    status = run.report(100)
+    # warm: kv_expired_reqs 0, notifications_after_expiry 1 (edited); leases_expired: 3 and
+    # 1 (edited).
     expired_3 = TransferFailure(
         pod="demo-prefill-0", reason="LeaseExpired", time=NOW,
         message="vllm:nixl_num_kv_expired_reqs_total +3 since the previous reading: requests "
@@ -145,9 +168,11 @@ def test_prefill_reports_expired_leases_as_its_peers_failures_and_unknown_transf
         message="vllm:nixl_num_notifications_after_expiry_total +1 since the previous "
                 "reading: reads of KV blocks after their lease expired (blocks may have been "
                 "reused); a failure of a peer's transfer, not counted as this pod's")
-    expired_1 = expired_3.model_copy(update={"message": expired_3.message.replace("+3", "+1")})
-    assert status == prefill(recent_failures=[expired_3, late_1, expired_1],
-                             last_error=expired_3.message)
+    # vllm:request_success_total 17 ended (the P/D prefills and the 1-token ticks the P/D
+    # client sends while decode reads), no error: all news (the engine started after the
+    # agent), one report.
+    assert status == prefill(recent_failures=[expired_3, late_1], last_error=expired_3.message,
+                             window=WindowCounts(seconds=60, requests=17, request_errors=0))
 
 
 def test_the_same_zero_is_measured_on_decode_and_unknown_on_prefill() -> None:

@@ -49,7 +49,7 @@ def test_a_prefill_is_paired_only_with_a_decode_of_its_key() -> None:
         pod("d-decode-1", "decode", "10.0.0.4", "new"),
         pod("d-decode-2", "decode", "10.0.0.5", "new"),
     ])
-    assert [(p.pod, d.pod) for p, d in engines.pairs()] == [
+    assert [(p.pod, d.pod) for p, d in engines.pairs] == [
         ("d-prefill-0", "d-decode-0"), ("d-prefill-1", "d-decode-1"),
         ("d-prefill-1", "d-decode-2")]
 

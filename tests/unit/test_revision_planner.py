@@ -16,7 +16,11 @@ import pytest
 from pd_contract.transferagent import Role
 from pd_operator.api.revision_status import EngineRolloutPhase, EngineRolloutStatus
 from pd_operator.api.rollout_spec import CanarySpec, RolloutSpec, RolloutStrategy
+from pd_operator.api.transfer_spec import TransferHealthPolicy
 from pd_operator.revisions import RoleTarget, RolloutPod, plan_revisions, serving_counts
+from pd_operator.revisions.pods import rollout_pods
+from pd_operator.status import observe_fleet
+from pd_testbed.kube_factories import make_agent
 
 T0 = datetime(2026, 11, 29, 8, 0, tzinfo=UTC)
 ROLES = (Role.PREFILL, Role.DECODE)
@@ -425,6 +429,27 @@ def test_a_failure_after_one_role_finished_rolls_back_every_role_the_rollout_mov
     assert step.delete == ()
 
 
+def test_a_serving_new_pod_whose_engine_ends_requests_with_errors_rolls_back() -> None:
+    """Guards against a revision that answers /health and moves KV but ends requests with a
+    server error (vLLM's FINISHED_ERROR, HTTP 500) rolling on."""
+    previous = EngineRolloutStatus(phase=EngineRolloutPhase.PROGRESSING, started_at=T0,
+                                   stable_revisions={"prefill": "pa", "decode": "da"})
+    later = T0 + timedelta(seconds=30)
+    targets = _targets(("pa", "k1"), ("db", "k1"))
+    erring = "4 of the 10 requests its engine ended in the last 60 s ended with a server error"
+    pods = [_pod(Role.PREFILL, 0, "pa", "k1"), _pod(Role.DECODE, 0, "da", "k1"),
+            _pod(Role.DECODE, 1, "db", "k1", ready=False, request_errors=erring)]
+    # Not serving yet (its gate is False): no verdict on the revision.
+    assert plan_revisions(RolloutSpec(), previous, targets, pods,
+                          later).status.phase is EngineRolloutPhase.PROGRESSING
+    failed = plan_revisions(RolloutSpec(), previous, targets,
+                            [*pods[:2], replace(pods[2], ready=True)], later)
+    assert failed.status.reason == "RequestErrors"
+    assert failed.status.message.startswith(
+        f"decode pod x-decode-1 (revision db): {erring}: rolling back")
+    assert failed.status.failed_revisions == {"decode": "db"}
+
+
 def test_transfers_are_judged_only_on_a_serving_pod_with_failures_of_its_own() -> None:
     """Guards against a rollback over an agent's first report of an engine still starting
     (it cannot read a rank yet: unhealthy with no transfer)."""
@@ -444,3 +469,31 @@ def test_transfers_are_judged_only_on_a_serving_pod_with_failures_of_its_own() -
         "decode pod x-decode-1 (revision db) reports its KV transfers failing: 3 of 10 "
         "transfers failed: rolling back")
     assert failed.status.failed_revisions == {"decode": "db"}
+
+
+@pytest.mark.parametrize(("requests", "errors", "peer_caused", "judged"), [
+    (10, 4, 0, 4),   # 40% > the 5% limit
+    (100, 5, 0, 0),  # 5%: at the limit, not above it
+    (10, 4, 3, 1),   # 3 loads failed as their prefill went away: 1 of 10 is the pod's own
+    (10, 4, 4, 0),
+    (0, 0, 0, 0),
+    (None, None, 0, 0),  # an engine whose agent cannot count them
+])
+def test_a_pods_request_errors_are_judged_from_its_fresh_report(
+        requests: int | None, errors: int | None, peer_caused: int, judged: int) -> None:
+    """Guards against request errors read from a report that does not count them, judged
+    against another limit than the deployment's maxFailureRatio, or blamed on a new pod
+    whose peer went away (as its transfer health, which leaves those out)."""
+    body = {"metadata": {"name": "x-decode-1", "uid": "u-1", "namespace": "default",
+                         "labels": {"pd.serving.dev/role": "decode"}}}
+    agent = make_agent("x-decode-1", report_time=T0, pod_uid="u-1", window=(20, peer_caused),
+                       window_reasons={"PeerUnreachable": peer_caused} if peer_caused else None)
+    if requests is not None:
+        agent["status"]["window"].update(requests=requests, requestErrors=errors)
+    fleet = observe_fleet([body], [agent], T0 + timedelta(seconds=1),
+                          health=TransferHealthPolicy(max_failure_ratio=0.05))
+    (pod,) = rollout_pods(fleet, max_failure_ratio=0.05)
+    window = agent["status"]["window"]["seconds"]
+    assert pod.request_errors == (
+        f"{judged} of the {requests} requests its engine ended in the last {window} s "
+        "ended with a server error no peer caused (limit 5%)" if judged else "")

@@ -22,7 +22,7 @@ from pd_contract.transferagent import AgentStaging, PeerTransport, WindowCounts
 from pd_testbed.agent_fakes import POD_ENV, FakeAgentAPI
 from pd_testbed.transfer_harness import TEST_AUTH, Cluster
 from pd_transfer.agent.identity import read_identity
-from pd_transfer.agent.report import build_status
+from pd_transfer.agent.report import RequestCounts, build_status
 from pd_transfer.auth import PeerAuth, Purpose
 from pd_transfer.bootstrap import BootstrapServer, fetch_document, open_document
 from pd_transfer.errors import BootstrapError
@@ -325,7 +325,8 @@ def test_without_identity_reporting_is_off_and_metrics_are_still_served(
         caplog: pytest.LogCaptureFixture) -> None:
     base = free_ports(2)
     with canned_ranks(base, [0, 1]):
-        agent = PodAgent(options(base), scheduler_live=lambda: 2).start(environ={})
+        agent = PodAgent(options(base), scheduler_live=lambda: 2,
+                         scheduler_requests=lambda: RequestCounts(9, 2)).start(environ={})
         try:
             deadline = time.monotonic() + 10
             while not agent.reporting_off and time.monotonic() < deadline:
@@ -341,6 +342,8 @@ def test_without_identity_reporting_is_off_and_metrics_are_still_served(
     assert 'pd_transfer_connector_live_requests{side="scheduler"} 2.0' in text
     assert 'pd_transfer_connector_live_requests{rank="0",side="rank"} 4.0' in text
     assert 'pd_transfer_connector_live_requests{rank="1",side="rank"} 5.0' in text
+    assert "pd_transfer_connector_requests_total 9.0" in text
+    assert "pd_transfer_connector_request_errors_total 2.0" in text
     assert 'pd_transfer_bytes_total{path="staged",rank="0"} 1000.0' in text
     assert 'pd_transfer_bytes_total{path="staged",rank="1"} 2000.0' in text
 

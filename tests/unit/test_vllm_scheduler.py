@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from pd_transfer.agent.report import RequestCounts
 from pd_transfer.vllm.params import ParamsError
 from pd_transfer.vllm.scheduler import ScheduledPrompt, SchedulerSide
 from pd_transfer.vllm.steps import DecodeLoad, PrefillChunk
@@ -156,3 +157,16 @@ def test_decode_load_with_fewer_blocks_than_the_prompt_needs_fails_alone() -> No
     side.after_alloc("a", [1, 2], 9)  # never raises into vLLM's scheduler
     (load,) = side.build([]).loads
     assert load.error == "2 blocks allocated for a 9-token prompt that needs 3"
+
+
+def test_every_request_vllm_ends_is_counted_and_its_errors_apart() -> None:
+    """Guards the request counts an engine rollout judges new pods by: every request vLLM
+    ends passes through `finished` (with or without a transfer), an error only when vLLM
+    ended it FINISHED_ERROR."""
+    side = SchedulerSide("decode", PAGE)
+    assert side.request_counts() == RequestCounts(0, 0)
+    side.track("local", None, 10)  # no kv_transfer_params: no connector state
+    side.finished("local", completed_prompt=True)
+    side.finished("failed-load", completed_prompt=False, errored=True)
+    side.finished("aborted", completed_prompt=False)  # a client that left: no error
+    assert side.request_counts() == RequestCounts(3, 1)

@@ -178,7 +178,9 @@ class TransferHealthPolicy(APIModel):
         default=0.05,
         ge=0.0,
         le=1.0,
-        description="Failure ratio above which TransferHealthy turns False.",
+        description="Failure ratio above which TransferHealthy turns False; also the share "
+        "of a new-revision pod's requests its engine ends with a server error above which "
+        "an engine rollout rolls back (RequestErrors).",
     )
     report_interval_seconds: int = Field(
         default=10,

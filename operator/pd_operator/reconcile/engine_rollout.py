@@ -83,8 +83,10 @@ class EngineRollouts:
                 spec_revision=spec_revisions[role],
                 live_replicas=None if current is None else int(current["spec"]["replicas"]))
         pairs_by_key = pdd.spec.router.enabled and engine_adapter(pdd).router_reads_pods(pdd)
-        step = plan_revisions(pdd.spec.rollout, previous, targets, rollout_pods(fleet),
-                              fleet.now, pairs_by_key=pairs_by_key)
+        pods = rollout_pods(fleet,
+                            max_failure_ratio=pdd.spec.transfer.health.max_failure_ratio)
+        step = plan_revisions(pdd.spec.rollout, previous, targets, pods, fleet.now,
+                              pairs_by_key=pairs_by_key)
         if step.status.failed_revisions != previous.failed_revisions:
             self._restore(pdd, step.status, desired, live)
         for role in ROLES:

@@ -111,6 +111,8 @@ def _failure(spec: RolloutSpec, pod: RolloutPod, since: datetime | None,
     if pod.transfer_failing and pod.serving:
         detail = pod.transfer_detail.rstrip(".")
         return "TransferUnhealthy", f"{where} reports its KV transfers failing: {detail}"
+    if pod.request_errors and pod.serving:
+        return "RequestErrors", f"{where}: {pod.request_errors}"
     return None
 
 

@@ -43,6 +43,9 @@ class RolloutPod:
     # with no transfer at all: that is no verdict on the revision)
     transfer_failing: bool = False
     transfer_detail: str = ""
+    # its agent's fresh report counts requests its engine ended with a server error above
+    # maxFailureRatio of those it ended in the window ("" when not, or not counted)
+    request_errors: str = ""
 
     @property
     def serving(self) -> bool:
@@ -90,7 +93,26 @@ def _failing_transfers(observed: PodObservation) -> bool:
     return own_failures(report.window.failures, report.window.failures_by_reason) > 0
 
 
-def _pod(observed: PodObservation) -> RolloutPod:
+def _request_errors(observed: PodObservation, max_failure_ratio: float) -> str:
+    report = observed.verdict.report
+    if observed.verdict.state not in (ReportState.HEALTHY, ReportState.FAILING) or (
+            report is None):
+        return ""
+    window = report.window
+    # A request whose KV load failed because its peer went away (a prefill killed, its lease
+    # over) is no fault of this pod's revision: as for its transfer health, those are taken
+    # off (one per failed transfer, so a TP>1 pod takes off more: never a false rollback).
+    peer_caused = window.failures - own_failures(window.failures, window.failures_by_reason)
+    errors = max(0, (window.request_errors or 0) - peer_caused)
+    requests = window.requests or 0
+    if errors == 0 or errors <= max_failure_ratio * requests:
+        return ""
+    return (f"{errors} of the {requests} requests its engine ended in the last "
+            f"{window.seconds} s ended with a server error no peer caused (limit "
+            f"{max_failure_ratio:.0%})")
+
+
+def _pod(observed: PodObservation, max_failure_ratio: float) -> RolloutPod:
     restarts, waiting = _container_facts(observed.body)
     labels = (observed.body.get("metadata") or {}).get("labels") or {}
     return RolloutPod(
@@ -101,8 +123,12 @@ def _pod(observed: PodObservation) -> RolloutPod:
         waiting_reason=waiting,
         transfer_failing=_failing_transfers(observed),
         transfer_detail=observed.verdict.detail,
+        request_errors=_request_errors(observed, max_failure_ratio),
     )
 
 
-def rollout_pods(fleet: FleetObservation) -> tuple[RolloutPod, ...]:
-    return tuple(_pod(p) for p in fleet.pods)
+def rollout_pods(fleet: FleetObservation, *,
+                 max_failure_ratio: float) -> tuple[RolloutPod, ...]:
+    """Every engine pod of `fleet`; `max_failure_ratio` (the deployment's health limit)
+    judges the requests its engine ended with a server error."""
+    return tuple(_pod(p, max_failure_ratio) for p in fleet.pods)

@@ -23,7 +23,7 @@ from typing import Any, Final, Protocol
 from pd_contract.api import GROUP, TRANSFERAGENT_PLURAL, VERSION
 from pd_transfer.agent.errors import AgentAPIError, PermanentAPIError, RetryableAPIError
 
-__all__ = ["PLURAL", "AgentClient", "KubeAgentClient", "classify_status"]
+__all__ = ["PLURAL", "AgentClient", "KubeAgentClient", "classify_status", "kube_configuration"]
 
 PLURAL: Final = TRANSFERAGENT_PLURAL
 _RETRYABLE: Final = frozenset({0, 408, 409, 425, 429, 500, 502, 503, 504})
@@ -59,6 +59,25 @@ def classify_status(status: int, message: str) -> AgentAPIError:
     return PermanentAPIError(message, status)
 
 
+def kube_configuration() -> Any:
+    """The Kubernetes client configuration of this process: in-cluster when running in a pod
+    (and no ``$KUBECONFIG`` says otherwise), else ``$KUBECONFIG`` / ~/.kube/config. Raises
+    ``PermanentAPIError`` naming what to set when there is none."""
+    from kubernetes import client, config  # noqa: PLC0415
+
+    configuration = client.Configuration()
+    try:
+        if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        else:
+            config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except config.ConfigException as exc:
+        raise PermanentAPIError(
+            f"no Kubernetes credentials: {str(exc).rstrip('.')}. In a pod the ServiceAccount "
+            f"token is mounted automatically; elsewhere set KUBECONFIG.") from exc
+    return configuration
+
+
 class KubeAgentClient:
     """``AgentClient`` over the official client; construct with ``from_environment``."""
 
@@ -71,18 +90,9 @@ class KubeAgentClient:
     @classmethod
     def from_environment(cls) -> KubeAgentClient:
         """In-cluster config when running in a pod, else ``$KUBECONFIG`` / ~/.kube/config."""
-        from kubernetes import client, config  # noqa: PLC0415
+        from kubernetes import client  # noqa: PLC0415
 
-        configuration = client.Configuration()
-        try:
-            if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
-                config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-            else:
-                config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        except config.ConfigException as exc:
-            raise PermanentAPIError(
-                f"no Kubernetes credentials: {exc}. In a pod the ServiceAccount token is "
-                f"mounted automatically; elsewhere set KUBECONFIG.") from exc
+        configuration = kube_configuration()
         configuration.retries = 0  # the reporter retries, with backoff and jitter
         return cls(client.ApiClient(configuration))
 

@@ -9,7 +9,9 @@ peer and the window counts into one ``TransferAgentStatus``:
 - ``ring`` sums capacity / use / high water / pending grants over the ranks and takes the
   largest free extent of any rank (the largest allocation that would succeed somewhere);
 - ``window`` counts requests that finished in the last ``window_seconds``
-  (``compute_window`` over cumulative samples), and ``healthy`` is
+  (``compute_window`` over cumulative samples), with the engine's own count of the requests
+  it ended and of those it ended with a server error where the agent can read them
+  (``RequestCounts``: an engine rollout judges new pods by them), and ``healthy`` is
   ``own failures <= max_failure_ratio * window.transfers``, own failures being those not
   caused by a peer going away (``pd_contract.health``): with no traffic nothing failed, so
   the pod is healthy. The operator decides from these counts, not from memory
@@ -54,6 +56,7 @@ __all__ = [
     "RECENT_FAILURES",
     "Connections",
     "ReportFacts",
+    "RequestCounts",
     "WindowSample",
     "build_status",
     "compute_window",
@@ -79,23 +82,35 @@ class ReportFacts:
 
 
 @dataclass(frozen=True)
+class RequestCounts:
+    """The engine's requests since it started: ``finished`` whatever their outcome, and
+    ``errors``, those it ended with a server error (vLLM's ``FINISHED_ERROR``: HTTP 500)."""
+
+    finished: int
+    errors: int
+
+
+@dataclass(frozen=True)
 class WindowSample:
-    """Cumulative counts at monotonic time ``at_s`` (sums over the pod's ranks)."""
+    """Cumulative counts at monotonic time ``at_s`` (sums over the pod's ranks); ``requests``
+    the engine's own, None where it does not count them."""
 
     at_s: float
     transfers: int
     failures: int
     failures_by_reason: dict[str, int] = field(default_factory=dict)
+    requests: RequestCounts | None = None
 
 
-def sample_of(at_s: float, snapshots: Iterable[TransferSnapshot]) -> WindowSample:
+def sample_of(at_s: float, snapshots: Iterable[TransferSnapshot],
+              requests: RequestCounts | None = None) -> WindowSample:
     transfers = failures = 0
     reasons: Counter[str] = Counter()
     for snap in snapshots:
         transfers += snap.succeeded + snap.failed
         failures += snap.failed
         reasons.update(snap.failures_by_reason)
-    return WindowSample(at_s, transfers, failures, dict(reasons))
+    return WindowSample(at_s, transfers, failures, dict(reasons), requests)
 
 
 def trim_samples(samples: Sequence[WindowSample], now_s: float,
@@ -127,11 +142,20 @@ def compute_window(samples: Sequence[WindowSample], now_s: float,
     reasons = {reason: count - base_reasons.get(reason, 0)
                for reason, count in latest.failures_by_reason.items()
                if count - base_reasons.get(reason, 0) > 0}
+    requests = errors = None
+    if latest.requests is not None:
+        # A baseline taken before the engine counted anything counts from 0.
+        base_requests = (base.requests if base is not None and base.requests is not None
+                         else RequestCounts(0, 0))
+        requests = max(0, latest.requests.finished - base_requests.finished)
+        errors = max(0, latest.requests.errors - base_requests.errors)
     return WindowCounts(
         seconds=seconds,
         transfers=max(0, latest.transfers - base_transfers),
         failures=max(0, latest.failures - base_failures),
         failures_by_reason=reasons,
+        requests=requests,
+        request_errors=errors,
     )
 
 

@@ -66,6 +66,7 @@ from pd_transfer.agent.kube import AgentClient
 from pd_transfer.agent.report import (
     Connections,
     ReportFacts,
+    RequestCounts,
     WindowSample,
     build_status,
     compute_window,
@@ -199,8 +200,10 @@ class Reporter:
         rng: random.Random | None = None,
         resizer: Resizer | None = None,
         amend: Callable[[TransferAgentStatus], TransferAgentStatus] | None = None,
+        requests: Callable[[], RequestCounts | None] | None = None,
     ) -> None:
         self.facts = facts
+        self.requests = requests
         self.resizer = resizer
         self.amend = amend
         self.source = source
@@ -272,7 +275,8 @@ class Reporter:
         transition = self._step_resize(now_s)
         snapshots = list(self.source.snapshots())
         window_s = self.facts.window_seconds
-        self._samples.append(sample_of(now_s, snapshots))
+        self._samples.append(sample_of(now_s, snapshots,
+                                       self.requests() if self.requests is not None else None))
         self._samples = trim_samples(self._samples, now_s, window_s)
         window = compute_window(self._samples, now_s, window_s)
         status = build_status(self.facts, snapshots, list(self.source.transports()), window,

@@ -12,7 +12,7 @@ from typing import Any
 from pd_contract.config import ReportingConfig
 from pd_contract.transferagent import TransferAgentStatus
 from pd_transfer.agent.kube import AgentClient
-from pd_transfer.agent.report import ReportFacts
+from pd_transfer.agent.report import ReportFacts, RequestCounts
 from pd_transfer.agent.reporter import Reporter, ReporterTuning, ReportSource, Resizer
 from pd_transfer.agent.spec_watch import SpecStream, SpecWatch
 
@@ -34,13 +34,16 @@ def start_reporting(facts: ReportFacts, source: ReportSource, client: AgentClien
                     config: ReportingConfig, *, spec_stream: SpecStream | None,
                     resizer: Resizer | None = None,
                     amend: Callable[[TransferAgentStatus], TransferAgentStatus] | None = None,
-                    on_spec: Callable[[dict[str, Any]], None] | None = None) -> Reporting:
+                    on_spec: Callable[[dict[str, Any]], None] | None = None,
+                    requests: Callable[[], RequestCounts | None] | None = None) -> Reporting:
     """Start the reporter (writes through ``client`` every ``config`` interval), then, given
     a ``spec_stream`` (the pod's TransferAgent watch), a ``SpecWatch`` that hands each new
     version to ``on_spec`` (default: the reporter's ``notify_spec``). Without one the
-    reporter still reads the spec at its report interval."""
+    reporter still reads the spec at its report interval. ``requests``: the engine's own
+    request counts (``RequestCounts``), where the agent can read them."""
     tuning = ReporterTuning(report_interval_s=config.report_interval_seconds)
-    reporter = Reporter(facts, source, client, tuning, resizer=resizer, amend=amend).start()
+    reporter = Reporter(facts, source, client, tuning, resizer=resizer, amend=amend,
+                        requests=requests).start()
     watch = (SpecWatch(spec_stream, on_spec or reporter.notify_spec).start()
              if spec_stream is not None else None)
     return Reporting(reporter, watch)

@@ -42,7 +42,7 @@ from pd_contract.transferagent import (
 )
 from pd_transfer.agent.identity import PodIdentity
 from pd_transfer.agent.kube import AgentClient
-from pd_transfer.agent.report import Connections, ReportFacts
+from pd_transfer.agent.report import Connections, ReportFacts, RequestCounts
 from pd_transfer.agent.reporter import Reporter
 from pd_transfer.agent.reporting import start_reporting
 from pd_transfer.agent.spec_watch import SpecStream, SpecWatch
@@ -177,6 +177,10 @@ class NativeAgent:
         with self._lock:
             self.tracker.reported()
 
+    def request_counts(self) -> RequestCounts | None:
+        with self._lock:
+            return self.tracker.request_counts()
+
     def amend(self, status: TransferAgentStatus) -> TransferAgentStatus:
         note = ""
         if self._spec is not None:
@@ -214,7 +218,8 @@ class NativeAgent:
         self.read_once()
         reporting = start_reporting(self.facts(), self, self.reporting_client(client),
                                     self.config.reporting, spec_stream=spec_stream,
-                                    amend=self.amend, on_spec=self.on_object)
+                                    amend=self.amend, on_spec=self.on_object,
+                                    requests=self.request_counts)
         self.reporter, self.watch = reporting.reporter, reporting.watch
         self._thread = threading.Thread(target=self._run, name="pd-transfer-native-reader",
                                         daemon=True)

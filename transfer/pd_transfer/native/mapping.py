@@ -13,7 +13,10 @@ meaning, what the engine's help text says and what a delta of it means here:
 - TRANSFER_TIME (histogram, bounds × ``scale`` = seconds): transfer durations →
   ``window.transferTime``;
 - QUEUE (gauge, a level): requests in the engine's queue ``queue`` → ``queues``, and
-  ``liveRequests`` when ``in_flight``.
+  ``liveRequests`` when ``in_flight``;
+- REQUESTS (counter): requests the engine ended, whatever their outcome → ``window.requests``;
+- REQUEST_ERRORS (counter): requests it ended with a server error → ``window.requestErrors``
+  (an engine rollout judges new pods by their share).
 
 A FAILED counter may count another FAILED spec's failures too (vLLM counts failed
 notifications inside failed transfers): ``includes`` names those reasons, whose counts are
@@ -75,6 +78,8 @@ class Meaning(StrEnum):
     BYTES = "bytes"
     TRANSFER_TIME = "transfer_time"
     QUEUE = "queue"
+    REQUESTS = "requests"
+    REQUEST_ERRORS = "request_errors"
 
 
 class Presence(StrEnum):
@@ -153,6 +158,8 @@ class EngineMapping:
             unknown.append("queues")
         if not live:
             unknown.append("liveRequests")
+        if Meaning.REQUESTS not in meanings:
+            unknown += ["window.requestErrors", "window.requests"]
         return sorted(unknown)
 
 

@@ -20,7 +20,8 @@ single-threaded (the agent holds a lock around it). One ``NativeTracker`` per ag
   start time says they all fall in the window (it started after the agent, or less than a
   window ago).
 - ``snapshot()`` is those window counts as a ``TransferSnapshot`` for the reporter (which
-  computes the window and the ratio verdict); ``amend(status, ...)`` adds what only this
+  computes the window and the ratio verdict), ``request_counts()`` the engine's requests
+  that ended and ended with an error, likewise summed; ``amend(status, ...)`` adds what only this
   agent knows: the current totals, ``incarnation``, queue depths with high-water marks since
   the previous report, the window's transfer-time quantiles, ``recentFailures`` (one entry per
   reason and reading that counted more), ``unknown`` (fields no metric measures), no staging
@@ -41,7 +42,7 @@ from pd_contract.transferagent import (
     TransferFailure,
     TransferTime,
 )
-from pd_transfer.agent.report import RECENT_FAILURES
+from pd_transfer.agent.report import RECENT_FAILURES, RequestCounts
 from pd_transfer.metrics import TransferSnapshot
 from pd_transfer.native.errors import MappingError
 from pd_transfer.native.exposition import Histogram, parse_exposition
@@ -70,11 +71,15 @@ class Totals:
     peer_failures: Mapping[str, float] = field(default_factory=dict)
     bytes: float = 0.0
     transfer_time: Histogram = field(default_factory=Histogram.empty)
+    requests: float = 0.0  # the engine's requests that ended, and ended with an error
+    request_errors: float = 0.0
 
     def plus(self, other: Totals) -> Totals:
         return Totals(self.succeeded + other.succeeded, _add(self.failures, other.failures, 1),
                       _add(self.peer_failures, other.peer_failures, 1),
-                      self.bytes + other.bytes, self.transfer_time.plus(other.transfer_time))
+                      self.bytes + other.bytes, self.transfer_time.plus(other.transfer_time),
+                      self.requests + other.requests,
+                      self.request_errors + other.request_errors)
 
     def minus(self, earlier: Totals) -> Totals:
         """What happened since ``earlier`` (each value clamped at 0)."""
@@ -82,7 +87,9 @@ class Totals:
                       _add(self.failures, earlier.failures, -1),
                       _add(self.peer_failures, earlier.peer_failures, -1),
                       max(0.0, self.bytes - earlier.bytes),
-                      self.transfer_time.minus(earlier.transfer_time))
+                      self.transfer_time.minus(earlier.transfer_time),
+                      max(0.0, self.requests - earlier.requests),
+                      max(0.0, self.request_errors - earlier.request_errors))
 
     @property
     def failed(self) -> float:
@@ -101,7 +108,7 @@ def totals_of(mapping: EngineMapping, role: RoleName, reading: Reading) -> Total
     for spec in specs:
         if spec.meaning is Meaning.FAILED:
             by_reason[spec.reason] = by_reason.get(spec.reason, 0.0) + reading.counts[spec.key]
-    succeeded = bytes_ = 0.0
+    succeeded = bytes_ = requests = request_errors = 0.0
     failures: dict[str, float] = {}
     peers: dict[str, float] = {}
     hist = Histogram.empty()
@@ -118,7 +125,11 @@ def totals_of(mapping: EngineMapping, role: RoleName, reading: Reading) -> Total
             peers[spec.reason] = peers.get(spec.reason, 0.0) + value
         elif spec.meaning is Meaning.TRANSFER_TIME:
             hist = hist.plus(reading.histograms[spec.key])
-    return Totals(succeeded, failures, peers, bytes_, hist)
+        elif spec.meaning is Meaning.REQUESTS:
+            requests += value
+        elif spec.meaning is Meaning.REQUEST_ERRORS:
+            request_errors += value
+    return Totals(succeeded, failures, peers, bytes_, hist, requests, request_errors)
 
 
 @dataclass(frozen=True)
@@ -301,6 +312,14 @@ class NativeTracker:
             recent_failures=(),
             ring=None,
         )
+
+    def request_counts(self) -> RequestCounts | None:
+        """The engine's requests that ended, and ended with an error, summed over every
+        incarnation this agent saw (they only grow); None where the table maps none."""
+        if not any(s.meaning is Meaning.REQUESTS for s in self._specs.values()):
+            return None
+        window = self._window_totals()
+        return RequestCounts(round(window.requests), round(window.request_errors))
 
     def metrics_view(self) -> MetricsView:
         return MetricsView(self._window_totals(), dict(self._queues), self.incarnations,

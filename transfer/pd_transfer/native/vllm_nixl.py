@@ -27,7 +27,12 @@ decode times and counts transfers; the prefill only learns about the ones that n
 - ``vllm:nixl_num_notifications_after_expiry_total`` (counter, prefill): PEER_FAILED
   ``ReadAfterExpiry``: a decode read blocks after their lease expired (maybe reused);
 - ``vllm:num_requests_kv_fetch_by_stage{stage}`` (gauge, decode): QUEUE
-  ``kvFetchWaitingToStart``, ``kvFetchInProgress`` (in flight), ``kvFetchCompletedWaiting``.
+  ``kvFetchWaitingToStart``, ``kvFetchInProgress`` (in flight), ``kvFetchCompletedWaiting``;
+- ``vllm:request_success_total{finished_reason}`` (counter, both; ``vllm/v1/metrics/
+  loggers.py``, one series per reason from the start): REQUESTS, summed over the reasons
+  (stop, length, abort, error, repetition), and REQUEST_ERRORS, ``finished_reason="error"``
+  (vLLM's ``FINISHED_ERROR``: a KV load that failed under the ``fail`` policy, a grammar or
+  encoder-cache error; always answered HTTP 500).
 
 Not mapped: ``vllm:nixl_post_time_seconds`` (time to post a READ, not to finish it) and
 ``vllm:nixl_num_descriptors`` (descriptors per READ). Unknown on the prefill: transfers,
@@ -86,5 +91,10 @@ VLLM_0_32_0: Final = EngineMapping(
         MetricSpec("vllm:num_requests_kv_fetch_by_stage", Kind.GAUGE, Meaning.QUEUE, _DECODE,
                    "requests whose KV arrived, waiting to run",
                    labels=(("stage", "completed_waiting"),), queue="kvFetchCompletedWaiting"),
+        MetricSpec("vllm:request_success", Kind.COUNTER, Meaning.REQUESTS, _BOTH,
+                   "requests the engine finished, by finished_reason (summed)"),
+        MetricSpec("vllm:request_success", Kind.COUNTER, Meaning.REQUEST_ERRORS, _BOTH,
+                   "requests the engine finished with an error (HTTP 500)",
+                   labels=(("finished_reason", "error"),)),
     ),
 )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import threading
 import time
@@ -32,11 +31,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
+from pd_transfer.agent.errors import PermanentAPIError
+from pd_transfer.agent.kube import kube_configuration
 from pd_transfer.router.pods import EnginePorts, pod_endpoint, pod_selector
 
-__all__ = ["Engine", "Engines", "LoadConfig", "LoadReport", "add_load_parser", "discover",
+__all__ = ["Engine", "Engines", "LoadConfig", "LoadReport", "add_load_parser", "discoverer",
            "engines_from_pods", "run_load"]
 
 _HTTP_SLACK_S = 10.0
@@ -60,8 +62,10 @@ class Engines:
     prefill: tuple[Engine, ...]
     decode: tuple[Engine, ...]
 
+    @cached_property
     def pairs(self) -> list[tuple[Engine, Engine]]:
-        """Every (prefill, decode) of the same KV-compatibility key."""
+        """Every (prefill, decode) of the same KV-compatibility key (computed once: the load
+        loop reads it on every pass)."""
         return [(p, d) for p in self.prefill for d in self.decode if p.compat == d.compat]
 
 
@@ -126,18 +130,20 @@ def engines_from_pods(pods: Sequence[dict[str, Any]]) -> Engines:
                      for role in ("prefill", "decode")))
 
 
-def discover(namespace: str, deployment: str) -> Engines:
-    """The deployment's engines, listed with ``$KUBECONFIG`` (or the pod's ServiceAccount)."""
-    from kubernetes import client, config  # noqa: PLC0415 - kubernetes is heavy
+def discoverer(namespace: str, deployment: str) -> Callable[[], Engines]:
+    """A function listing the deployment's engines, through one API client made here from
+    ``$KUBECONFIG`` (or the pod's ServiceAccount)."""
+    from kubernetes import client  # noqa: PLC0415 - kubernetes is heavy
 
-    if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    else:
-        config.load_kube_config()  # type: ignore[no-untyped-call]
-    with client.ApiClient() as api:
-        pods = client.CoreV1Api(api).list_namespaced_pod(
-            namespace, label_selector=pod_selector(deployment), _request_timeout=10)
-        return engines_from_pods(api.sanitize_for_serialization(pods)["items"])
+    api = client.ApiClient(kube_configuration())
+    core = client.CoreV1Api(api)
+
+    def discover() -> Engines:
+        pods = core.list_namespaced_pod(namespace, label_selector=pod_selector(deployment),
+                                        _request_timeout=10)
+        return engines_from_pods(api.sanitize_for_serialization(pods)["items"])  # type: ignore[no-untyped-call]
+
+    return discover
 
 
 def post_json(address: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -157,9 +163,9 @@ def post_json(address: str, path: str, body: dict[str, Any], timeout_s: float) -
 
 
 def run_one(engines: Engines, pair: int, config: LoadConfig) -> dict[str, Any]:
-    """One request through pair ``pair`` (a round-robin index over ``engines.pairs()``); the
+    """One request through pair ``pair`` (a round-robin index over ``engines.pairs``); the
     decode side's answer."""
-    pairs = engines.pairs()
+    pairs = engines.pairs
     if not pairs:
         return {"state": "Failed", "reason": "NoCompatiblePair",
                 "detail": "no prefill has a decode of its KV-compatibility key"}
@@ -224,7 +230,7 @@ def run_load(config: LoadConfig, discover_fn: Callable[[], Engines],
                         f"{sum(report.failures.values())} failed "
                         f"{dict(report.failures) or ''}")
                 last_progress = now
-            if not engines.pairs():
+            if not engines.pairs:
                 time.sleep(0.2)
                 continue
             if now < next_start:
@@ -243,7 +249,12 @@ def _run(args: argparse.Namespace) -> int:
                         duration_s=args.duration_seconds, tokens=args.tokens,
                         concurrency=args.concurrency, timeout_s=args.timeout_seconds,
                         discover_s=args.discover_seconds)
-    report = run_load(config, lambda: discover(config.namespace, config.deployment))
+    try:
+        discover = discoverer(config.namespace, config.deployment)
+    except PermanentAPIError as exc:
+        print(f"pd-transfer load: {exc}", file=sys.stderr)
+        return 2
+    report = run_load(config, discover)
     data = report.to_json()
     if args.json:
         print(json.dumps(data, indent=2))

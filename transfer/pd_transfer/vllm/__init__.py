@@ -17,6 +17,7 @@ vLLM loads it through its KV connector API (``KVConnectorBase_V1``)::
 | ``rank`` | the worker side of one TP rank: sender/receiver, peers, layer groups, completions |
 | ``rank_control`` | a rank's control routes on its bootstrap server: report, staging resize |
 | ``pod_agent`` | the pod's one agent (scheduler process) over its ranks: reports, resizes |
+| ``connector_metrics`` | the pod agent's own metrics: live requests, ranks read, request errors |
 | ``connector`` | the ``KVConnectorBase_V1`` subclass vLLM loads (the only module importing vLLM) |
 | ``steps``, ``timeline`` | the per-step plan sent to workers; an optional record of timestamps |
 

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.v1.request import RequestStatus
 
 from pd_contract.names import ENV_POD_NAME
 from pd_contract.transferagent import Role
@@ -104,7 +105,8 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._agent: PodAgent | None = None
         if self._scheduler is not None:
             self._agent = start_pod_agent(self._settings, self._engine_role,  # type: ignore[arg-type]
-                                          self._tp_size, self._scheduler.live_requests)
+                                          self._tp_size, self._scheduler.live_requests,
+                                          self._scheduler.request_counts)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -138,7 +140,9 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         completed = request.num_computed_tokens >= request.num_prompt_tokens
-        return self._scheduler.finished(request.request_id, completed_prompt=completed), None
+        errored = request.status == RequestStatus.FINISHED_ERROR
+        return self._scheduler.finished(request.request_id, completed_prompt=completed,
+                                        errored=errored), None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None

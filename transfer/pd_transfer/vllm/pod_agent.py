@@ -20,8 +20,11 @@ control routes each rank's bootstrap server carries (``rank_control``: rank ``r`
 - ``reported()`` restarts the decode rings' high-water marks (per report, as the engine);
 - Prometheus on ``metrics_port``: every readable rank's transfer metrics (``rank`` label,
   ``agent.metrics_http.RankCollector``), ``pd_transfer_connector_live_requests``
-  (``side="scheduler"``; ``side="rank",rank="r"``) and
-  ``pd_transfer_connector_rank_reachable{rank}``.
+  (``side="scheduler"``; ``side="rank",rank="r"``),
+  ``pd_transfer_connector_rank_reachable{rank}``, and the requests vLLM ended
+  (``pd_transfer_connector_requests_total``) and ended with a server error
+  (``pd_transfer_connector_request_errors_total``), which the reports' window also counts
+  (``connector_metrics.ConnectorCollector``).
 
 Reporter + SpecWatch + KubeAgentClient run as in ``reference/engine/main.py`` when the pod
 identity (downward API) and Kubernetes credentials are there; otherwise one log line says
@@ -58,13 +61,18 @@ from pd_transfer.agent.errors import AgentError
 from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.kube import AgentClient, KubeAgentClient
 from pd_transfer.agent.metrics_http import RankCollector
-from pd_transfer.agent.report import Connections, ReportFacts, connections_of
+from pd_transfer.agent.report import Connections, ReportFacts, RequestCounts, connections_of
 from pd_transfer.agent.reporter import Reporter, join_resizes
 from pd_transfer.agent.reporting import start_reporting
 from pd_transfer.agent.spec_watch import SpecWatch
 from pd_transfer.auth import PeerAuth
 from pd_transfer.config_file import load_transfer_config
 from pd_transfer.metrics import TransferSnapshot
+from pd_transfer.vllm.connector_metrics import (
+    LIVE_REQUESTS,
+    RANK_REACHABLE,
+    ConnectorCollector,
+)
 from pd_transfer.vllm.params import ConnectorSettings
 from pd_transfer.vllm.rank_control import (
     ControlError,
@@ -80,8 +88,6 @@ __all__ = ["LIVE_REQUESTS", "RANK_REACHABLE", "PodAgent", "PodAgentOptions", "ra
 
 _log = logging.getLogger("pd_transfer.agent")
 
-LIVE_REQUESTS: Final = "pd_transfer_connector_live_requests"
-RANK_REACHABLE: Final = "pd_transfer_connector_rank_reachable"
 _NOT_READ: Final = "not read yet"
 _RESIZE_MARGIN_S: Final = 10.0
 
@@ -114,7 +120,9 @@ class PodAgentOptions:
 
 
 def start_pod_agent(settings: ConnectorSettings, role: Literal["prefill", "decode"],
-                    tp_size: int, scheduler_live: Callable[[], int]) -> PodAgent | None:
+                    tp_size: int, scheduler_live: Callable[[], int],
+                    scheduler_requests: Callable[[], RequestCounts] | None = None,
+                    ) -> PodAgent | None:
     """The scheduler process's agent, started; None (logged) when the pod's transfer config
     or key cannot be read (the workers then fail with the same error)."""
     try:
@@ -129,7 +137,7 @@ def start_pod_agent(settings: ConnectorSettings, role: Literal["prefill", "decod
     except Exception as exc:
         _log.error("the pod agent is OFF (no reports, no metrics): %s", exc)
         return None
-    return PodAgent(options, scheduler_live).start()
+    return PodAgent(options, scheduler_live, scheduler_requests=scheduler_requests).start()
 
 
 def rank_host(bind_host: str) -> str:
@@ -167,10 +175,14 @@ class PodAgent:
     raise; ``refresh`` is one poll round (tests call it directly)."""
 
     def __init__(self, options: PodAgentOptions, scheduler_live: Callable[[], int], *,
+                 scheduler_requests: Callable[[], RequestCounts] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.options = options
         self.clock = clock
         self.scheduler_live = scheduler_live
+        # The requests vLLM ended and those it ended with an error (the connector sees each
+        # one end): into the reports' window, and on /metrics.
+        self.scheduler_requests = scheduler_requests
         self.reporter: Reporter | None = None
         self.watch: SpecWatch | None = None
         self.reporting_off = ""  # why health reporting is off ("" while on or not started)
@@ -188,7 +200,7 @@ class PodAgent:
             registry.register(families)
             rank_registries.append(registry)
         self.registry.register(RankCollector(rank_registries))
-        self.registry.register(_ConnectorCollector(self))
+        self.registry.register(ConnectorCollector(self))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._metrics: Any = None
@@ -269,7 +281,7 @@ class PodAgent:
                 facts, self, _FlaggingClient(client, self), options.config.reporting,
                 spec_stream=(partial(watch_fn, identity.namespace, identity.name)
                              if watch_fn is not None else None),
-                resizer=self.resize_staging)
+                resizer=self.resize_staging, requests=self.scheduler_requests)
             self.reporter, self.watch = reporting.reporter, reporting.watch
         _log.info("pod agent of %s/%s reports %d rank(s) of this %s engine", identity.namespace,
                   identity.name, options.tp_size, options.role)
@@ -344,6 +356,10 @@ class PodAgent:
         if before is None or before == _NOT_READ:
             _log.warning("rank %d of this pod cannot be read: %s", rank, error)
 
+    @property
+    def tp_size(self) -> int:
+        return self.options.tp_size
+
     def unreadable(self) -> dict[int, str]:
         """Ranks whose last fetch failed (or that were never read), with why."""
         with self._lock:
@@ -414,34 +430,6 @@ def _log_failure(rank: int, future: Future[None]) -> None:
     exc = future.exception()
     if exc is not None:
         _log.debug("rank %d did not restart its high-water mark: %s", rank, exc)
-
-
-class _ConnectorCollector(Collector):
-    """The connector's own gauges (module docstring), read at scrape time."""
-
-    def __init__(self, agent: PodAgent) -> None:
-        self._agent = agent
-
-    def collect(self) -> Iterator[Metric]:
-        agent = self._agent
-        live = Metric(LIVE_REQUESTS, "Requests with connector state, by side "
-                      "(scheduler; rank with its rank); 0 once every transfer has ended",
-                      "gauge")
-        try:
-            live.add_sample(LIVE_REQUESTS, {"side": "scheduler"}, float(agent.scheduler_live()))
-        except Exception as exc:  # a scrape must not fail on it
-            _log.debug("scheduler live requests unreadable: %s", exc)
-        reachable = Metric(RANK_REACHABLE, "Whether the pod agent read this rank's last "
-                           "report (1) or not (0: its samples are left out)", "gauge")
-        reports, errors = agent.rank_reports(), agent.unreadable()
-        for rank in range(agent.options.tp_size):
-            reachable.add_sample(RANK_REACHABLE, {"rank": str(rank)},
-                                 0.0 if rank in errors else 1.0)
-            if rank not in errors and rank in reports:
-                live.add_sample(LIVE_REQUESTS, {"side": "rank", "rank": str(rank)},
-                                float(reports[rank].live_requests))
-        yield live
-        yield reachable
 
 
 class _FlaggingClient:

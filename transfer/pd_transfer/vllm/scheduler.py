@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pd_transfer.agent.report import RequestCounts
 from pd_transfer.vllm.params import read_load_params, read_send_params
 from pd_transfer.vllm.steps import DecodeLoad, PrefillChunk, StepPlan
 
@@ -89,6 +90,8 @@ class SchedulerSide:
         self._sends: dict[str, _Send] = {}
         self._loads: dict[str, _Load] = {}
         self._pending = _Pending()
+        self._ended = 0  # requests vLLM ended, and those it ended with an error
+        self._errors = 0
 
     # Requests ------------------------------------------------------------------------------
 
@@ -169,10 +172,13 @@ class SchedulerSide:
         send.next_page = done_pages
         send.registered = True
 
-    def finished(self, req_id: str, *, completed_prompt: bool) -> bool:
-        """``request_finished``: True keeps the request's blocks until the worker reports
-        its transfer finished. ``completed_prompt``: vLLM computed the whole prompt (False
-        when the request was aborted or failed before)."""
+    def finished(self, req_id: str, *, completed_prompt: bool, errored: bool = False) -> bool:
+        """``request_finished`` (vLLM calls it for every request that ends): True keeps the
+        request's blocks until the worker reports its transfer finished.
+        ``completed_prompt``: vLLM computed the whole prompt (False when the request was
+        aborted or failed before); ``errored``: vLLM ended it with an error (HTTP 500)."""
+        self._ended += 1
+        self._errors += errored
         send = self._sends.get(req_id)
         if send is not None:
             if not send.registered:
@@ -220,3 +226,8 @@ class SchedulerSide:
     def live_requests(self) -> int:
         """Requests with connector state (0 once every transfer has ended)."""
         return len(self._sends) + len(self._loads)
+
+    def request_counts(self) -> RequestCounts:
+        """The requests vLLM ended since it started, and those it ended with an error (read
+        from the pod agent's threads: two int reads)."""
+        return RequestCounts(self._ended, self._errors)

@@ -69,7 +69,10 @@ class EngineCollector(Collector):
         finished = CounterMetricFamily(
             "pd_reference_requests_finished", "Requests the engine answered, either way")
         finished.add_metric([], self._service.finished_requests)
-        yield from (running, finished)
+        failed = CounterMetricFamily(
+            "pd_reference_requests_failed", "Requests the engine answered Failed")
+        failed.add_metric([], self._service.failed_requests)
+        yield from (running, finished, failed)
 
 
 def load_config(path: Path) -> TransferConfig:
@@ -178,7 +181,7 @@ def run_engine(args: argparse.Namespace) -> int:
             _facts(identity, config, service, http.address), service, client,
             config.reporting, spec_stream=partial(client.watch, identity.namespace,
                                                   identity.name),
-            resizer=service.resize_staging)
+            resizer=service.resize_staging, requests=service.request_counts)
     except AgentError as exc:  # the engine serves; only its reports are missing
         _log.error("transfer health reporting is OFF: %s", exc)
     _log.info("%s engine of pod %s/%s serving on %s (bootstrap %s, %d rank(s))", args.role,

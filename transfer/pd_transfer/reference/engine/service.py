@@ -40,7 +40,7 @@ import torch
 
 from pd_contract.config import TransferConfig
 from pd_contract.transferagent import AgentStaging, PeerTransport, Role
-from pd_transfer.agent.report import Connections, connections_of
+from pd_transfer.agent.report import Connections, RequestCounts, connections_of
 from pd_transfer.agent.reporter import join_resizes
 from pd_transfer.agent.transport_probe import ProtoInfoParser
 from pd_transfer.auth import PeerAuth
@@ -243,6 +243,7 @@ class EngineService:
         self._live: set[str] = set()
         self._results: OrderedDict[str, RequestResult] = OrderedDict()
         self.finished_requests = 0  # answered, succeeded or failed: `pd-transfer drain` reads it
+        self.failed_requests = 0  # answered Failed
 
     def _build_rank(self, rank: int, pool: KVPool) -> _Rank:
         # Imported here: NIXL must load only after the UCX environment is configured.
@@ -276,6 +277,12 @@ class EngineService:
 
     def snapshots(self) -> list[TransferSnapshot]:
         return [r.endpoint.metrics.snapshot() for r in self.ranks]
+
+    def request_counts(self) -> RequestCounts:
+        """The requests this engine answered, and those it answered Failed (its reports'
+        window counts them as the engine's request errors)."""
+        with self._results_lock:
+            return RequestCounts(self.finished_requests, self.failed_requests)
 
     def transports(self) -> list[PeerTransport]:
         if self.probe is None:
@@ -427,6 +434,7 @@ class EngineService:
         with self._results_lock:
             self._results[room] = result
             self.finished_requests += 1
+            self.failed_requests += result.state != "Succeeded"
             while len(self._results) > FINISHED_RESULTS:
                 self._results.popitem(last=False)
         return result

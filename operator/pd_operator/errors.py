@@ -6,6 +6,8 @@
     │   ├── TransientAPIError     429, 5xx, connection failures: retry with exponential backoff
     │   └── NamespaceTerminating  403 from namespace lifecycle: the namespace (and so the
     │                             PDDeployment) is being deleted; nothing to fix, back off
+    ├── LeadershipLost            this replica no longer holds the leader Lease: drop the
+    │                             reconcile, write nothing (the new leader redoes it)
     └── PermanentError            retrying the same request cannot help until a human acts;
         ├── ForbiddenError        403: the operator's RBAC lacks a verb on a resource
         └── InvalidObjectError    422: a builder bug or an admission refusal
@@ -24,6 +26,7 @@ __all__ = [
     "ConflictError",
     "ForbiddenError",
     "InvalidObjectError",
+    "LeadershipLost",
     "NamespaceTerminating",
     "OperatorError",
     "PermanentError",
@@ -51,6 +54,11 @@ class TransientAPIError(RetryableError):
 class NamespaceTerminating(RetryableError):
     """HTTP 403 because the namespace is being deleted: not an RBAC problem, and it ends by
     itself when the namespace (with the PDDeployment) is gone."""
+
+
+class LeadershipLost(OperatorError):
+    """A write was about to leave a replica that does not hold the leader Lease (its renewal
+    deadline passed, or it never led): refused before it was sent."""
 
 
 class PermanentError(OperatorError):

@@ -64,7 +64,7 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 async def start(memo: kopf.Memo, **_: Any) -> None:
     config = settings.current()
     loop = ReconcileLoop.connect(config.kubeconfig, config.tuning,
-                                 agent_image=config.agent_image)
+                                 agent_image=config.agent_image, lease=config.lease)
     loop.start()
     memo["reconcile_loop"] = loop
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
@@ -46,6 +46,7 @@ __all__ = [
     "CHILD_KINDS",
     "EVENT_COMPONENT",
     "FAILED_CREATE_SELECTOR",
+    "LEASES",
     "PDDEPLOYMENTS",
     "PDROLES",
     "PODS",
@@ -100,6 +101,8 @@ TRANSFERAGENTS: Final = KindRef(API_VERSION, TransferAgent.kind_name, TransferAg
 # A role's scale target: created once, then its count carried both ways by merge patches
 # (never applied: a server-side apply would take spec.replicas from `kubectl scale`).
 PDROLES: Final = KindRef(API_VERSION, PDRole.kind_name, PDRole.plural)
+# The leader election's lock (`leader.py`), in the operator's own namespace.
+LEASES: Final = KindRef("coordination.k8s.io/v1", "Lease", "leases")
 
 # Every kind build_children may produce. Listing them all (not only the desired ones) is
 # what finds children to delete, e.g. the router after `spec.router.enabled: false`.
@@ -117,7 +120,7 @@ CHILD_KINDS: Final = (
 )
 _BY_KIND: Final = {
     (k.api_version, k.kind): k
-    for k in (*CHILD_KINDS, PODS, PDDEPLOYMENTS, TRANSFERAGENTS, PDROLES)
+    for k in (*CHILD_KINDS, PODS, PDDEPLOYMENTS, TRANSFERAGENTS, PDROLES, LEASES)
 }
 
 
@@ -215,10 +218,18 @@ def _server_message(exc: ApiException) -> str:
 
 
 class KubeClient:
-    """Typed entry points for every request the operator makes; objects are dicts."""
+    """Typed entry points for every request the operator makes; objects are dicts.
 
-    def __init__(self, api: k8s.ApiClient) -> None:
+    `write_guard`, when given, runs before every write and may refuse it by raising (the
+    leader election's fence: a replica that does not lead sends no write). `timeout` is the
+    (connect, read) limit of each request."""
+
+    def __init__(self, api: k8s.ApiClient, *,
+                 write_guard: Callable[[], None] | None = None,
+                 timeout: tuple[float, float] = REQUEST_TIMEOUT_S) -> None:
         self._api = api
+        self._write_guard = write_guard
+        self._timeout = timeout
 
     @classmethod
     def from_kubeconfig(cls, kubeconfig: str | None = None) -> KubeClient:
@@ -242,6 +253,8 @@ class KubeClient:
         """Send one request; the decoded JSON body, or None on 404."""
         headers = {"Accept": "application/json", "Content-Type": content_type}
         if method != "GET":
+            if self._write_guard is not None:
+                self._write_guard()
             API_WRITES.labels(verb=method, kind=kind).inc()
         try:
             _, url, headers, body, _ = self._api.param_serialize(
@@ -254,7 +267,7 @@ class KubeClient:
             )
             response = self._api.call_api(
                 method, url, header_params=headers, body=body,
-                _request_timeout=REQUEST_TIMEOUT_S,
+                _request_timeout=self._timeout,
             )
             data: bytes = response.read()  # type: ignore[no-untyped-call]
         except ApiException as exc:

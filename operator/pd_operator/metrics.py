@@ -20,6 +20,8 @@ __all__ = [
     "ENGINE_ROLLOUTS",
     "ENGINE_ROLLOUT_DELETIONS",
     "ENGINE_ROLLOUT_PHASE",
+    "LEADER",
+    "LEADER_TRANSITIONS",
     "MANAGED_OBJECTS",
     "RECONCILES",
     "RECONCILE_DURATION",
@@ -50,6 +52,18 @@ MANAGED_OBJECTS: Final = Gauge(
     "pd_operator_managed_objects",
     "Objects the operator manages, by kind, as of the last reconcile of each PDDeployment.",
     ["kind"],
+)
+# client-go's `leader_election_master_status`, with our prefix: 1 on the replica that holds
+# the Lease, 0 on standbys; a replica without leader election reports nothing.
+LEADER: Final = Gauge(
+    "pd_operator_leader_election_master_status",
+    "1 while this replica holds the leader Lease (namespace/name) and may write, else 0.",
+    ["name"],
+)
+LEADER_TRANSITIONS: Final = Counter(
+    "pd_operator_leader_election_acquired_total",
+    "Times this replica took the leader Lease (namespace/name).",
+    ["name"],
 )
 WORKQUEUE_DEPTH: Final = Gauge(
     "pd_operator_workqueue_depth",

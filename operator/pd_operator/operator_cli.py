@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from pd_operator.build import DEFAULT_AGENT_IMAGE
+from pd_operator.leader import LeaseConfig, default_identity, own_namespace
 from pd_operator.workqueue import QueueTuning
 
 
@@ -40,6 +41,24 @@ def add_parser(subparsers: Any) -> None:
                         help="image of the transfer-agent sidecar of pods whose engine runs "
                              "its own KV connector (default: %(default)s; the chart passes "
                              "the operator's own image, which holds `pd-transfer agent`)")
+    election = parser.add_argument_group(
+        "leader election", "Run several replicas: only the holder of a coordination.k8s.io "
+        "Lease writes, the others watch and take over when it stops renewing.")
+    election.add_argument("--leader-elect", action="store_true",
+                          help="take part in leader election (the chart turns it on)")
+    election.add_argument("--leader-elect-namespace", metavar="NS",
+                          help="namespace of the Lease (default: $POD_NAMESPACE, else the "
+                               "pod's ServiceAccount namespace)")
+    election.add_argument("--leader-elect-name", default="pd-operator", metavar="NAME",
+                          help="name of the Lease (default: %(default)s)")
+    election.add_argument("--leader-elect-lease-seconds", type=float, default=10.0,
+                          help="how long a standby waits after the last renewal it saw "
+                               "before it takes over (default: %(default)s)")
+    election.add_argument("--leader-elect-renew-deadline-seconds", type=float, default=7.0,
+                          help="how long the leader keeps writing without a successful "
+                               "renewal (default: %(default)s)")
+    election.add_argument("--leader-elect-retry-seconds", type=float, default=2.0,
+                          help="renewal and candidacy period (default: %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.set_defaults(handler=run)
 
@@ -59,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     settings.configure(
         kubeconfig=args.kubeconfig,
         agent_image=args.agent_image,
+        lease=_lease(args),
         tuning=QueueTuning(workers=args.workers, resync_s=args.resync_seconds,
                            status_interval_s=args.status_interval_seconds),
     )
@@ -71,3 +91,20 @@ def run(args: argparse.Namespace) -> int:
         liveness_endpoint=args.liveness_endpoint,
     )
     return 0
+
+
+def _lease(args: argparse.Namespace) -> LeaseConfig | None:
+    if not args.leader_elect:
+        return None
+    namespace = args.leader_elect_namespace or own_namespace()
+    if not namespace:
+        raise SystemExit("pd-operator run: --leader-elect needs the Lease's namespace: pass "
+                         "--leader-elect-namespace, or set $POD_NAMESPACE")
+    try:
+        return LeaseConfig(
+            name=args.leader_elect_name, namespace=namespace, identity=default_identity(),
+            lease_s=args.leader_elect_lease_seconds,
+            renew_deadline_s=args.leader_elect_renew_deadline_seconds,
+            retry_s=args.leader_elect_retry_seconds)
+    except ValueError as exc:
+        raise SystemExit(f"pd-operator run: {exc}") from None

@@ -16,6 +16,7 @@ import kopf
 from pd_contract.api import GROUP, TRANSFERAGENT_PLURAL, VERSION
 from pd_operator.build import DEFAULT_AGENT_IMAGE
 from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER
+from pd_operator.leader import LeaseConfig
 from pd_operator.workqueue import QueueTuning
 
 __all__ = [
@@ -47,12 +48,14 @@ TRANSFER_AGENT_RESOURCE: tuple[str, str, str] = (GROUP, VERSION, TRANSFERAGENT_P
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    """Runtime choices made outside kopf: API credentials, the work queue's timing, and the
-    image of the transfer-agent sidecar engine-native pods get."""
+    """Runtime choices made outside kopf: API credentials, the work queue's timing, the
+    image of the transfer-agent sidecar engine-native pods get, and the leader election's
+    Lease (None: this process is the only operator and always writes)."""
 
     kubeconfig: str | None = None
     tuning: QueueTuning = field(default_factory=QueueTuning)
     agent_image: str = DEFAULT_AGENT_IMAGE
+    lease: LeaseConfig | None = None
 
 
 _config = OperatorConfig()
@@ -72,8 +75,8 @@ def current() -> OperatorConfig:
 @kopf.on.startup()
 def configure_kopf(settings: kopf.OperatorSettings, **_: Any) -> None:
     """Tune kopf for a level-based operator that writes nothing in steady state."""
-    # Standalone: one replica runs at a time (the chart's Deployment uses Recreate), so the
-    # peering objects, their RBAC and their periodic heartbeat writes are not needed.
+    # Standalone, no kopf peering: replicas of equal priority would all freeze under it. Which
+    # replica writes is decided by our own Lease (`leader.py`); every replica watches.
     settings.peering.standalone = True
     # kopf posts a k8s Event for every handler log line at INFO and above; our handlers only
     # enqueue keys, and the reconcile records its own Events after the status write. Keep

@@ -14,6 +14,8 @@ Contract:
   `min_interval_s` after its previous processing started, so N reports in that interval
   cost one reconcile (and at most one status write), not N. A key already due now absorbs
   it. Returns False when the trigger was folded into a pending run.
+- `LeadershipLost` drops the key: this replica stopped leading, and the next term queues
+  every PDDeployment anyway.
 - `ConflictError` re-queues after `conflict_delay_s` (someone wrote first: re-read soon) and
   does not count as a failure. Any other exception re-queues after an exponential backoff,
   `base_backoff_s * 2**(failures-1)` capped at `max_backoff_s`; the work function is told
@@ -33,7 +35,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from pd_operator.errors import ConflictError, OperatorError, PermanentError
+from pd_operator.errors import ConflictError, LeadershipLost, OperatorError, PermanentError
 from pd_operator.metrics import WORKQUEUE_DEPTH
 
 __all__ = ["QueueTuning", "RecheckAfter", "WorkQueue"]
@@ -216,6 +218,8 @@ class WorkQueue(Generic[K]):
             keep = await self._work(key, failures)
         except asyncio.CancelledError:
             raise
+        except LeadershipLost as exc:
+            log.info("%s: reconcile stopped, %s", key, exc)
         except ConflictError as exc:
             log.info("%s: conflict, retrying in %.1f s: %s", key,
                      self.tuning.conflict_delay_s, exc)

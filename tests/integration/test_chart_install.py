@@ -36,6 +36,7 @@ from pd_operator.api import parse_pdd
 from pd_operator.build.capabilities import Capabilities
 from pd_operator.build.children import build_children, child_key
 from pd_operator.build.names import transfer_key_name
+from pd_operator.leader import LeaseConfig
 from pd_testbed.operator_runner import kopf_runner
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(180)]
@@ -119,8 +120,11 @@ def operator_as(
         monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(path))
         monkeypatch.setattr(k8s.Configuration, "_default", None)
         # The operator's own process-wide config may still name another test's kubeconfig.
+        # As the chart runs it: elected on the release's Lease, which its RBAC must allow.
+        lease = LeaseConfig(name=f"{namespace}-operator", namespace=namespace,
+                            identity="chart-test")
         monkeypatch.setattr(settings, "_config",
-                            replace(settings.current(), kubeconfig=str(path)))
+                            replace(settings.current(), kubeconfig=str(path), lease=lease))
         return path
 
     return use
@@ -204,7 +208,8 @@ def test_chart_installs_its_objects(release: Release, kube_client: k8s.ApiClient
     rbac = k8s.RbacAuthorizationV1Api(kube_client)
     deployment = as_dict(kube_client, k8s.AppsV1Api(kube_client).read_namespaced_deployment(
         release.fullname, release.namespace))
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == release.fullname
     core.read_namespaced_service_account(release.fullname, release.namespace)
     core.read_namespaced_service(f"{release.fullname}-metrics", release.namespace)
@@ -214,15 +219,21 @@ def test_chart_installs_its_objects(release: Release, kube_client: k8s.ApiClient
                         if subject in (b.get("subjects") or [])]
     bindings = as_dict(kube_client, rbac.list_namespaced_role_binding(release.namespace))["items"]
     roles = as_dict(kube_client, rbac.list_namespaced_role(release.namespace))["items"]
+    # The Lease's Role, in the release namespace either way.
+    lease_role = f"{release.fullname}-leader-election"
     if release.watch_namespaces:  # a Role in the watched namespace, nothing cluster-wide
         assert cluster_bindings == []
-        assert [role["metadata"]["name"] for role in roles] == [release.fullname]
-        assert [(b["roleRef"]["kind"], b["roleRef"]["name"], b["subjects"]) for b in bindings] \
-            == [("Role", release.fullname, [subject])]
+        assert sorted(role["metadata"]["name"] for role in roles) == [release.fullname,
+                                                                      lease_role]
+        assert sorted((b["roleRef"]["kind"], b["roleRef"]["name"], b["subjects"])
+                      for b in bindings) == [("Role", release.fullname, [subject]),
+                                             ("Role", lease_role, [subject])]
     else:
         assert [(b["roleRef"]["kind"], b["roleRef"]["name"]) for b in cluster_bindings] == [
             ("ClusterRole", release.fullname)]
-        assert roles == [] and bindings == []
+        assert [role["metadata"]["name"] for role in roles] == [lease_role]
+        assert [(b["roleRef"]["name"], b["subjects"]) for b in bindings] == [
+            (lease_role, [subject])]
     for crd_name in ("pddeployments.pd.serving.dev", "transferagents.pd.serving.dev"):
         crd = as_dict(kube_client, k8s.ApiextensionsV1Api(kube_client)
                       .read_custom_resource_definition(crd_name))

@@ -179,27 +179,79 @@ def test_deployment_runs_non_root_on_a_read_only_root_filesystem(helm: Path) -> 
     assert pod["serviceAccountName"] == FULLNAME
 
 
-def test_deployment_is_one_standalone_operator_watching_all_namespaces_by_default(
+LEADER_ELECTION_ARGS = [
+    "--leader-elect",
+    f"--leader-elect-name={FULLNAME}",
+    "--leader-elect-lease-seconds=10",
+    "--leader-elect-renew-deadline-seconds=7",
+    "--leader-elect-retry-seconds=2",
+]
+POD_NAMESPACE_ENV = {"name": "POD_NAMESPACE",
+                     "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}
+SELECTOR = {"app.kubernetes.io/name": "pd-operator", "app.kubernetes.io/instance": CHART_RELEASE,
+            "app.kubernetes.io/component": "operator"}
+
+
+def test_deployment_is_two_leader_elected_replicas_watching_all_namespaces_by_default(
     helm: Path,
 ) -> None:
     deployment = one(render(helm), "Deployment")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert deployment["spec"]["replicas"] == 2
+    # With the Lease, the new pod may start before the old one goes.
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
     assert container["image"] == "ghcr.io/pd-operator/pd-operator:0.1.0"  # tag = appVersion
     assert container["command"] == ["pd-operator", "run"]
     assert container["args"] == [
         "--all-namespaces",
+        *LEADER_ELECTION_ARGS,
         "--metrics-port=8080",
         "--liveness=http://0.0.0.0:8081/healthz",
         # The sidecar of engine-native pods runs from the operator's own image.
         "--agent-image=ghcr.io/pd-operator/pd-operator:0.1.0",
     ]
+    assert container["env"] == [POD_NAMESPACE_ENV]
     probe = {"path": "/healthz", "port": "health"}
     assert container["livenessProbe"]["httpGet"] == probe
     assert container["readinessProbe"]["httpGet"] == probe
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
         "metrics": 8080, "health": 8081}
+    assert pod["affinity"] == {"podAntiAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": {
+            "topologyKey": "kubernetes.io/hostname",
+            "labelSelector": {"matchLabels": SELECTOR}}}]}}
+
+
+def test_replicas_keep_a_pdb_and_the_lease_rbac(helm: Path) -> None:
+    """Two replicas: a PDB keeps one through node drains; a Role in the release namespace
+    lets them get, create and update the Lease, and nothing else."""
+    objects = render(helm)
+    pdb = one(objects, "PodDisruptionBudget")
+    assert pdb["spec"] == {"minAvailable": 1, "selector": {"matchLabels": SELECTOR}}
+    role = one(objects, "Role")
+    assert role["metadata"]["namespace"] == CHART_RELEASE_NAMESPACE
+    assert permissions(role["rules"]) == {("coordination.k8s.io", "leases"):
+                                          {"get", "create", "update"}}
+    binding = one(objects, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"] == f"{FULLNAME}-leader-election"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": FULLNAME, "namespace": CHART_RELEASE_NAMESPACE}]
+    hard = one(render(helm, "--set", "podAntiAffinity=hard"), "Deployment")
+    assert hard["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"] == {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{
+            "topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": SELECTOR}}]}
+
+
+def test_one_replica_without_leader_election_recreates_and_has_no_pdb(helm: Path) -> None:
+    objects = render(helm, "--set", "replicas=1", "--set", "leaderElection.enabled=false")
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert not any(a.startswith("--leader-elect") for a in container["args"])
+    assert "affinity" not in deployment["spec"]["template"]["spec"]
+    assert by_kind(objects, "PodDisruptionBudget") == [] and by_kind(objects, "Role") == []
 
 
 def test_deployment_watches_listed_namespaces_only(helm: Path, full_values_file: Path) -> None:
@@ -209,13 +261,14 @@ def test_deployment_watches_listed_namespaces_only(helm: Path, full_values_file:
     assert container["args"] == [
         "--namespace=team-a",
         "--namespace=team-b",
+        *LEADER_ELECTION_ARGS,
         "--metrics-port=9090",
         "--liveness=http://0.0.0.0:8081/healthz",
         "--agent-image=registry.example/pd-operator:dev",
         "--verbose",
         "--some-flag",
     ]
-    assert {"name": "FOO", "value": "bar"} in container["env"]
+    assert container["env"] == [POD_NAMESPACE_ENV, {"name": "FOO", "value": "bar"}]
 
 
 @pytest.mark.parametrize(
@@ -244,6 +297,9 @@ def test_deployment_command_line_is_accepted_by_pd_operator_run(
     assert args.command == "run"
     assert (args.namespace, args.all_namespaces, args.metrics_port, args.verbose) == expected
     assert args.liveness_endpoint == "http://0.0.0.0:8081/healthz"
+    assert (args.leader_elect, args.leader_elect_name, args.leader_elect_lease_seconds,
+            args.leader_elect_renew_deadline_seconds, args.leader_elect_retry_seconds) == (
+        True, FULLNAME, 10.0, 7.0, 2.0)
 
 
 def test_cluster_wide_rbac_is_exactly_the_operator_permission_list(helm: Path) -> None:
@@ -252,7 +308,9 @@ def test_cluster_wide_rbac_is_exactly_the_operator_permission_list(helm: Path) -
     objects = render(helm)
     cluster_role = one(objects, "ClusterRole")
     assert permissions(cluster_role["rules"]) == EXPECTED_PERMISSIONS
-    assert by_kind(objects, "Role") == [] and by_kind(objects, "RoleBinding") == []
+    # The only Role is the Lease's (test_replicas_keep_a_pdb_and_the_lease_rbac).
+    assert [r["metadata"]["name"] for r in by_kind(objects, "Role")] == [
+        f"{FULLNAME}-leader-election"]
     binding = one(objects, "ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                   "name": FULLNAME}
@@ -265,11 +323,13 @@ def test_namespaced_rbac_grants_nothing_cluster_wide(helm: Path, full_values_fil
     in a Role per watched namespace, bound to the operator's ServiceAccount."""
     objects = render(helm, "--values", str(full_values_file))
     assert by_kind(objects, "ClusterRole") == [] and by_kind(objects, "ClusterRoleBinding") == []
-    roles = by_kind(objects, "Role")
+    roles = [r for r in by_kind(objects, "Role")
+             if not r["metadata"]["name"].endswith("-leader-election")]
     assert sorted(role["metadata"]["namespace"] for role in roles) == ["team-a", "team-b"]
     for role in roles:
         assert permissions(role["rules"]) == EXPECTED_PERMISSIONS
-    bindings = by_kind(objects, "RoleBinding")
+    bindings = [b for b in by_kind(objects, "RoleBinding")
+                if not b["metadata"]["name"].endswith("-leader-election")]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for binding in bindings:
         assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
@@ -322,7 +382,9 @@ def test_metrics_off_turns_the_endpoint_and_the_service_off(helm: Path) -> None:
     ("override", "message"),
     [
         ("replicas=x", "replicas: Invalid type. Expected: integer, given: string"),
-        ("replicas=2", "replicas: Must be less than or equal to 1"),
+        ("replicas=-1", "replicas: Must be greater than or equal to 0"),
+        ("podAntiAffinity=always", "podAntiAffinity: podAntiAffinity must be one of the"),
+        ("leaderElection.leaseSeconds=0", "leaderElection.leaseSeconds: Must be greater than 0"),
         ("logLevel=verbose", "logLevel: logLevel must be one of the following"),
         ("metrics.port=70000", "metrics.port: Must be less than or equal to 65535"),
         ("unknownKey=1", "Additional property unknownKey is not allowed"),
@@ -332,6 +394,24 @@ def test_values_schema_refuses_invalid_values_naming_the_field(
     helm: Path, override: str, message: str
 ) -> None:
     result = run_helm(helm, "template", CHART_RELEASE, str(CHART_DIR), "--set", override)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["replicas=2", "leaderElection.enabled=false"],
+         "replicas > 1 needs leaderElection.enabled"),
+        (["leaderElection.retrySeconds=8"],
+         "leaderElection needs retrySeconds < renewDeadlineSeconds < leaseSeconds"),
+    ],
+)
+def test_replicas_without_a_safe_election_are_refused(
+    helm: Path, overrides: list[str], message: str
+) -> None:
+    args = [a for o in overrides for a in ("--set", o)]
+    result = run_helm(helm, "template", CHART_RELEASE, str(CHART_DIR), *args)
     assert result.returncode != 0
     assert message in result.stderr
 

@@ -1,14 +1,23 @@
-"""Operator scale benchmark (not a test): 100 PDDeployments on a fresh local control plane.
+"""Operator scale benchmark (not a test): many PDDeployments on a fresh local control plane
+(etcd, kube-apiserver, kube-controller-manager: the StatefulSet and Deployment controllers
+create every pod, which stays Pending: there is no scheduler or kubelet).
 
-Measures (printed, and saved as JSON under benchmarks/results/):
-- seconds from creating 100 PDDeployments at once until every one has all its children and
-  a written status (observedGeneration 1);
-- write requests during the following idle period (default 60 s), from the operator's own
-  `pd_operator_api_writes_total` and from the API server's `apiserver_request_total`
-  (verbs POST/PUT/PATCH/DELETE; the latter also counts the controller-manager's writes, so it
-  is an upper bound);
-- the operator process's peak RSS (VmHWM).
-Run: `.venv/bin/python benchmarks/operator_scale.py [--count 100] [--idle-seconds 60]`.
+The operator runs as the chart runs it (`pd-operator run -A --leader-elect`, one replica).
+PDDeployments are the repository's examples, varied (each example in turn, every third one
+with other replica counts), in four namespaces. Two phases in one run:
+1. `--first` (100) PDDeployments created at once: seconds until every one has its children
+   (both StatefulSets, and the router Deployment where it has one) and a written status
+   (`status.observedGeneration` == `metadata.generation`);
+2. `--count` (1000) more, created at once beside the first ones, measured the same way;
+then, once the pod count has settled:
+- writes during `--idle-seconds` (60): the operator's own (`pd_operator_api_writes_total`,
+  Lease renewals reported apart) and the API server's for all clients;
+- the operator's peak and current RSS;
+- `--edits` (40) edits one after another, each a PDDeployment's decode replicas changed:
+  seconds from the PATCH until its decode StatefulSet shows the new count (p50/p99/max);
+- a check, once, that every PDDeployment's children are exactly what the builders make.
+Results are printed and saved as JSON under benchmarks/results/.
+Run: `.venv/bin/python benchmarks/operator_scale.py [--first 100] [--count 1000]`.
 """
 
 from __future__ import annotations
@@ -16,10 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import signal
 import socket
 import ssl
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,13 +41,22 @@ from typing import Any
 
 import yaml
 from kubernetes import client as k8s
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd_devcluster import ControlPlaneHandle, Ports, start_control_plane
-from pd_operator.api import PDDeployment
-from pd_operator.build import Capabilities, build_children
+from pd_operator.api import parse_pdd
+from pd_operator.api.naming import transfer_key_name
+from pd_operator.build import Capabilities, build_children, child_key
 
 REPO = Path(__file__).resolve().parents[1]
 WRITE_VERBS = ("POST", "PUT", "PATCH", "DELETE")
+GROUP, VERSION, PLURAL = "pd.serving.dev", "v1alpha1", "pddeployments"
+NAMESPACES = ("bench-a", "bench-b", "bench-c", "bench-d")
+EXAMPLES = ("llama-70b.yaml", "deepseek-v3-mla.yaml", "qwen3-8b-vllm.yaml",
+            "local-reference.yaml", "local-vllm.yaml")
+# v1.20 serves no policy/v1: the operator makes no PDBs there.
+CAPS = Capabilities(pod_disruption_budgets=False)
+Obj = dict[str, Any]
 
 
 def free_port() -> int:
@@ -45,19 +65,42 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def apiserver_writes(handle: ControlPlaneHandle) -> float:
+def apiserver_requests(handle: ControlPlaneHandle) -> dict[str, float]:
+    """The API server's `apiserver_request_total` by `VERB resource[/subresource]`, all
+    clients."""
     request = urllib.request.Request(f"{handle.server_url}/metrics")
     request.add_header("Authorization", f"Bearer {handle.token}")
     context = ssl.create_default_context(cafile=str(handle.ca_path))
     with urllib.request.urlopen(request, context=context, timeout=10) as response:
         text = response.read().decode()
-    total = 0.0
+    found: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("apiserver_request_total{"):
-            verb = re.search(r'verb="([A-Z]+)"', line)
-            if verb and verb.group(1) in WRITE_VERBS:
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+            sub = f"/{labels['subresource']}" if labels.get("subresource") else ""
+            key = f"{labels.get('verb')} {labels.get('resource')}{sub}"
+            found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def apiserver_writes(handle: ControlPlaneHandle) -> float:
+    return sum(v for k, v in apiserver_requests(handle).items()
+               if k.split(" ")[0] in (*WRITE_VERBS, "APPLY"))
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process has used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for name, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        used[name] = (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
+def per_item(after: dict[str, float], before: dict[str, float], items: int) -> dict[str, float]:
+    return {k: round((v - before.get(k, 0.0)) / items, 2) for k, v in sorted(after.items())
+            if v - before.get(k, 0.0) >= items / 10}
 
 
 def operator_writes(port: int) -> dict[str, float]:
@@ -65,99 +108,220 @@ def operator_writes(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     found: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("pd_operator_api_writes_total{"):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
-            key = f"{labels.get('verb', '?')} {labels.get('kind', '?')}"
-            found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pd_operator_api_writes_total":
+                key = f"{sample.labels['verb']} {sample.labels['kind']}"
+                found[key] = found.get(key, 0.0) + sample.value
     return found
 
 
-def wait_for_stable_pods(core: k8s.CoreV1Api, *, quiet_s: float, timeout_s: float) -> float:
-    """Seconds until the number of pods in `default` has not changed for `quiet_s`."""
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(peak, current) resident set of `pid`, MiB."""
+    fields = dict(line.split(":", 1) for line in
+                  Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return (int(fields["VmHWM"].split()[0]) / 1024, int(fields["VmRSS"].split()[0]) / 1024)
+
+
+def bodies(first: int, count: int) -> list[Obj]:
+    """`first + count` PDDeployments: the examples in turn, every third with other counts."""
+    templates = [next(doc for doc in yaml.safe_load_all((REPO / "examples" / name).read_text())
+                      if doc and doc.get("kind") == "PDDeployment") for name in EXAMPLES]
+    made = []
+    for i in range(first + count):
+        body: Obj = json.loads(json.dumps(templates[i % len(templates)]))
+        body["metadata"] = {"name": f"pdd-{i:04d}", "namespace": NAMESPACES[i % len(NAMESPACES)]}
+        if i % 3 == 0:
+            body["spec"]["prefill"]["replicas"] = 1 + i % 2
+            body["spec"]["decode"]["replicas"] = 1 + (i // 3) % 3
+        made.append(body)
+    return made
+
+
+def converged(api: k8s.ApiClient, wanted: dict[tuple[str, str], set[str]]) -> set[tuple[str, str]]:
+    """The wanted PDDeployments with a current status and their workloads. Read from the API
+    server's watch cache (resourceVersion 0) as raw JSON, so that polling a thousand objects
+    costs the API server and this process little."""
+    objects, apps = k8s.CustomObjectsApi(api), k8s.AppsV1Api(api)
+
+    def names(response: Any) -> set[str]:
+        return {item["metadata"]["name"] for item in json.loads(response.data)["items"]}
+
+    done = set()
+    for namespace in NAMESPACES:
+        raw: Any = objects.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, resource_version="0", _preload_content=False)
+        listed = json.loads(raw.data)["items"]
+        current = {item["metadata"]["name"] for item in listed
+                   if (item.get("status") or {}).get("observedGeneration")
+                   == item["metadata"]["generation"]}
+        have = {f"StatefulSet/{n}" for n in names(apps.list_namespaced_stateful_set(
+            namespace, resource_version="0", _preload_content=False))}
+        have |= {f"Deployment/{n}" for n in names(apps.list_namespaced_deployment(
+            namespace, resource_version="0", _preload_content=False))}
+        for (ns, name), workloads in wanted.items():
+            if ns == namespace and name in current and workloads <= have:
+                done.add((ns, name))
+    return done
+
+
+def workloads(body: Obj) -> set[str]:
+    return {f"{c['kind']}/{c['metadata']['name']}" for c in build_children(parse_pdd(body), CAPS)
+            if c["kind"] in ("StatefulSet", "Deployment")}
+
+
+def create_and_wait(api: k8s.ApiClient, batch: list[Obj], timeout_s: float) -> float:
+    objects = k8s.CustomObjectsApi(api)
+    wanted = {(b["metadata"]["namespace"], b["metadata"]["name"]): workloads(b) for b in batch}
+    started = time.monotonic()
+    for body in batch:
+        objects.create_namespaced_custom_object(GROUP, VERSION, body["metadata"]["namespace"],
+                                                PLURAL, body)
+    created_s = time.monotonic() - started
+    pending = set(wanted)
+    while pending:
+        elapsed = time.monotonic() - started
+        if elapsed > timeout_s:
+            raise SystemExit(f"{len(pending)} of {len(batch)} PDDeployments not converged "
+                             f"after {timeout_s:.0f} s")
+        time.sleep(1.0)
+        pending -= converged(api, {k: wanted[k] for k in pending})
+        print(f"  {elapsed:6.1f} s: {len(batch) - len(pending)}/{len(batch)} converged "
+              f"(creates took {created_s:.1f} s)", flush=True)
+    return time.monotonic() - started
+
+
+def wait_for_stable_pods(core: k8s.CoreV1Api, *, quiet_s: float, timeout_s: float) -> int:
     started = last_change = time.monotonic()
     count = -1
     while time.monotonic() - started < timeout_s:
-        now_count = len(core.list_namespaced_pod("default").items)
+        now_count = len(core.list_pod_for_all_namespaces(resource_version="0").items)
         if now_count != count:
             count, last_change = now_count, time.monotonic()
         elif time.monotonic() - last_change >= quiet_s:
             break
-        time.sleep(1.0)
-    return time.monotonic() - started
+        time.sleep(2.0)
+    return count
 
 
-def peak_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def edit_latencies(api: k8s.ApiClient, names: list[tuple[str, str]], edits: int) -> list[float]:
+    """Seconds from each decode-replicas PATCH until the decode StatefulSet has the count."""
+    objects, apps = k8s.CustomObjectsApi(api), k8s.AppsV1Api(api)
+    rng = random.Random(7)
+    latencies = []
+    for namespace, name in rng.sample(names, edits):
+        sts_name = f"{name}-decode"
+        replicas = apps.read_namespaced_stateful_set(sts_name, namespace).spec.replicas
+        wanted = 1 if replicas != 1 else 2
+        started = time.monotonic()
+        objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                               {"spec": {"decode": {"replicas": wanted}}})
+        while apps.read_namespaced_stateful_set(sts_name, namespace).spec.replicas != wanted:
+            if time.monotonic() - started > 60:
+                raise SystemExit(f"edit of {namespace}/{name} not reconciled in 60 s")
+            time.sleep(0.02)
+        latencies.append(time.monotonic() - started)
+    return latencies
+
+
+def children_exact(kube_api: k8s.ApiClient, batch: list[Obj]) -> list[str]:
+    """Problems: children missing, or not the builders' (kinds and names)."""
+    from pd_operator.kube import CHILD_KINDS, PDB, KubeClient  # noqa: PLC0415
+
+    kube = KubeClient(kube_api)
+    kinds = tuple(k for k in CHILD_KINDS if k != PDB)
+    objects = k8s.CustomObjectsApi(kube_api)
+    problems = []
+    for namespace in NAMESPACES:
+        live: dict[str, set[tuple[Any, ...]]] = {}
+        for obj in kube.list_children(namespace, "app.kubernetes.io/managed-by=pd-operator",
+                                      kinds):
+            owner = obj["metadata"]["labels"].get("pd.serving.dev/deployment", "")
+            live.setdefault(owner, set()).add(child_key(obj))
+        for body in (b for b in batch if b["metadata"]["namespace"] == namespace):
+            name = body["metadata"]["name"]
+            stored: Obj = objects.get_namespaced_custom_object(  # type: ignore[assignment]
+                GROUP, VERSION, namespace, PLURAL, name)
+            want = {child_key(c) for c in build_children(parse_pdd(stored), CAPS)}
+            want.add(("v1", "Secret", namespace, transfer_key_name(name)))
+            have = live.get(name, set())
+            if have != want:
+                problems.append(f"{namespace}/{name}: missing {sorted(want - have)}, "
+                                f"extra {sorted(have - want)}")
+    return problems
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--count", type=int, default=100)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--first", type=int, default=100)
+    parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--idle-seconds", type=float, default=60.0)
-    parser.add_argument("--timeout-seconds", type=float, default=600.0)
+    parser.add_argument("--edits", type=int, default=40)
+    parser.add_argument("--timeout-seconds", type=float, default=900.0)
     args = parser.parse_args()
 
     state = Path(tempfile.mkdtemp(prefix="pd-bench-"))
     handle = start_control_plane(state, Ports.free(), REPO / "crds", controller_manager=True)
     metrics_port = free_port()
-    log = (state / "operator.log").open("w")
-    operator = subprocess.Popen(
-        [sys.executable, "-m", "pd_operator.cli", "run", "-A", "--kubeconfig",
-         str(handle.kubeconfig_path), "--metrics-port", str(metrics_port)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    log_path = state / "operator.log"
+    with handle.api_client() as api:
+        core = k8s.CoreV1Api(api)
+        for namespace in (*NAMESPACES, "pd-system"):
+            core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=namespace)))
+    with log_path.open("w") as log:
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "pd_operator.cli", "run", "-A", "--kubeconfig",
+             str(handle.kubeconfig_path), "--metrics-port", str(metrics_port),
+             "--leader-elect", "--leader-elect-namespace", "pd-system"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
     try:
         with handle.api_client() as api:
-            objects = k8s.CustomObjectsApi(api)
-            template: dict[str, Any] = yaml.safe_load((REPO / "examples/llama-70b.yaml")
-                                                      .read_text())
-            time.sleep(3)  # operator start-up (login, discovery, watches)
-            started = time.monotonic()
-            for i in range(args.count):
-                body = json.loads(json.dumps(template))
-                body["metadata"] = {"name": f"bench-{i:03d}", "namespace": "default"}
-                objects.create_namespaced_custom_object("pd.serving.dev", "v1alpha1",
-                                                        "default", "pddeployments", body)
-            expected = {}
-            pending = {f"bench-{i:03d}" for i in range(args.count)}
-            while pending:
-                if time.monotonic() - started > args.timeout_seconds:
-                    raise SystemExit(f"{len(pending)} PDDeployments not converged")
-                listed: list[dict[str, Any]] = objects.list_namespaced_custom_object(
-                    "pd.serving.dev", "v1alpha1", "default", "pddeployments")["items"]  # type: ignore[index]
-                for item in listed:
-                    if item.get("status", {}).get("observedGeneration") == 1:
-                        name = item["metadata"]["name"]
-                        expected[name] = len(build_children(PDDeployment.model_validate(item),
-                                                            Capabilities(False)))
-                sts = k8s.AppsV1Api(api).list_namespaced_stateful_set("default").items
-                have = {(s.metadata.labels or {}).get("pd.serving.dev/deployment")
-                        for s in sts if s.metadata is not None}
-                pending = {n for n in pending if not (n in expected and n in have)}
-                time.sleep(0.5)
-            converge_s = time.monotonic() - started
-            # The controller-manager keeps creating the StatefulSets' pods after that (and
-            # each new pod is a status change the operator must write): idle starts once the
-            # pod count has not moved for 10 s.
-            settle_s = wait_for_stable_pods(k8s.CoreV1Api(api), quiet_s=10.0, timeout_s=300.0)
+            made = bodies(args.first, args.count)
+            time.sleep(5)  # operator start-up: login, watches, the Lease
+            print(f"phase 1: {args.first} PDDeployments", flush=True)
+            first_s = create_and_wait(api, made[:args.first], args.timeout_seconds)
+            print(f"phase 2: {args.count} more", flush=True)
+            pids = {"operator": operator.pid, **{p.name: p.pid for p in handle.processes}}
+            cpu_before, requests_before = cpu_seconds(pids), apiserver_requests(handle)
+            second_s = create_and_wait(api, made[args.first:], args.timeout_seconds)
+            cpu_after, requests_after = cpu_seconds(pids), apiserver_requests(handle)
+            settle_started = time.monotonic()
+            pods = wait_for_stable_pods(k8s.CoreV1Api(api), quiet_s=15.0, timeout_s=900.0)
+            settle_s = time.monotonic() - settle_started
             op_before, api_before = operator_writes(metrics_port), apiserver_writes(handle)
             time.sleep(args.idle_seconds)
             op_after, api_after = operator_writes(metrics_port), apiserver_writes(handle)
+            peak, current = rss_mib(operator.pid)
+            names = [(b["metadata"]["namespace"], b["metadata"]["name"]) for b in made]
+            latencies = sorted(edit_latencies(api, names, args.edits))
+            problems = children_exact(api, made)
+        idle = {key: value - op_before.get(key, 0.0) for key, value in sorted(op_after.items())
+                if value != op_before.get(key, 0.0)}
         result = {
-            "pddeployments": args.count,
-            "converge_seconds": round(converge_s, 2),
-            "pods_settled_after_seconds": round(settle_s, 2),
+            "first_pddeployments": args.first,
+            "first_converge_seconds": round(first_s, 1),
+            "more_pddeployments": args.count,
+            "more_converge_seconds": round(second_s, 1),
+            "more_cpu_seconds_per_pddeployment": per_item(cpu_after, cpu_before, args.count),
+            "more_requests_per_pddeployment_all_clients": per_item(
+                requests_after, requests_before, args.count),
+            "pods_at_rest": pods,
+            "pods_settled_after_seconds": round(settle_s, 1),
             "idle_seconds": args.idle_seconds,
-            "idle_operator_writes": sum(op_after.values()) - sum(op_before.values()),
-            "idle_operator_writes_by_kind": {
-                key: value - op_before.get(key, 0.0) for key, value in sorted(op_after.items())
-                if value != op_before.get(key, 0.0)},
+            "idle_operator_writes": sum(v for k, v in idle.items() if not k.endswith(" Lease")),
+            "idle_operator_lease_writes": sum(v for k, v in idle.items() if k.endswith(" Lease")),
+            "idle_operator_writes_by_kind": idle,
             "idle_apiserver_writes_all_clients": api_after - api_before,
-            "operator_peak_rss_mib": round(peak_rss_mib(operator.pid), 1),
+            "operator_peak_rss_mib": round(peak, 1),
+            "operator_rss_mib_at_rest": round(current, 1),
+            "edits": len(latencies),
+            "edit_seconds_p50": round(statistics.median(latencies), 3),
+            "edit_seconds_p99": round(latencies[min(len(latencies) - 1,
+                                                    int(0.99 * len(latencies)))], 3),
+            "edit_seconds_max": round(latencies[-1], 3),
+            "children_problems": problems[:10],
             "cpus": os.cpu_count(),
             "kube_apiserver": "v1.20.2 (local dev cluster)",
         }
@@ -167,9 +331,9 @@ def main() -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"saved {out}")
-        return 0
+        return 0 if not problems else 1
     finally:
-        operator.send_signal(signal.SIGINT)
+        operator.send_signal(signal.SIGTERM)
         try:
             operator.wait(timeout=20)
         except subprocess.TimeoutExpired:

@@ -48,6 +48,7 @@ __all__ = [
     "ControlPlaneHandle",
     "apply_crds",
     "load_handle",
+    "restart_apiserver",
     "service_account_kubeconfig",
     "start_control_plane",
     "stop_control_plane",
@@ -229,6 +230,28 @@ def _start(handle: ControlPlaneHandle, toolchain: Toolchain, pki: Pki, *, crds_d
                           "default", "default")))
     say(f"control plane ready after {time.monotonic() - started:.1f} s")
     return handle
+
+
+def restart_apiserver(handle: ControlPlaneHandle, *, down_s: float = 0.0,
+                      while_down: Callable[[], None] | None = None,
+                      ready_timeout_s: float = 60.0) -> ControlPlaneHandle:
+    """Stop the kube-apiserver (SIGTERM, as a node's kubelet restarts it), keep it down for
+    `down_s` (and run `while_down`, e.g. to change etcd behind every watch's back), start it
+    again with the same command line and wait until it is ready. etcd and the
+    controller-manager keep running; the new handle records the new process."""
+    old = next(r for r in handle.processes if r.name == "kube-apiserver")
+    stop_process(old)
+    if while_down is not None:
+        while_down()
+    time.sleep(down_s)
+    record = spawn_daemon(old.name, list(old.argv), Path(old.log_path))
+    updated = replace(handle, processes=tuple(record if r is old else r
+                                              for r in handle.processes))
+    save_handle(updated)
+    context = ssl.create_default_context(cafile=str(handle.ca_path))
+    _wait_for(record, ready_timeout_s,
+              lambda: _http_ok(f"{handle.server_url}/readyz", handle.token, context))
+    return updated
 
 
 def _check_ports_free(ports: Ports) -> None:

@@ -50,13 +50,15 @@ class OperatorProcess:
 
     @classmethod
     def start(cls, control_plane: ControlPlaneHandle, namespace: str, name: str,
-              log_dir: Path, *, extra_args: Sequence[str] = ()) -> OperatorProcess:
+              log_dir: Path, *, kubeconfig: Path | None = None,
+              extra_args: Sequence[str] = ()) -> OperatorProcess:
+        """`kubeconfig`: whose credentials it runs with (default: the admin's)."""
         port = _free_port()
         log_path = log_dir / f"operator-{name}.log"
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "pd_operator.cli", "run", "--namespace", namespace,
-                 "--kubeconfig", str(control_plane.kubeconfig_path),
+                 "--kubeconfig", str(kubeconfig or control_plane.kubeconfig_path),
                  "--metrics-port", str(port), "--leader-elect",
                  "--leader-elect-namespace", namespace, "--leader-elect-name", LEASE,
                  *extra_args],
@@ -95,6 +97,10 @@ class OperatorProcess:
     def leads(self) -> bool:
         key = (f"pd_operator_leader_election_master_status{{name={self.namespace}/{LEASE}}}")
         return self.metrics().get(key) == 1.0
+
+    def counter(self, prefix: str) -> float:
+        """The sum of every sample whose `name{labels}` starts with `prefix`."""
+        return sum(v for k, v in self.metrics().items() if k.startswith(prefix))
 
     def writes(self) -> float:
         """Writes it sent to the API server, every kind but its Lease (counted apart)."""

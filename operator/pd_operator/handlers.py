@@ -26,10 +26,12 @@ from pd_operator import settings
 from pd_operator.api import GROUP, VERSION, PDDeployment, TransferAgent
 from pd_operator.api.role_scale import PDRole
 from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER
+from pd_operator.cache import ObjectCache
 from pd_operator.kube import bearer_token, load_configuration
 from pd_operator.reconcile import ReconcileLoop
 
 __all__ = [
+    "feed_cache",
     "login",
     "on_child_event",
     "on_pddeployment_event",
@@ -63,10 +65,27 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 @kopf.on.startup()
 async def start(memo: kopf.Memo, **_: Any) -> None:
     config = settings.current()
+    cache = ObjectCache()
     loop = ReconcileLoop.connect(config.kubeconfig, config.tuning,
-                                 agent_image=config.agent_image, lease=config.lease)
+                                 agent_image=config.agent_image, lease=config.lease,
+                                 cache=cache)
     loop.start()
+    memo["object_cache"] = cache
     memo["reconcile_loop"] = loop
+
+
+async def feed_cache(memo: kopf.Memo, body: kopf.Body, **_: Any) -> None:
+    """kopf indexer of every watched kind but PDDeployments: the object into the cache.
+    Returns nothing, so kopf's own index stays empty."""
+    cache = memo.get("object_cache")
+    if isinstance(cache, ObjectCache):
+        cache.upsert(body)
+
+
+def _forget_deleted(memo: kopf.Memo, type: str | None, body: kopf.Body) -> None:
+    cache = memo.get("object_cache")
+    if type == "DELETED" and isinstance(cache, ObjectCache):
+        cache.delete(body)
 
 
 @kopf.on.cleanup()
@@ -100,9 +119,11 @@ def _spec_reflected(body: kopf.Body) -> bool:
 
 @kopf.on.event(GROUP, VERSION, TransferAgent.plural, labels={LABEL_DEPLOYMENT: kopf.PRESENT})
 async def on_transferagent_event(
-    memo: kopf.Memo, namespace: str | None, labels: kopf.Labels, **_: Any
+    memo: kopf.Memo, namespace: str | None, labels: kopf.Labels, type: str | None,
+    body: kopf.Body, **_: Any
 ) -> None:
     """A pod's agent reported: refresh its PDDeployment's status, coalesced."""
+    _forget_deleted(memo, type, body)
     loop = _loop(memo)
     name = labels.get(LABEL_DEPLOYMENT)
     if loop is not None and namespace and name:
@@ -116,20 +137,25 @@ async def on_pdrole_event(
 ) -> None:
     """A role's scale target: a new count (`kubectl scale`, an HPA) or a deletion reconciles
     its PDDeployment at once; the operator's own status writes change nothing."""
+    _forget_deleted(memo, type, body)
     if type == "DELETED" or not _spec_reflected(body):
         _enqueue(memo, namespace, labels.get(LABEL_DEPLOYMENT))
 
 
 async def on_child_event(
-    memo: kopf.Memo, namespace: str | None, labels: kopf.Labels, **_: Any
+    memo: kopf.Memo, namespace: str | None, labels: kopf.Labels, type: str | None,
+    body: kopf.Body, **_: Any
 ) -> None:
+    _forget_deleted(memo, type, body)
     _enqueue(memo, namespace, labels.get(LABEL_DEPLOYMENT))
 
 
 async def on_pod_event(
-    memo: kopf.Memo, namespace: str | None, labels: kopf.Labels, **_: Any
+    memo: kopf.Memo, namespace: str | None, labels: kopf.Labels, type: str | None,
+    body: kopf.Body, **_: Any
 ) -> None:
     """Pods feed only the status (replica counts, readiness): coalesced like reports."""
+    _forget_deleted(memo, type, body)
     loop = _loop(memo)
     name = labels.get(LABEL_DEPLOYMENT)
     if loop is not None and namespace and name:
@@ -141,6 +167,9 @@ for _group, _version, _plural in settings.CHILD_RESOURCES:
         _group, _version, _plural, labels={**_MANAGED, LABEL_DEPLOYMENT: kopf.PRESENT},
         id=f"child-{_plural}",
     )(on_pod_event if _plural == "pods" else on_child_event)
+for _group, _version, _plural in (*settings.CHILD_RESOURCES, settings.TRANSFER_AGENT_RESOURCE,
+                                  (GROUP, VERSION, PDRole.plural)):
+    kopf.index(_group, _version, _plural, id=f"cache_{_plural}")(feed_cache)
 
 
 # Handlers are async on purpose: kopf runs sync handlers in threads, and the work queue

@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final
+from typing import Any, Final, Protocol
 from urllib.parse import quote
 
 import urllib3
@@ -54,6 +54,7 @@ __all__ = [
     "TRANSFERAGENTS",
     "KindRef",
     "KubeClient",
+    "WriteObserver",
     "bearer_token",
     "load_api_client",
     "load_configuration",
@@ -217,19 +218,46 @@ def _server_message(exc: ApiException) -> str:
     return str(exc.reason or "no message")
 
 
+class WriteObserver(Protocol):
+    """Told around every write of an object (`cache.ObjectCache`): `response` is what the
+    API server returned, None when the write failed or found nothing."""
+
+    def before_write(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
+
+    def after_write(self, api_version: str, kind: str, namespace: str, name: str,
+                    response: Mapping[str, Any] | None) -> None: ...
+
+
 class KubeClient:
     """Typed entry points for every request the operator makes; objects are dicts.
 
     `write_guard`, when given, runs before every write and may refuse it by raising (the
-    leader election's fence: a replica that does not lead sends no write). `timeout` is the
-    (connect, read) limit of each request."""
+    leader election's fence: a replica that does not lead sends no write). `observer` is
+    told around each write of an object. `timeout` is the (connect, read) limit of each
+    request."""
 
     def __init__(self, api: k8s.ApiClient, *,
                  write_guard: Callable[[], None] | None = None,
+                 observer: WriteObserver | None = None,
                  timeout: tuple[float, float] = REQUEST_TIMEOUT_S) -> None:
         self._api = api
         self._write_guard = write_guard
+        self.observer = observer
         self._timeout = timeout
+
+    def _write(self, ref: KindRef, namespace: str, name: str,
+               send: Callable[[], Obj | None]) -> Obj | None:
+        """`send` one write of an object, with the observer told before and after."""
+        observer = self.observer
+        if observer is None:
+            return send()
+        observer.before_write(ref.api_version, ref.kind, namespace, name)
+        response: Obj | None = None
+        try:
+            response = send()
+            return response
+        finally:
+            observer.after_write(ref.api_version, ref.kind, namespace, name, response)
 
     @classmethod
     def from_kubeconfig(cls, kubeconfig: str | None = None) -> KubeClient:
@@ -294,12 +322,16 @@ class KubeClient:
     def get(self, ref: KindRef, namespace: str, name: str) -> Obj | None:
         return self._request("GET", ref.item_path(namespace, name), kind=ref.kind)
 
-    def list_objects(self, ref: KindRef, namespace: str, label_selector: str) -> list[Obj]:
-        """Objects of one kind matching the selector; [] when the kind is not served."""
-        listed = self._request(
-            "GET", ref.collection_path(namespace), kind=ref.kind,
-            query={"labelSelector": label_selector},
-        )
+    def list_objects(self, ref: KindRef, namespace: str, label_selector: str, *,
+                     from_cache: bool = False) -> list[Obj]:
+        """Objects of one kind matching the selector; [] when the kind is not served.
+        `from_cache`: served from the API server's watch cache (resourceVersion 0), which
+        spares etcd a read but may lag a moment behind it."""
+        query = {"labelSelector": label_selector}
+        if from_cache:
+            query["resourceVersion"] = "0"
+        listed = self._request("GET", ref.collection_path(namespace), kind=ref.kind,
+                               query=query)
         items = (listed or {}).get("items") or []
         # List items lack apiVersion/kind; children are keyed by them.
         return [{**item, "apiVersion": ref.api_version, "kind": ref.kind} for item in items]
@@ -330,11 +362,11 @@ class KubeClient:
         """Server-side apply with the operator's field manager, forcing ownership."""
         ref = kind_ref(manifest["apiVersion"], manifest["kind"])
         meta = manifest["metadata"]
-        applied = self._request(
+        applied = self._write(ref, meta["namespace"], meta["name"], lambda: self._request(
             "PATCH", ref.item_path(meta["namespace"], meta["name"]), kind=ref.kind,
             query={"fieldManager": FIELD_MANAGER, "force": "true"},
             body=manifest, content_type="application/apply-patch+yaml",
-        )
+        ))
         if applied is None:  # 404 on apply: the namespace is gone
             raise ConflictError(f"apply of {ref.kind} {meta['namespace']}/{meta['name']}: "
                                 "namespace not found (being deleted?)")
@@ -343,17 +375,18 @@ class KubeClient:
     def create(self, manifest: Mapping[str, Any]) -> Obj | None:
         """POST a new object (None when its namespace is gone); 409 if it exists."""
         ref = kind_ref(manifest["apiVersion"], manifest["kind"])
-        return self._request("POST", ref.collection_path(manifest["metadata"]["namespace"]),
-                             kind=ref.kind, body=dict(manifest),
-                             query={"fieldManager": FIELD_MANAGER})
+        meta = manifest["metadata"]
+        return self._write(ref, meta["namespace"], meta["name"], lambda: self._request(
+            "POST", ref.collection_path(meta["namespace"]), kind=ref.kind, body=dict(manifest),
+            query={"fieldManager": FIELD_MANAGER}))
 
     def merge_patch(self, ref: KindRef, namespace: str, name: str,
                     patch: Mapping[str, Any]) -> Obj | None:
         """A JSON merge patch of one object (None when it is gone). A `resourceVersion` in
         the patch's metadata makes it conditional: 409 if the object changed since."""
-        return self._request("PATCH", ref.item_path(namespace, name), kind=ref.kind,
-                             body=dict(patch), query={"fieldManager": FIELD_MANAGER},
-                             content_type="application/merge-patch+json")
+        return self._write(ref, namespace, name, lambda: self._request(
+            "PATCH", ref.item_path(namespace, name), kind=ref.kind, body=dict(patch),
+            query={"fieldManager": FIELD_MANAGER}, content_type="application/merge-patch+json"))
 
     def replace(self, manifest: Mapping[str, Any], live: Mapping[str, Any]) -> Obj | None:
         """PUT `manifest` over `live`: drops every field others added, unlike an apply.
@@ -370,38 +403,38 @@ class KubeClient:
             for key in ("clusterIP", "clusterIPs"):
                 if key in live.get("spec", {}):
                     body["spec"][key] = live["spec"][key]
-        return self._request(
+        return self._write(ref, meta["namespace"], meta["name"], lambda: self._request(
             "PUT", ref.item_path(meta["namespace"], meta["name"]), kind=ref.kind, body=body,
             query={"fieldManager": FIELD_MANAGER},
-        )
+        ))
 
     def delete(self, obj: Mapping[str, Any]) -> None:
         """Delete an object if it still has the same uid (a recreated namesake is spared)."""
         ref = kind_ref(obj["apiVersion"], obj["kind"])
         meta = obj["metadata"]
-        self._request(
+        self._write(ref, meta["namespace"], meta["name"], lambda: self._request(
             "DELETE", ref.item_path(meta["namespace"], meta["name"]), kind=ref.kind,
             body={"apiVersion": "v1", "kind": "DeleteOptions",
                   "preconditions": {"uid": meta["uid"]}, "propagationPolicy": "Background"},
-        )
+        ))
 
     def replace_status(self, obj: Mapping[str, Any], status: Mapping[str, Any]) -> Obj | None:
         """PUT the status subresource; the object's resourceVersion makes a stale write 409."""
         ref = kind_ref(obj["apiVersion"], obj["kind"])
         meta = obj["metadata"]
         body = {**obj, "status": status}
-        return self._request(
+        return self._write(ref, meta["namespace"], meta["name"], lambda: self._request(
             "PUT", f"{ref.item_path(meta['namespace'], meta['name'])}/status", kind=ref.kind,
             body=body,
-        )
+        ))
 
     def patch_pod_condition(self, namespace: str, pod: str, condition: Mapping[str, Any]) -> None:
         """Set one condition of a pod's status (e.g. a readiness gate), by strategic merge."""
-        self._request(
+        self._write(PODS, namespace, pod, lambda: self._request(
             "PATCH", f"{PODS.item_path(namespace, pod)}/status", kind=PODS.kind,
             body={"status": {"conditions": [dict(condition)]}},
             content_type="application/strategic-merge-patch+json",
-        )
+        ))
 
     def create_event(
         self,

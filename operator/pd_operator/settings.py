@@ -8,8 +8,9 @@ Values that come from the command line (`pd-operator run`) or a test are kept in
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -22,6 +23,7 @@ from pd_operator.workqueue import QueueTuning
 __all__ = [
     "CHILD_RESOURCES",
     "TRANSFER_AGENT_RESOURCE",
+    "NoDiffBase",
     "OperatorConfig",
     "configure",
     "configure_kopf",
@@ -39,6 +41,8 @@ CHILD_RESOURCES: tuple[tuple[str, str, str], ...] = (
     ("", "v1", "services"),
     ("apps", "v1", "statefulsets"),
     ("apps", "v1", "deployments"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+    ("policy", "v1", "poddisruptionbudgets"),
     ("", "v1", "pods"),
 )
 
@@ -72,6 +76,23 @@ def current() -> OperatorConfig:
     return _config
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf's change detection, turned off. For every watch event kopf deep-copies the
+    object to diff it against the state its on.create/on.update handlers last handled; the
+    operator registers none (only on.event handlers and indexers), so that copy, an eighth
+    of the operator's CPU while a thousand PDDeployments are created, served nothing."""
+
+    def build(self, *, body: kopf.Body,
+              extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+        return cast(kopf.BodyEssence, {})
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
 @kopf.on.startup()
 def configure_kopf(settings: kopf.OperatorSettings, **_: Any) -> None:
     """Tune kopf for a level-based operator that writes nothing in steady state."""
@@ -97,6 +118,7 @@ def configure_kopf(settings: kopf.OperatorSettings, **_: Any) -> None:
     # No dynamic scanning of CRDs and namespaces: the operator serves the namespaces it is
     # told to, and needs no list/watch permission on namespaces or CRDs.
     settings.scanning.disabled = True
+    settings.persistence.diffbase_storage = NoDiffBase()
     # Batching of events per object is done by our work queue (coalescing per PDDeployment);
     # kopf's per-object workers only enqueue, so let them idle out quickly.
     settings.queueing.idle_timeout = 1.0

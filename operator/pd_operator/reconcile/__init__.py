@@ -2,7 +2,9 @@
 
 `diff` (does a live child still hold its manifest), `gates` (the pods' transfer-ready
 conditions), `events` (which changes become Events, and which are bad news),
-`transfer_key` (the transfer key Secret's keys: kept, rotated or made), `reconciler`
+`transfer_key` (the transfer key Secret's keys: kept, rotated or made), `children` (apply
+what differs, delete what is no longer desired; a refused kind never stops the others),
+`reconciler`
 (one level-based reconcile: parse, build, apply, observe once, status, rollout, gates,
 Events) and `loop` (the reconciler behind the work queue). Read them in that order.
 """

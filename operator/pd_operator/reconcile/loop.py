@@ -13,11 +13,21 @@ reconcile still in flight is refused at its next write by the elector's fence.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from dataclasses import replace
 
 from pd_operator.build import DEFAULT_AGENT_IMAGE, Capabilities
-from pd_operator.kube import KubeClient, load_api_client
+from pd_operator.build.names import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER
+from pd_operator.cache import (
+    AUDIT_CONFIRM_S,
+    AUDIT_INTERVAL_S,
+    EXPECTATION_TIMEOUT_S,
+    ObjectCache,
+)
+from pd_operator.errors import OperatorError, TransientAPIError
+from pd_operator.kube import PDROLES, PODS, TRANSFERAGENTS, KindRef, KubeClient, load_api_client
 from pd_operator.leader import LeaderElector, LeaseConfig
 from pd_operator.metrics import STATUS_WRITES_COALESCED, TRANSFER_REPORTS
 from pd_operator.reconcile.reconciler import Reconciler
@@ -31,33 +41,39 @@ log = logging.getLogger(__name__)
 Key = tuple[str, str]
 # The elector's own requests must end well within its renewal deadline.
 _LEASE_TIMEOUT_S = (2.0, 4.0)
+# How soon a reconcile waiting for the watches to show its own last write looks again.
+_SETTLE_POLL_S = 0.05
 
 
 class ReconcileLoop:
     """A Reconciler behind a coalescing work queue, on the operator's asyncio loop."""
 
     def __init__(self, reconciler: Reconciler, tuning: QueueTuning | None = None, *,
-                 elector: LeaderElector | None = None) -> None:
+                 elector: LeaderElector | None = None,
+                 cache: ObjectCache | None = None) -> None:
         self.reconciler = reconciler
         self.queue: WorkQueue[Key] = WorkQueue(self._work, tuning)
         self.elector = elector
+        self.cache = cache
         self._known: set[Key] = set()
+        self._audit_now = asyncio.Event()
+        self._audit_task: asyncio.Task[None] | None = None
+        self._outage = False
 
     @classmethod
     def connect(cls, kubeconfig: str | None, tuning: QueueTuning | None = None, *,
-                agent_image: str = DEFAULT_AGENT_IMAGE,
-                lease: LeaseConfig | None = None) -> ReconcileLoop:
+                agent_image: str = DEFAULT_AGENT_IMAGE, lease: LeaseConfig | None = None,
+                cache: ObjectCache | None = None) -> ReconcileLoop:
         """Connect to the API server and discover its optional APIs once (cached for life).
         With `lease`, writes pass the leader election's fence and the workers run only
-        while this replica holds the Lease."""
-        if lease is None:
-            kube = KubeClient.from_kubeconfig(kubeconfig)
-            return cls(Reconciler(kube, cls._capabilities(kube, agent_image)), tuning)
-        elector = LeaderElector(
+        while this replica holds the Lease. With `cache` (fed by the watches), reconciles
+        read from it and every write is reported to it."""
+        elector = None if lease is None else LeaderElector(
             KubeClient(load_api_client(kubeconfig), timeout=_LEASE_TIMEOUT_S), lease)
-        kube = KubeClient(load_api_client(kubeconfig), write_guard=elector.guard)
+        kube = KubeClient(load_api_client(kubeconfig), observer=cache,
+                          write_guard=None if elector is None else elector.guard)
         return cls(Reconciler(kube, cls._capabilities(kube, agent_image)), tuning,
-                   elector=elector)
+                   elector=elector, cache=cache)
 
     @staticmethod
     def _capabilities(kube: KubeClient, agent_image: str) -> Capabilities:
@@ -66,7 +82,25 @@ class ReconcileLoop:
         return capabilities
 
     async def _work(self, key: Key, failures: int) -> bool | RecheckAfter:
-        keep = await asyncio.to_thread(self.reconciler.reconcile, key[0], key[1], failures)
+        watched = None
+        if self.cache is not None:
+            settled = self.cache.settled(*key)
+            if settled is False:  # our last write is not in the cache yet: very soon
+                return RecheckAfter(_SETTLE_POLL_S)
+            if settled is True:
+                watched = self.cache.watched(*key)
+            else:
+                log.warning("%s/%s: the watches have not shown the operator's own writes "
+                            "for %.0f s; reading from the API", *key, EXPECTATION_TIMEOUT_S)
+        try:
+            keep = await asyncio.to_thread(self.reconciler.reconcile, key[0], key[1], failures,
+                                           watched)
+        except TransientAPIError:
+            self._outage = True  # watch events may have been lost meanwhile
+            raise
+        if self._outage:
+            self._outage = False
+            self._audit_now.set()
         if keep is False:
             self._known.discard(key)
         return keep
@@ -87,12 +121,18 @@ class ReconcileLoop:
             STATUS_WRITES_COALESCED.inc()
 
     def start(self) -> None:
+        if self.cache is not None:
+            self._audit_task = asyncio.create_task(self._audit_forever(),
+                                                   name="pd-operator-cache-audit")
         if self.elector is None:
             self.queue.start()
         else:
             self.elector.start(on_started=self._lead, on_stopped=self._follow)
 
     async def stop(self) -> None:
+        if self._audit_task is not None:
+            self._audit_task.cancel()
+            await asyncio.gather(self._audit_task, return_exceptions=True)
         if self.elector is not None:
             await self.elector.stop()  # stops the workers first, then releases the Lease
             self.elector.kube.close()
@@ -109,7 +149,51 @@ class ReconcileLoop:
         for key in sorted(self._known):
             self.queue.add(key)
         self.queue.start()
+        self._audit_now.set()  # the last term may have missed deletions
         log.info("leading: reconciling %d PDDeployments", len(self._known))
 
     async def _follow(self) -> None:
         await self.queue.stop()
+
+    # -- the cache audit -------------------------------------------------------------------
+
+    async def _audit_forever(self) -> None:
+        """Audit the cache when asked (a new term, an outage over) and every
+        `AUDIT_INTERVAL_S`; queue the PDDeployments that lost an object."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._audit_now.wait(), AUDIT_INTERVAL_S)
+            self._audit_now.clear()
+            if self.elector is not None and not self.elector.is_leading():
+                continue  # a standby's cache is audited when its term begins
+            try:
+                lost, pending = await asyncio.to_thread(self._audit)
+            except OperatorError as exc:
+                log.warning("cache audit failed, retried in %.0f s: %s", AUDIT_INTERVAL_S, exc)
+                continue
+            if pending:  # confirm with a second list
+                asyncio.get_running_loop().call_later(AUDIT_CONFIRM_S, self._audit_now.set)
+            for key in sorted(lost):
+                log.warning("%s/%s: an object of it was deleted while the watches were down; "
+                            "reconciling", *key)
+                self.queue.add(key)
+
+    def _audit(self) -> tuple[set[Key], bool]:
+        cache = self.cache
+        assert cache is not None
+        managed = f"{LABEL_MANAGED_BY}={MANAGER}"
+        kinds: list[tuple[KindRef, str]] = [
+            *((ref, managed) for ref in (*self.reconciler.kinds, PODS)),
+            (TRANSFERAGENTS, LABEL_DEPLOYMENT), (PDROLES, LABEL_DEPLOYMENT)]
+        lost: set[Key] = set()
+        pending = False
+        kube = self.reconciler.kube
+        for namespace in sorted(cache.namespaces()):
+            for ref, selector in kinds:
+                listed_at = time.monotonic()
+                listed = kube.list_objects(ref, namespace, selector, from_cache=True)
+                gone, suspects = cache.audit({(ref.api_version, ref.kind)}, namespace, listed,
+                                             listed_at)
+                lost |= gone
+                pending = pending or suspects
+        return lost, pending

@@ -73,9 +73,9 @@ from pd_operator.build.names import (
     selector_string,
 )
 from pd_operator.build.pod import reports_transfer_health
+from pd_operator.cache import Watched
 from pd_operator.errors import (
     ConflictError,
-    InvalidObjectError,
     OperatorError,
     PermanentError,
     RetryableError,
@@ -87,7 +87,8 @@ from pd_operator.metrics import (
     RECONCILES,
     STATUS_WRITES,
 )
-from pd_operator.reconcile.diff import needs_apply, owned_by
+from pd_operator.reconcile.children import apply_children, delete_unwanted
+from pd_operator.reconcile.diff import owned_by
 from pd_operator.reconcile.engine_rollout import EngineRollouts
 from pd_operator.reconcile.events import EventSpec, gate_events, transition_events
 from pd_operator.reconcile.gates import GateChange, transfer_gate_changes
@@ -175,17 +176,23 @@ class Reconciler:
         self.rollouts = RolloutExecutor(kube)
         self.role_scales = RoleScales(kube)
         self.engine_rollouts = EngineRollouts(kube)
-        self._kinds = tuple(
+        # Every child kind the server serves.
+        self.kinds = tuple(
             k for k in CHILD_KINDS if k != PDB or capabilities.pod_disruption_budgets
         )
         self._managed: dict[tuple[str, str], Counter[str]] = {}
+        self._managed_totals: Counter[str] = Counter()
+        for ref in CHILD_KINDS:  # export zeros from the start
+            MANAGED_OBJECTS.labels(kind=ref.kind).set(0)
         self._last_valid: dict[tuple[str, str], _ValidGeneration] = {}
 
     # -- entry point ---------------------------------------------------------------------
 
-    def reconcile(self, namespace: str, name: str, failures: int = 0) -> bool | RecheckAfter:
+    def reconcile(self, namespace: str, name: str, failures: int = 0,
+                  watched: Watched | None = None) -> bool | RecheckAfter:
         """Bring one PDDeployment's children and status to the desired level.
 
+        `watched`: its objects from the operator's cache; None lists them from the API.
         Returns False when the PDDeployment is gone (the caller stops resyncing it), and
         `RecheckAfter` when the status will change with time alone (a report turning stale).
         Raises `OperatorError` subclasses for the work queue to retry.
@@ -193,7 +200,7 @@ class Reconciler:
         started = time.monotonic()
         result = "error"
         try:
-            keep, result = self._reconcile(namespace, name, failures)
+            keep, result = self._reconcile(namespace, name, failures, watched)
             return keep
         except ConflictError:
             result = "conflict"
@@ -203,7 +210,7 @@ class Reconciler:
             RECONCILE_DURATION.observe(time.monotonic() - started)
 
     def _reconcile(
-        self, namespace: str, name: str, failures: int
+        self, namespace: str, name: str, failures: int, watched: Watched | None
     ) -> tuple[bool | RecheckAfter, str]:
         body = self.kube.get(PDDEPLOYMENTS, namespace, name)
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
@@ -214,15 +221,14 @@ class Reconciler:
             return False, "success"
         parsed = self._parse(body)
         if parsed.pdd is None:
-            return self._reconcile_invalid(parsed, namespace, name), "invalid"
+            return self._reconcile_invalid(parsed, namespace, name, watched), "invalid"
         pdd = parsed.pdd
-        scale_targets = self.role_scales.sync_counts(pdd)
+        scale_targets = self.role_scales.sync_counts(
+            pdd, None if watched is None else watched.roles)
         if scale_targets is None:
             return True, "success"  # the PDDeployment's count changed: its event follows
         desired = build_children(pdd, self.capabilities)
-        selector = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_DEPLOYMENT}={name}"
-        live = {child_key(obj): obj for obj in self.kube.list_children(namespace, selector,
-                                                                        self._kinds)}
+        live = {child_key(obj): obj for obj in self._children(namespace, name, watched)}
         spec_revisions = self.engine_rollouts.prepare(pdd, parsed.previous.rollout, desired,
                                                       live)
         roles = {r: _role(pdd, desired, r) for r in (Role.PREFILL, Role.DECODE)}
@@ -230,7 +236,7 @@ class Reconciler:
             pdd, {r: o.revision for r, o in roles.items()})
         # First: the pods about to be created mount it.
         desired.insert(0, desired_transfer_key_secret(self.kube, pdd, live))
-        pods, fleet = self._observe_fleet(namespace, name, valid)
+        pods, fleet = self._observe_fleet(namespace, name, valid, watched)
         revisions = self.engine_rollouts.plan(pdd, parsed.previous.rollout, desired, live,
                                               fleet=fleet, spec_revisions=spec_revisions)
         created: list[str] = []
@@ -288,8 +294,8 @@ class Reconciler:
         )
         return _Parsed(body, previous, pdd, None)
 
-    def _reconcile_invalid(self, parsed: _Parsed, namespace: str,
-                           name: str) -> bool | RecheckAfter:
+    def _reconcile_invalid(self, parsed: _Parsed, namespace: str, name: str,
+                           watched: Watched | None) -> bool | RecheckAfter:
         """SpecValid=False, and the last valid generation's pods' gates (module docstring,
         step 1). A gate left as it stood would keep a pod that recovered out of its router,
         or a failing one in, until the spec is fixed (docs/failure-modes.md #36)."""
@@ -300,55 +306,41 @@ class Reconciler:
         if last is None:
             self._write_status(parsed, status)
             return True
-        _, fleet = self._observe_fleet(namespace, name, last)
+        _, fleet = self._observe_fleet(namespace, name, last, watched)
         self._write_status(parsed, status, transfer_gate_changes(fleet))
         return self._recheck(last.pdd, fleet, None)
 
+    def _children(self, namespace: str, name: str, watched: Watched | None) -> list[Obj]:
+        """Our children of every kind the server serves: cached, or listed by label."""
+        if watched is None:
+            selector = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_DEPLOYMENT}={name}"
+            return self.kube.list_children(namespace, selector, self.kinds)
+        kinds = {(k.api_version, k.kind) for k in self.kinds}
+        return [obj for obj in watched.children if (obj["apiVersion"], obj["kind"]) in kinds
+                and (obj["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGER]
+
     def _observe_fleet(
-        self, namespace: str, name: str, valid: _ValidGeneration
+        self, namespace: str, name: str, valid: _ValidGeneration, watched: Watched | None
     ) -> tuple[list[Obj], FleetObservation]:
         """The pods of both roles and the one observation of them and their TransferAgents
         (judged by ``valid``'s spec and revisions) that every later step reads."""
-        pods = self.kube.list_objects(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}")
-        agents = self.kube.list_objects(TRANSFERAGENTS, namespace, f"{LABEL_DEPLOYMENT}={name}")
+        if watched is None:
+            pods = self.kube.list_objects(PODS, namespace, f"{LABEL_DEPLOYMENT}={name}")
+            agents = self.kube.list_objects(TRANSFERAGENTS, namespace,
+                                            f"{LABEL_DEPLOYMENT}={name}")
+        else:
+            pods, agents = list(watched.pods), list(watched.agents)
         fleet = observe_fleet(pods, agents, self.clock(),
                               health=valid.pdd.spec.transfer.health, revisions=valid.revisions)
         return pods, fleet
 
     def _apply(self, desired: Sequence[Obj], live: Mapping[Any, Obj], created: list[str]) -> None:
-        for manifest in desired:
-            current = live.get(child_key(manifest))
-            why = needs_apply(manifest, current)
-            if why is None:
-                continue
-            meta = manifest["metadata"]
-            log.info("%s/%s: applying %s %s (%s)", meta["namespace"], meta["name"],
-                     manifest["kind"], meta["name"], why)
-            try:
-                self.kube.apply(manifest)
-            except InvalidObjectError:
-                if current is None or not why.startswith("edited"):
-                    raise
-                # An apply cannot remove list entries another manager added under a new key
-                # (e.g. a Service port renumbered by hand), and then collides with them.
-                log.info("%s/%s: apply refused over a hand edit; replacing %s %s",
-                         meta["namespace"], meta["name"], manifest["kind"], meta["name"])
-                self.kube.replace(manifest, current)
-            if current is None:
-                created.append(f"{manifest['kind']}/{meta['name']}")
-            if self.after_apply is not None:
-                self.after_apply(manifest)
+        apply_children(self.kube, desired, live, created, self.after_apply)
 
     def _delete_unwanted(
         self, pdd: PDDeployment, desired: Sequence[Obj], live: Mapping[Any, Obj]
     ) -> None:
-        wanted = {child_key(m) for m in desired}
-        for key, obj in live.items():
-            if key in wanted or not owned_by(obj, pdd.metadata.uid):
-                continue
-            log.info("%s/%s: deleting %s %s (no longer desired)", key[2], pdd.metadata.name,
-                     key[1], key[3])
-            self.kube.delete(obj)
+        delete_unwanted(self.kube, pdd, desired, live)
 
     def _observe(
         self,
@@ -445,15 +437,16 @@ class Reconciler:
                 log.warning("could not record event %s: %s", reason, exc)
 
     def _set_managed(self, key: tuple[str, str], kinds: Counter[str]) -> None:
+        """Keep `pd_operator_managed_objects` as running totals (a sum over every
+        PDDeployment per reconcile would cost O(PDDeployments) each time)."""
+        old = self._managed.pop(key, Counter())
         if kinds:
             self._managed[key] = kinds
-        else:
-            self._managed.pop(key, None)
-        totals: Counter[str] = Counter()
-        for counts in self._managed.values():
-            totals.update(counts)
-        for kind in {*totals, *(k.kind for k in CHILD_KINDS)}:
-            MANAGED_OBJECTS.labels(kind=kind).set(totals.get(kind, 0))
+        if kinds == old:
+            return
+        for kind in {*old, *kinds}:
+            self._managed_totals[kind] += kinds.get(kind, 0) - old.get(kind, 0)
+            MANAGED_OBJECTS.labels(kind=kind).set(self._managed_totals[kind])
 
 
 def _role(pdd: PDDeployment, desired: Sequence[Obj], role: Role) -> RoleObservation:

@@ -17,7 +17,7 @@ edit made meanwhile is never overwritten unseen (409: the work queue retries).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,14 +73,17 @@ class RoleScales:
         # What the last sync did per PDRole (namespace, name), for its status message.
         self._messages: dict[tuple[str, str], str] = {}
 
-    def sync_counts(self, pdd: PDDeployment) -> dict[Role, Obj] | None:
+    def sync_counts(self, pdd: PDDeployment,
+                    cached: Sequence[Obj] | None = None) -> dict[Role, Obj] | None:
         """Create missing PDRoles and carry edited counts over. None when the PDDeployment's
         spec was patched (this reconcile should end: its event follows); else the PDRoles
-        as they now stand (for `write_status`; one just created is left out)."""
+        as they now stand (for `write_status`; one just created is left out). `cached`:
+        the PDRoles labelled with the PDDeployment from the operator's cache, else listed."""
         meta = pdd.metadata
         targets: dict[Role, Obj] = {}
-        listed = {obj["metadata"]["name"]: obj for obj in self.kube.list_objects(
-            PDROLES, meta.namespace, f"{LABEL_DEPLOYMENT}={meta.name}")}
+        found = cached if cached is not None else self.kube.list_objects(
+            PDROLES, meta.namespace, f"{LABEL_DEPLOYMENT}={meta.name}")
+        listed = {obj["metadata"]["name"]: obj for obj in found}
         for role in (Role.PREFILL, Role.DECODE):
             count = role_spec(pdd, role).replicas
             target = self._target(pdd, role, listed.get(role_workload(meta.name, role)))

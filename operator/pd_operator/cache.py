@@ -20,9 +20,11 @@ into this cache and the reconcile reads a `Watched` snapshot of one PDDeployment
   waits for it, and past `EXPECTATION_TIMEOUT_S` reads from the API instead.
 - **Audited.** A watch that expired (410 Gone) is listed again by kopf, but an object
   deleted while it was down never gets a DELETED event: `audit()` drops what two fresh
-  lists `AUDIT_CONFIRM_S` apart both lack (one list may lag the watches by a moment, and an
-  object with an event since the first list is alive). The loop audits at each term of
-  leadership, after an API outage, and every `AUDIT_INTERVAL_S`.
+  lists `AUDIT_CONFIRM_S` apart both lack. Only objects last seen before a list was asked
+  for are judged by it (one created meanwhile is simply not in it yet), and an object with
+  an event since the first list is alive. The loop audits at each term of leadership,
+  after an API outage, and every `AUDIT_INTERVAL_S`; a second list confirms only the kinds
+  and namespaces that have suspects.
 - **Compact.** Objects are kept as JSON text without `managedFields` (a pod's managed fields
   are half its size), decoded per reconcile into fresh dicts the reconcile may not share.
 All methods are thread-safe: events arrive on the event loop, reconciles read in threads.
@@ -101,6 +103,7 @@ class ObjectCache:
         self._lock = threading.Lock()
         self._entries: dict[Ref, _Entry] = {}
         self._owned: dict[Owner, set[Ref]] = {}
+        self._scoped: dict[tuple[str, str, str], set[Ref]] = {}  # (apiVersion, kind, ns)
         self._before: dict[tuple[int, Ref], str | None] = {}  # in-flight writes (thread, ref)
         # owner -> ref -> (resourceVersion before the write, when it was recorded)
         self._expected: dict[Owner, dict[Ref, tuple[str | None, float]]] = {}
@@ -123,6 +126,7 @@ class ObjectCache:
                 self._owned.get(old.owner, set()).discard(ref)
             self._entries[ref] = _Entry(owner, _rv(obj), text, self._clock())
             self._owned.setdefault(owner, set()).add(ref)
+            self._scoped.setdefault(ref[:3], set()).add(ref)
 
     def delete(self, obj: Mapping[str, Any]) -> None:
         """An object a watch reported deleted."""
@@ -140,6 +144,11 @@ class ObjectCache:
             owned.discard(ref)
             if not owned:
                 del self._owned[entry.owner]
+        scoped = self._scoped.get(ref[:3])
+        if scoped is not None:
+            scoped.discard(ref)
+            if not scoped:
+                del self._scoped[ref[:3]]
 
     # -- reads (reconcile threads) ---------------------------------------------------------
 
@@ -180,25 +189,30 @@ class ObjectCache:
         with self._lock:
             return {namespace for namespace, _ in self._owned}
 
-    def audit(self, kinds: set[tuple[str, str]], namespace: str, listed: list[Obj],
+    def suspect_scopes(self) -> set[tuple[str, str, str]]:
+        """(apiVersion, kind, namespace) of every object an audit suspects."""
+        with self._lock:
+            return {ref[:3] for ref in self._suspects}
+
+    def audit(self, scope: tuple[str, str, str], listed: list[Obj],
               listed_at: float) -> tuple[set[Owner], bool]:
-        """Compare the cached objects of `kinds` in `namespace` with `listed`, a list of
-        those kinds taken at `listed_at`. One it lacks becomes a suspect; a suspect that a
-        list at least `AUDIT_CONFIRM_S` later still lacks, with no event in between, is
-        dropped. Returns the PDDeployments that lost an object (to reconcile) and whether
-        suspects remain (audit again after `AUDIT_CONFIRM_S`)."""
+        """Compare the cached objects of `scope` (apiVersion, kind, namespace) with
+        `listed`, a list of them asked for at `listed_at`. One last seen before `listed_at`
+        that the list lacks becomes a suspect; a suspect that a list at least
+        `AUDIT_CONFIRM_S` later still lacks, with no event in between, is dropped. Returns
+        the PDDeployments that lost an object (to reconcile) and whether suspects remain
+        (audit again after `AUDIT_CONFIRM_S`)."""
         present = {_ref(obj) for obj in listed}
         lost: set[Owner] = set()
         pending = False
         with self._lock:
-            for ref, entry in list(self._entries.items()):
-                if (ref[0], ref[1]) not in kinds or ref[2] != namespace:
-                    continue
-                if ref in present:
+            for ref in list(self._scoped.get(scope, ())):
+                entry = self._entries[ref]
+                if ref in present or entry.seen_at >= listed_at:
                     self._suspects.pop(ref, None)
                     continue
                 first = self._suspects.get(ref)
-                if first is None or entry.seen_at > first:
+                if first is None or entry.seen_at > first:  # new, or seen alive since
                     self._suspects[ref] = listed_at
                     pending = True
                 elif listed_at - first >= AUDIT_CONFIRM_S:

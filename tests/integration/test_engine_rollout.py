@@ -218,32 +218,47 @@ def test_a_revision_that_crashes_at_start_rolls_back_and_stays_refused(
     assert dict(kubelet.least_ready) == {"prefill": PREFILL, "decode": DECODE}
 
 
-def test_an_operator_restarted_mid_rollout_carries_on_without_a_step_twice(
+def step(cluster: Cluster) -> tuple[Any, ...]:
+    """Where the rollout stands: its phase and, per role, the surge asked for and each
+    revision's pods, Ready and draining counts. A new value is a step taken."""
+    status = rollout(cluster)
+    return (status.get("phase"), tuple(
+        (r["role"], r.get("surge", 0), tuple((v["revision"], v.get("pods", 0), v.get("ready", 0),
+                                              v.get("draining", 0)) for v in r["revisions"]))
+        for r in status.get("roles", [])))
+
+
+def test_an_operator_restarted_at_every_step_carries_on_without_a_step_twice(
         control_plane: ControlPlaneHandle, namespace: str, monkeypatch: pytest.MonkeyPatch,
         cluster: Cluster, kubelet: Kubelet) -> None:
     """Guards against a rollout that a restarted operator forgets, restarts, or repeats
-    (a pod deleted twice, an extra surge): the operator stops while the surge pods start,
-    a new one finishes the rollout from the API's state alone."""
+    (a pod deleted twice, an extra surge): a new operator process takes over after every
+    step the rollout takes, and each finishes the rollout from the API's state alone."""
     with run_operator(control_plane, namespace, monkeypatch) as first:
         old = settled(cluster, kubelet)
         before = set(kubelet.uids)
-        kubelet.held = True  # the new engines are still starting when the operator stops
         cluster.patch_spec({"engine": {"env": [{"name": "ROLLOUT_TEST", "value": "2"}]}})
-        wait_for("both roles' surge pods", lambda: len(cluster.pods("prefill")) == PREFILL + 1
-                 and len(cluster.pods("decode")) == DECODE + 1, 30)
-        mid = rollout(cluster)
+        started = wait_for("the rollout to start", lambda: rollout(cluster).get("phase")
+                           == "Progressing" and rollout(cluster), 30)
     assert first.exception is None and first.exit_code == 0, first.output
-    assert mid["phase"] == "Progressing" and mid["stableRevisions"] == old
-    kubelet.held = False
-    with run_operator(control_plane, namespace, monkeypatch) as second:
-        done = wait_for("the rollout to complete", lambda: rollout(cluster).get("phase")
-                        == "Complete" and rollout(cluster), 90)
-    assert second.exception is None and second.exit_code == 0, second.output
-    assert done["startedAt"] == mid["startedAt"]  # the same rollout, carried on
+    steps = [step(cluster)]
+    while steps[-1][0] != "Complete":
+        with run_operator(control_plane, namespace, monkeypatch) as runner:
+            seen = steps[-1]
+            steps.append(wait_for(f"a step after {seen}", lambda: step(cluster),
+                                  60, interval_s=0.05, until=seen.__ne__))
+        assert runner.exception is None and runner.exit_code == 0, runner.output
+        assert len(steps) < 40, steps
+    print(f"operators run: {len(steps)}; steps: {steps}")
+    done = rollout(cluster)
+    assert done["startedAt"] == started["startedAt"]  # one rollout, carried on
+    assert done["stableRevisions"] != old
     status = cluster.status()
     assert revisions(cluster, "prefill") == [status["prefill"]["revision"]] * PREFILL
     assert revisions(cluster, "decode") == [status["decode"]["revision"]] * DECODE
     # new pods: one surge pod per role and one replacement per old pod, nothing twice
     assert len(kubelet.uids - before) == (PREFILL + 1) + (DECODE + 1)
     assert dict(kubelet.least_ready) == {"prefill": PREFILL, "decode": DECODE}
+    assert dict(kubelet.most_pods) == {"prefill": PREFILL + 1, "decode": DECODE + 1}
     assert events(cluster).count("DrainingOldPod") == PREFILL + DECODE
+    assert cluster.children_match() == []

@@ -87,22 +87,27 @@ def test_a_reconcile_waits_until_the_cache_shows_the_operators_own_write() -> No
 def test_the_audit_drops_only_what_two_lists_apart_both_lack() -> None:
     clock = Clock()
     cache = ObjectCache(clock)
-    kinds = {("v1", "ConfigMap")}
+    scope = ("v1", "ConfigMap", "ns")
     cache.upsert(obj("ConfigMap", "web-transfer", "1"))
     cache.upsert(obj("ConfigMap", "web-extra", "2"))
     cache.upsert(obj("Secret", "web-key", "3"))
     listed = [obj("ConfigMap", "web-transfer", "1")]
-    assert cache.audit(kinds, "ns", listed, 100.0) == (set(), True)  # a suspect
-    assert cache.audit(kinds, "ns", listed, 100.0 + AUDIT_CONFIRM_S / 2) == (set(), True)
-    assert cache.audit(kinds, "ns", listed, 100.0 + AUDIT_CONFIRM_S) == ({("ns", "web")}, False)
+    assert cache.audit(scope, listed, 101.0) == (set(), True)  # a suspect
+    assert cache.suspect_scopes() == {scope}
+    assert cache.audit(scope, listed, 101.0 + AUDIT_CONFIRM_S / 2) == (set(), True)
+    assert cache.audit(scope, listed, 101.0 + AUDIT_CONFIRM_S) == ({("ns", "web")}, False)
+    assert cache.suspect_scopes() == set()
     assert [o["metadata"]["name"] for o in cache.watched("ns", "web").children] == [
         "web-transfer", "web-key"]  # other kinds are not judged by this list
-    # An event after the first list clears the suspicion: the list lagged, the object lives.
+    # An object seen after the list was asked for is not in it yet: not a suspect.
     clock.now = 200.0
     cache.upsert(obj("ConfigMap", "web-new", "4"))
-    assert cache.audit(kinds, "ns", listed, 199.0)[1] is True
+    assert cache.audit(scope, listed, 199.0) == (set(), False)
+    # An event after the first list clears the suspicion: the object lives.
+    assert cache.audit(scope, listed, 201.0) == (set(), True)
     clock.now = 202.0
     cache.upsert(obj("ConfigMap", "web-new", "5"))
-    assert cache.audit(kinds, "ns", listed, 201.5 + AUDIT_CONFIRM_S) == (set(), True)
-    assert cache.audit(kinds, "ns", [*listed, obj("ConfigMap", "web-new", "5")], 210.0) == (
+    assert cache.audit(scope, listed, 203.0 + AUDIT_CONFIRM_S) == (set(), True)  # anew
+    assert cache.audit(scope, [*listed, obj("ConfigMap", "web-new", "5")], 210.0) == (
         set(), False)
+    assert cache.suspect_scopes() == set()

@@ -159,41 +159,52 @@ class ReconcileLoop:
 
     async def _audit_forever(self) -> None:
         """Audit the cache when asked (a new term, an outage over) and every
-        `AUDIT_INTERVAL_S`; queue the PDDeployments that lost an object."""
+        `AUDIT_INTERVAL_S`; confirm suspects with a second, narrower list; queue the
+        PDDeployments that lost an object."""
+        confirm = False
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._audit_now.wait(), AUDIT_INTERVAL_S)
+                await asyncio.wait_for(self._audit_now.wait(),
+                                       AUDIT_CONFIRM_S if confirm else AUDIT_INTERVAL_S)
             self._audit_now.clear()
             if self.elector is not None and not self.elector.is_leading():
+                confirm = False
                 continue  # a standby's cache is audited when its term begins
             try:
-                lost, pending = await asyncio.to_thread(self._audit)
+                lost, confirm = await asyncio.to_thread(self._audit, only_suspects=confirm)
             except OperatorError as exc:
                 log.warning("cache audit failed, retried in %.0f s: %s", AUDIT_INTERVAL_S, exc)
+                confirm = False
                 continue
-            if pending:  # confirm with a second list
-                asyncio.get_running_loop().call_later(AUDIT_CONFIRM_S, self._audit_now.set)
             for key in sorted(lost):
                 log.warning("%s/%s: an object of it was deleted while the watches were down; "
                             "reconciling", *key)
                 self.queue.add(key)
 
-    def _audit(self) -> tuple[set[Key], bool]:
+    def _audit(self, *, only_suspects: bool) -> tuple[set[Key], bool]:
+        """List every watched kind in every namespace the cache holds (or only the kinds
+        and namespaces with suspects) from the API server's watch cache, and audit."""
         cache = self.cache
         assert cache is not None
         managed = f"{LABEL_MANAGED_BY}={MANAGER}"
-        kinds: list[tuple[KindRef, str]] = [
-            *((ref, managed) for ref in (*self.reconciler.kinds, PODS)),
-            (TRANSFERAGENTS, LABEL_DEPLOYMENT), (PDROLES, LABEL_DEPLOYMENT)]
+        selectors: dict[tuple[str, str], tuple[KindRef, str]] = {
+            (ref.api_version, ref.kind): (ref, managed)
+            for ref in (*self.reconciler.kinds, PODS)}
+        for ref in (TRANSFERAGENTS, PDROLES):
+            selectors[ref.api_version, ref.kind] = (ref, LABEL_DEPLOYMENT)
+        if only_suspects:
+            scopes = sorted(cache.suspect_scopes())
+        else:
+            scopes = [(*kind, namespace) for namespace in sorted(cache.namespaces())
+                      for kind in selectors]
         lost: set[Key] = set()
         pending = False
         kube = self.reconciler.kube
-        for namespace in sorted(cache.namespaces()):
-            for ref, selector in kinds:
-                listed_at = time.monotonic()
-                listed = kube.list_objects(ref, namespace, selector, from_cache=True)
-                gone, suspects = cache.audit({(ref.api_version, ref.kind)}, namespace, listed,
-                                             listed_at)
-                lost |= gone
-                pending = pending or suspects
+        for scope in scopes:
+            ref, selector = selectors[scope[0], scope[1]]
+            listed_at = time.monotonic()
+            listed = kube.list_objects(ref, scope[2], selector, from_cache=True)
+            gone, suspects = cache.audit(scope, listed, listed_at)
+            lost |= gone
+            pending = pending or suspects
         return lost, pending

@@ -22,7 +22,9 @@ __all__ = [
 ]
 
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
-SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/24"
+# A /16, as kind and kubeadm use: the scale benchmark's thousand PDDeployments have hundreds
+# of ClusterIP Services (a /24's 254 addresses ran out: "failed to allocate a serviceIP").
+SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
 LOOPBACK = "127.0.0.1"
 
 

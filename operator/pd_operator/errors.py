@@ -4,6 +4,8 @@
     ├── RetryableError            retry the reconcile later; the world may change by itself
     │   ├── ConflictError         409: someone wrote first; re-read and retry soon (~0.1 s)
     │   ├── TransientAPIError     429, 5xx, connection failures: retry with exponential backoff
+    │   │   └── APIUnreachable    no answer at all (connection refused or reset, timeout):
+    │   │                         watch events may have been missed meanwhile
     │   └── NamespaceTerminating  403 from namespace lifecycle: the namespace (and so the
     │                             PDDeployment) is being deleted; nothing to fix, back off
     ├── LeadershipLost            this replica no longer holds the leader Lease: drop the
@@ -23,6 +25,7 @@ a PDDeployment edited without the operator being told.
 from __future__ import annotations
 
 __all__ = [
+    "APIUnreachable",
     "ConflictError",
     "ForbiddenError",
     "InvalidObjectError",
@@ -49,6 +52,10 @@ class ConflictError(RetryableError):
 
 class TransientAPIError(RetryableError):
     """HTTP 429 or 5xx, or the API server could not be reached; retry with backoff."""
+
+
+class APIUnreachable(TransientAPIError):
+    """The API server gave no answer (connection refused or reset, a timeout)."""
 
 
 class NamespaceTerminating(RetryableError):

@@ -33,6 +33,7 @@ from pd_operator.api import API_VERSION, PDDeployment, TransferAgent
 from pd_operator.api.role_scale import PDRole
 from pd_operator.build import FIELD_MANAGER, Capabilities
 from pd_operator.errors import (
+    APIUnreachable,
     ConflictError,
     ForbiddenError,
     InvalidObjectError,
@@ -301,7 +302,7 @@ class KubeClient:
         except ApiException as exc:
             raise _translate(exc, method, path) from exc
         except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise TransientAPIError(
+            raise APIUnreachable(
                 f"{method} {path}: the API server could not be reached ({exc})"
             ) from exc
         if response.status == 404:

@@ -26,7 +26,7 @@ from pd_operator.cache import (
     EXPECTATION_TIMEOUT_S,
     ObjectCache,
 )
-from pd_operator.errors import OperatorError, TransientAPIError
+from pd_operator.errors import APIUnreachable, OperatorError
 from pd_operator.kube import PDROLES, PODS, TRANSFERAGENTS, KindRef, KubeClient, load_api_client
 from pd_operator.leader import LeaderElector, LeaseConfig
 from pd_operator.metrics import STATUS_WRITES_COALESCED, TRANSFER_REPORTS
@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 Key = tuple[str, str]
 # The elector's own requests must end well within its renewal deadline.
 _LEASE_TIMEOUT_S = (2.0, 4.0)
+# Least time between two full cache audits (each lists every watched object).
+AUDIT_MIN_GAP_S = 60.0
 # How soon a reconcile waiting for the watches to show its own last write looks again.
 _SETTLE_POLL_S = 0.05
 
@@ -95,8 +97,8 @@ class ReconcileLoop:
         try:
             keep = await asyncio.to_thread(self.reconciler.reconcile, key[0], key[1], failures,
                                            watched)
-        except TransientAPIError:
-            self._outage = True  # watch events may have been lost meanwhile
+        except APIUnreachable:
+            self._outage = True  # watch events may have been missed meanwhile
             raise
         if self._outage:
             self._outage = False
@@ -162,11 +164,19 @@ class ReconcileLoop:
         `AUDIT_INTERVAL_S`; confirm suspects with a second, narrower list; queue the
         PDDeployments that lost an object."""
         confirm = False
+        last_full = -AUDIT_MIN_GAP_S
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._audit_now.wait(),
                                        AUDIT_CONFIRM_S if confirm else AUDIT_INTERVAL_S)
             self._audit_now.clear()
+            now = time.monotonic()
+            if not confirm and now - last_full < AUDIT_MIN_GAP_S:
+                # A full audit lists every object: at most one a minute, however many
+                # outages end meanwhile (the next one comes at the end of the gap).
+                await asyncio.sleep(last_full + AUDIT_MIN_GAP_S - now)
+            if not confirm:
+                last_full = time.monotonic()
             if self.elector is not None and not self.elector.is_leading():
                 confirm = False
                 continue  # a standby's cache is audited when its term begins

@@ -9,7 +9,8 @@ with other replica counts), in four namespaces. Two phases in one run:
    (both StatefulSets, and the router Deployment where it has one) and a written status
    (`status.observedGeneration` == `metadata.generation`);
 2. `--count` (1000) more, created at once beside the first ones, measured the same way;
-then, once the pod count has settled:
+then, once the pod count has settled and the operator has sent no write for 20 s (the
+reconciles the last pods' events queued, done; the time and the writes are reported):
 - writes during `--idle-seconds` (60): the operator's own (`pd_operator_api_writes_total`,
   Lease renewals reported apart) and the API server's for all clients;
 - the operator's peak and current RSS;
@@ -204,6 +205,24 @@ def wait_for_stable_pods(core: k8s.CoreV1Api, *, quiet_s: float, timeout_s: floa
     return count
 
 
+def wait_for_operator_quiet(port: int, *, quiet_s: float, timeout_s: float) -> tuple[float, float]:
+    """Seconds until the operator has sent no write (its Lease aside) for `quiet_s`, and
+    the writes it sent meanwhile: the reconciles queued by the last pods' events, done."""
+    def writes() -> float:
+        return sum(v for k, v in operator_writes(port).items() if not k.endswith(" Lease"))
+
+    started = last_change = time.monotonic()
+    first = count = writes()
+    while time.monotonic() - started < timeout_s:
+        time.sleep(2.0)
+        now_count = writes()
+        if now_count != count:
+            count, last_change = now_count, time.monotonic()
+        elif time.monotonic() - last_change >= quiet_s:
+            break
+    return time.monotonic() - started, count - first
+
+
 def edit_latencies(api: k8s.ApiClient, names: list[tuple[str, str]], edits: int) -> list[float]:
     """Seconds from each decode-replicas PATCH until the decode StatefulSet has the count."""
     objects, apps = k8s.CustomObjectsApi(api), k8s.AppsV1Api(api)
@@ -290,6 +309,8 @@ def main() -> int:
             settle_started = time.monotonic()
             pods = wait_for_stable_pods(k8s.CoreV1Api(api), quiet_s=15.0, timeout_s=900.0)
             settle_s = time.monotonic() - settle_started
+            quiet_s, catch_up_writes = wait_for_operator_quiet(metrics_port, quiet_s=20.0,
+                                                              timeout_s=900.0)
             op_before, api_before = operator_writes(metrics_port), apiserver_writes(handle)
             time.sleep(args.idle_seconds)
             op_after, api_after = operator_writes(metrics_port), apiserver_writes(handle)
@@ -309,6 +330,8 @@ def main() -> int:
                 requests_after, requests_before, args.count),
             "pods_at_rest": pods,
             "pods_settled_after_seconds": round(settle_s, 1),
+            "operator_quiet_after_seconds": round(quiet_s, 1),
+            "operator_writes_until_quiet": catch_up_writes,
             "idle_seconds": args.idle_seconds,
             "idle_operator_writes": sum(v for k, v in idle.items() if not k.endswith(" Lease")),
             "idle_operator_lease_writes": sum(v for k, v in idle.items() if k.endswith(" Lease")),

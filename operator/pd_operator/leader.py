@@ -27,6 +27,7 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -104,6 +105,10 @@ class LeaderElector:
         self._observed: dict[str, Any] | None = None  # the Lease's spec as last seen
         self._observed_at = 0.0
         self._task: asyncio.Task[None] | None = None
+        # Its own thread: reconciles blocked on a restarting API server hold every thread of
+        # the loop's default executor for up to their timeout, and a renewal queued behind
+        # them would miss its deadline (or, as a candidate, never take the Lease back).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-operator-lease")
         LEADER.labels(name=self.lease_ref).set(0)
 
     @property
@@ -139,13 +144,15 @@ class LeaderElector:
             self._task = None
         if self._leading:
             await self._step_down("stopping")
-            await asyncio.to_thread(self._release)
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._release)
+        self._thread.shutdown(wait=False)
 
     async def _campaign(self) -> None:
         while True:
             attempt = self._clock()
             try:
-                held = await asyncio.to_thread(self._try_acquire_or_renew)
+                held = await asyncio.get_running_loop().run_in_executor(
+                    self._thread, self._try_acquire_or_renew)
             except OperatorError as exc:
                 log.warning("leader election on %s: %s", self.lease_ref, exc)
                 held = False

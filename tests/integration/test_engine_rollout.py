@@ -24,6 +24,7 @@ from kopf.testing import KopfRunner
 from pd_devcluster import ControlPlaneHandle
 from pd_operator.build.names import LABEL_TEMPLATE_HASH
 from pd_operator.kube import EVENTS, KindRef
+from pd_operator.reconcile import is_subset
 from pd_testbed.cluster import NAME, Cluster, example_body
 from pd_testbed.operator_runner import run_operator
 from pd_testbed.polling import wait_for
@@ -261,4 +262,16 @@ def test_an_operator_restarted_at_every_step_carries_on_without_a_step_twice(
     assert dict(kubelet.least_ready) == {"prefill": PREFILL, "decode": DECODE}
     assert dict(kubelet.most_pods) == {"prefill": PREFILL + 1, "decode": DECODE + 1}
     assert events(cluster).count("DrainingOldPod") == PREFILL + DECODE
-    assert cluster.children_match() == []
+    # The same end state as one uninterrupted run: every child as the spec builds it. The
+    # new variable sits after the ones the old template had (server-side apply keeps a keyed
+    # list's order), so the environments are compared by name.
+    desired = {c["metadata"]["name"]: c for c in cluster.desired()}
+    for role in ("prefill", "decode"):
+        have, want = env(statefulset(cluster, role)), env(desired[f"{NAME}-{role}"])
+        assert have.keys() == want.keys()
+        assert all(is_subset(want[name], have[name]) for name in want), (want, have)
+    assert [p for p in cluster.children_match() if ".env[" not in p] == []
+
+
+def env(sts: Obj) -> dict[str, Obj]:
+    return {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}

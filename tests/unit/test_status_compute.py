@@ -124,6 +124,12 @@ def test_failure_and_not_ready_deadline_make_degraded() -> None:
     assert status_of(after, "Degraded") == ("True", "NotReadyTooLong")
     ready = find_condition(after.conditions, "Ready")
     assert ready.last_transition_time == NOW  # the Ready condition did not flip
+    message = find_condition(after.conditions, "Degraded").message
+    assert message.startswith(f"Not Ready since {NOW:%Y-%m-%dT%H:%M:%SZ}, more than 15 minutes")
+    # Steady while nothing changes: an hour on, the same status (no write per resync).
+    hour = compute_status(later.model_copy(update={"status": after}), observed(),
+                          NOW + timedelta(hours=1))
+    assert hour.to_wire() == after.to_wire()
 
 
 def test_invalid_spec_keeps_previous_counts_and_conditions() -> None:

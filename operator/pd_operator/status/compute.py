@@ -257,10 +257,13 @@ def _degraded_condition(observed: Observed, ready: Condition, at: At) -> Conditi
     not_ready_for = at.now - ready.last_transition_time
     if ready.status is not T and ready.reason != Reason.SCALED_TO_ZERO \
             and not_ready_for > NOT_READY_DEADLINE:
-        minutes = int(not_ready_for.total_seconds() // 60)
+        # The message names when, not how long: a duration would change the status (one
+        # write and one reconcile more) every minute for as long as the pods stay unready.
+        since = ready.last_transition_time.strftime("%Y-%m-%dT%H:%M:%SZ")
+        limit = int(NOT_READY_DEADLINE.total_seconds() // 60)
         return cond(DEGRADED, T, Reason.NOT_READY_TOO_LONG,
-                     f"Not Ready for {minutes} minutes: {ready.message} Check the pods' events.",
-                     at)
+                    f"Not Ready since {since}, more than {limit} minutes: {ready.message} "
+                    "Check the pods' events.", at)
     return cond(DEGRADED, F, Reason.AS_EXPECTED, "No failure observed.", at)
 
 

@@ -16,7 +16,13 @@ from typing import Any
 import torch
 
 from pd_transfer.auth import PeerAuth, Purpose, outgoing_body
-from pd_transfer.bootstrap import DTYPES, GeometryDoc, PackingName, PageFormatName
+from pd_transfer.bootstrap import (
+    DTYPES,
+    GeometryDoc,
+    PackingName,
+    PageFormatName,
+    bound_agent_name,
+)
 from pd_transfer.decode import PREGRANT_SHARE, DecodeReceiver
 from pd_transfer.endpoint import Endpoint, RankIdentity, Timeouts
 from pd_transfer.layout import KVLayout, KVPacking, PageFormat
@@ -25,7 +31,13 @@ from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import FailureReason, RequestStatus, State
-from pd_transfer.protocol.messages import PROTOCOL_VERSION, Message, decode_message, encode_message
+from pd_transfer.protocol.messages import (
+    PROTOCOL_VERSION,
+    Message,
+    RingUpdate,
+    decode_message,
+    encode_message,
+)
 from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool
 from pd_transfer.transport import Envelope, LoopbackFabric, ManualClock
 
@@ -44,13 +56,18 @@ def seal_as(sender: str, receiver: str, message: Message | bytes,
     """``message`` (or raw body bytes) framed as ``sender`` would send it to ``receiver`` (a
     peer holding the key: for tests that forge messages from an authenticated peer)."""
     body = message if isinstance(message, bytes) else encode_message(message)
-    return auth.seal(body, purpose=Purpose.MESSAGE,
-                     version=PROTOCOL_VERSION, sender=sender, receiver=receiver)
+    return auth.seal(body, purpose=Purpose.MESSAGE, version=PROTOCOL_VERSION, sender=sender,
+                     receiver=receiver, confidential=isinstance(message, RingUpdate))
 
 
-def message_type(envelope: Envelope) -> str:
-    """The protocol ``type`` of a fabric envelope (a message or a WRITE's notification)."""
-    return decode_message(outgoing_body(envelope.payload)).type
+def message_type(envelope: Envelope, auth: PeerAuth = TEST_AUTH) -> str:
+    """The protocol ``type`` of a fabric envelope (a message or a WRITE's notification; an
+    encrypted one, a ring announcement, is opened with ``auth``)."""
+    body = outgoing_body(envelope.payload)
+    if body is None:
+        body = auth.open(envelope.payload, purpose=Purpose.MESSAGE, version=PROTOCOL_VERSION,
+                         sender=envelope.src, receiver=envelope.dst)
+    return decode_message(body).type
 
 
 def of_type(*types: str) -> Callable[[Envelope], bool]:
@@ -88,9 +105,16 @@ class Cluster:
     pregrant_share: float | None = PREGRANT_SHARE  # 0: none; None: the receiver default
     engine_gathers: bool = False  # send_part gathers pre-granted requests (CPU: a test mode)
     device: str = "cpu"  # the pools' (and so the staging memory's) device
+    # Agent names bound to this host (``name@host``, bootstrap.bound_agent_name): what a
+    # test that serves documents over HTTP needs (fetch_document checks the binding).
+    host: str | None = None
     clock: ManualClock = field(default_factory=ManualClock)
     senders: list[PrefillSender] = field(default_factory=list)
     receivers: list[DecodeReceiver] = field(default_factory=list)
+
+    def agent_name(self, base: str) -> str:
+        """``base``, bound to ``host`` if the cluster has one."""
+        return base if self.host is None else bound_agent_name(base, self.host)
 
     def __post_init__(self) -> None:
         self.fabric = LoopbackFabric(self.clock)
@@ -102,7 +126,7 @@ class Cluster:
         self.decode_par = Parallelism(self.decode_tp, 1)
         for pp, tp in itertools.product(range(self.prefill_pp), range(self.prefill_tp)):
             coord = RankCoord(pp, tp)
-            transport = self.fabric.create(f"prefill-{pp}-{tp}")
+            transport = self.fabric.create(self.agent_name(f"prefill-{pp}-{tp}"))
             pool = self._pool(self._layout(self.prefill_par, coord))
             self.senders.append(PrefillSender(
                 transport, pool, RankIdentity("p0", coord, self.prefill_par, self.geometry),
@@ -110,7 +134,7 @@ class Cluster:
                 clock=self.clock, engine_thread_gathers=self.engine_gathers))
         for tp in range(self.decode_tp):
             coord = RankCoord(0, tp)
-            transport = self.fabric.create(f"decode-0-{tp}")
+            transport = self.fabric.create(self.agent_name(f"decode-0-{tp}"))
             pool = self._pool(self._layout(self.decode_par, coord))
             self.receivers.append(DecodeReceiver(
                 transport, pool, RankIdentity("d0", coord, self.decode_par, self.geometry),

@@ -9,20 +9,29 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import pickle
 import struct
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pd_testbed.transfer_harness import TEST_AUTH, Cluster, Request, seal_as
 from pd_transfer.auth import (
     FRAME_MAGIC,
+    SECRET_MAGIC,
     AuthKeyError,
     PeerAuth,
     Purpose,
     Unauthenticated,
 )
-from pd_transfer.bootstrap import DOCUMENT_VERSION, open_document, seal_document
+from pd_transfer.bootstrap import (
+    DOCUMENT_VERSION,
+    agent_host,
+    bound_agent_name,
+    open_document,
+    seal_document,
+)
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.errors import BootstrapError, TransportError
 from pd_transfer.protocol.lifecycle import State
@@ -147,7 +156,8 @@ def test_a_frame_is_bound_to_its_sender_receiver_version_and_purpose(
 
 
 @pytest.mark.parametrize("frame", [
-    b"", b"PDA1", encode_message(Release(room="r")),  # unframed JSON: an older or foreign peer
+    b"", b"PDA1",
+    encode_message(Release(room="r", ticket=1)),  # unframed JSON: an older or foreign peer
     FRAME_MAGIC + b"\x00" * 32 + b"body",
 ])
 def test_unframed_or_forged_frames_are_unauthenticated(frame: bytes) -> None:
@@ -162,22 +172,115 @@ def test_a_flipped_body_bit_is_unauthenticated() -> None:
         _open(TEST_AUTH, bytes(frame))
 
 
+# Encrypted frames (documents and ring announcements: docs/failure-modes.md #47) -------------
+
+
+def _secret(auth: PeerAuth, body: bytes = b"secret body", **kwargs: object) -> bytes:
+    fields: dict[str, object] = {"purpose": Purpose.MESSAGE, "version": PROTOCOL_VERSION,
+                                 "sender": "p", "receiver": "d", **kwargs}
+    return auth.seal(body, confidential=True, **fields)  # type: ignore[arg-type]
+
+
+def test_an_encrypted_frame_is_magic_nonce_and_aes_gcm_under_a_derived_key() -> None:
+    """Decrypted here by hand from auth.py's docstring: the key is HMAC-SHA256(key,
+    "pd-transfer/encrypt/1"), the context is the associated data."""
+    frame = _secret(PeerAuth([KEY_A]))
+    assert frame.startswith(SECRET_MAGIC) and b"secret" not in frame
+    key = hmac.new(KEY_A, b"pd-transfer/encrypt/1", hashlib.sha256).digest()
+    nonce, sealed = frame[4:16], frame[16:]
+    context = frame_context("message", PROTOCOL_VERSION, "p", "d")
+    assert AESGCM(key).decrypt(nonce, sealed, context) == b"secret body"
+    assert _secret(PeerAuth([KEY_A]))[4:16] != nonce  # a fresh nonce per frame
+
+
+def test_an_encrypted_frame_opens_only_in_its_context_and_with_an_accepted_key() -> None:
+    frame = _secret(TEST_AUTH)
+    assert _open(TEST_AUTH, frame) == b"secret body"
+    for change in ({"receiver": "d2"}, {"sender": "d"}, {"purpose": Purpose.DOCUMENT},
+                   {"version": PROTOCOL_VERSION + 1}):
+        with pytest.raises(Unauthenticated, match="no accepted key decrypts it"):
+            _open(TEST_AUTH, frame, **change)  # type: ignore[arg-type]
+    tampered = bytearray(frame)
+    tampered[-20] ^= 1
+    with pytest.raises(Unauthenticated):
+        _open(TEST_AUTH, bytes(tampered))
+    with pytest.raises(Unauthenticated, match="shorter than an encrypted frame"):
+        _open(TEST_AUTH, frame[:30])
+    rotated, old = PeerAuth([KEY_B, KEY_A]), PeerAuth([KEY_A])
+    assert _open(rotated, _secret(old)) == b"secret body"  # rotation, both ways
+    assert _open(rotated, _secret(rotated)) == b"secret body"
+    with pytest.raises(Unauthenticated):
+        _open(old, _secret(rotated))
+
+
+def test_what_must_be_encrypted_is_refused_in_a_frame_that_is_only_maced() -> None:
+    with pytest.raises(Unauthenticated, match="accepted encrypted only"):
+        TEST_AUTH.open(_seal(TEST_AUTH), purpose=Purpose.MESSAGE, version=PROTOCOL_VERSION,
+                       sender="p", receiver="d", confidential=True)
+
+
+def test_a_key_set_survives_pickling_for_a_spawned_process() -> None:
+    copy = pickle.loads(pickle.dumps(PeerAuth([KEY_A, KEY_B])))
+    assert _open(copy, _secret(PeerAuth([KEY_A]))) == b"secret body"
+    assert _open(PeerAuth([KEY_A]), _secret(copy)) == b"secret body"  # KEY_A in force
+
+
+def test_a_ring_update_travels_encrypted_and_a_plaintext_one_is_refused() -> None:
+    cluster = Cluster()
+    receiver, sender = cluster.receivers[0], cluster.senders[0]
+    update = receiver._ring_update()
+    sealed = receiver.seal(sender.transport.agent_name, update)
+    assert sealed.startswith(SECRET_MAGIC) and update.transport_metadata_b64.encode() not in sealed
+    plain = TEST_AUTH.seal(encode_message(update), purpose=Purpose.MESSAGE,
+                           version=PROTOCOL_VERSION, sender=receiver.transport.agent_name,
+                           receiver=sender.transport.agent_name)
+    receiver.transport.send_message(sender.transport.agent_name, plain)
+    cluster.step()
+    assert sender.metrics.snapshot().rejected_by_reason == {"plaintext_secret": 1}
+
+
+# Agent names bound to their pod (docs/failure-modes.md #48) ---------------------------------
+
+
+def test_an_agent_name_is_bound_to_a_host_peers_reach_its_pod_at() -> None:
+    assert bound_agent_name("vllm-decode-r0-pod-1a2b", "10.1.2.3") == (
+        "vllm-decode-r0-pod-1a2b@10.1.2.3")
+    assert agent_host("vllm-decode-r0-pod-1a2b@10.1.2.3") == "10.1.2.3"
+    assert agent_host("fd00::1@x@fd00::2") == "fd00::2"
+    assert agent_host("unbound-name") == ""
+    for base, host in (("a@b", "10.0.0.1"), ("has space", "10.0.0.1"), ("", "10.0.0.1")):
+        with pytest.raises(ValueError, match="agent name base"):
+            bound_agent_name(base, host)
+    for host in ("0.0.0.0", "::", "", "10.0.0.1/24"):
+        with pytest.raises(ValueError, match="agent host"):
+            bound_agent_name("decode", host)
+
+
 # Bootstrap documents --------------------------------------------------------------------------
 
 
 def test_documents_are_verified_before_they_are_parsed() -> None:
-    """A document from outside the deployment never reaches pydantic or the transport."""
+    """A document from outside the deployment never reaches pydantic or the transport, and
+    one that is only MACed (version 2 and 3 style: readable by anyone who GETs it) is refused
+    (docs/failure-modes.md #47)."""
     cluster = Cluster()
     document = cluster.receivers[0].document()
     sealed = seal_document(document, TEST_AUTH)
     assert open_document(sealed, TEST_AUTH, "d:1") == document
-    assert document.v == DOCUMENT_VERSION == 3
+    assert document.v == DOCUMENT_VERSION == 4
+    assert sealed.startswith(SECRET_MAGIC)
+    assert document.agent_name.encode() not in sealed
+    assert document.transport_metadata_b64.encode()[:16] not in sealed
     with pytest.raises(BootstrapError, match="d:1: unauthenticated bootstrap document"):
         open_document(seal_document(document, PeerAuth([KEY_C])), TEST_AUTH, "d:1")
     with pytest.raises(BootstrapError, match="unauthenticated"):
         open_document(document.model_dump_json().encode(), TEST_AUTH, "d:1")  # version 1 style
+    only_maced = TEST_AUTH.seal(document.model_dump_json().encode(), purpose=Purpose.DOCUMENT,
+                                version=DOCUMENT_VERSION, sender="", receiver="")
+    with pytest.raises(BootstrapError, match="accepted encrypted only"):
+        open_document(only_maced, TEST_AUTH, "d:1")
     not_json = TEST_AUTH.seal(b"[" * 5000, purpose=Purpose.DOCUMENT, version=DOCUMENT_VERSION,
-                              sender="", receiver="")
+                              sender="", receiver="", confidential=True)
     with pytest.raises(BootstrapError, match="not a JSON object"):
         open_document(not_json, TEST_AUTH, "d:1")
 
@@ -189,6 +292,10 @@ def _record(tag: bytes, value: bytes) -> bytes:
     return tag + struct.pack("<Q", len(value)) + value + b"|"
 
 
+# A UCX remote key as UCP packs it: MD map 1, host memory, one empty transport key, no device.
+UCX_KEY = struct.pack("<QBBB", 1, 0, 0, 0xFF)
+
+
 def nixl_blob(name: bytes = b"decode-1", conn: bytes = b"\x05ucx-address",
               descs: int = 1, kind: int = 0) -> bytes:
     """A blob laid out as nixl 1.5.1's ``get_agent_metadata`` lays it out."""
@@ -198,7 +305,7 @@ def nixl_blob(name: bytes = b"decode-1", conn: bytes = b"\x05ucx-address",
     blob += _record(b"nixlDList", b"nixlSDList") + _record(b"t", struct.pack("<I", kind))
     blob += _record(b"n", struct.pack("<Q", descs))
     for i in range(descs):
-        blob += _record(b"", struct.pack("<QQQ", 0x1000 * (i + 1), 4096, 0) + b"\x01rkey")
+        blob += _record(b"", struct.pack("<QQQ", 0x1000 * (i + 1), 4096, 0) + UCX_KEY)
     return blob
 
 
@@ -206,15 +313,15 @@ def test_well_formed_metadata_is_read_completely() -> None:
     metadata = parse_nixl_metadata(nixl_blob(descs=2), "decode-1")
     assert metadata.agent_name == "decode-1"
     assert metadata.connections == (("UCX", b"\x05ucx-address"),)
-    assert metadata.backend_keys() == {("UCX", "DRAM", 0x1000, 4096, 0): b"\x01rkey",
-                                       ("UCX", "DRAM", 0x2000, 4096, 0): b"\x01rkey"}
+    assert metadata.backend_keys() == {("UCX", "DRAM", 0x1000, 4096, 0): UCX_KEY,
+                                       ("UCX", "DRAM", 0x2000, 4096, 0): UCX_KEY}
 
 
 @pytest.mark.parametrize(("blob", "message"), [
     (nixl_blob(name=b"decode-2"), "names agent 'decode-2' but its authenticated sender is "
                                   "'decode-1'"),
     (nixl_blob()[:-1] + b"#", r"record b'' at byte 213 lacks its '\|' terminator"),
-    (nixl_blob()[:-1], r"record b'' at byte 213 claims 29 bytes \(at most 4096, 28 left\)"),
+    (nixl_blob()[:-1], r"record b'' at byte 213 claims 35 bytes \(at most 4096, 34 left\)"),
     (nixl_blob() + b"\x00", "1 bytes follow the last memory section"),
     (nixl_blob(kind=7), r"memory type 07000000 \(only DRAM 0 and VRAM 1"),
     (nixl_blob(name=b"decode 1"), "is not printable ASCII"),
@@ -243,7 +350,7 @@ def test_unauthenticated_messages_are_counted_and_never_acted_on() -> None:
     cluster.start(request, send=False)
     cluster.run(lambda: sender.poll(request.room).state is State.TRANSFERRING)  # type: ignore[union-attr]
     sender_name, receiver_name = sender.transport.agent_name, receiver.transport.agent_name
-    release = Release(room=request.room)
+    release = Release(room=request.room, ticket=receiver.request_tickets(request.room)[sender_name])
     stranger = PeerAuth([KEY_C])
     for payload in (
         encode_message(release),  # unframed

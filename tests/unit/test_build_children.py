@@ -545,11 +545,16 @@ def test_every_engine_pod_carries_the_transfer_gate_and_someone_sets_it() -> Non
 
 def test_engine_network_policy_whole_object() -> None:
     """Guards against engine, bootstrap and metrics ports open to every pod of the cluster
-    (docs/failure-modes.md #26): own pods on every port (UCX/TCP picks ports at run time),
-    the scraper on HTTP and transfer metrics, listed HTTP clients on HTTP only."""
+    (docs/failure-modes.md #26): pods of the deployment (the router) on HTTP only, the
+    bootstrap ports (8998 + rank, decode's TP 2 is the most ranks) and every other port
+    (UCX/TCP picks ports at run time) only from the engine pods of both roles, the scraper
+    on HTTP and transfer metrics, listed HTTP clients on HTTP only."""
     pdd = tiny_pdd(network={"rdma": {"enabled": False, "required": False},
                         "policy": {"httpClients": [{"namespaceLabels": {"team": "gw"}}]}})
     policy = by_key(build_children(pdd, Capabilities()))[("NetworkPolicy", "tiny-decode")]
+    engine_pods = {"matchLabels": {"pd.serving.dev/deployment": "tiny"},
+                   "matchExpressions": [{"key": "pd.serving.dev/role", "operator": "In",
+                                         "values": ["prefill", "decode"]}]}
     assert strip_hash(policy) == {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -565,7 +570,12 @@ def test_engine_network_policy_whole_object() -> None:
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": {"pd.serving.dev/deployment":
-                                                           "tiny"}}}]},
+                                                           "tiny"}}}],
+                 "ports": [{"protocol": "TCP", "port": 30000}]},
+                {"from": [{"podSelector": engine_pods}],
+                 "ports": [{"protocol": "TCP", "port": 8998},
+                           {"protocol": "TCP", "port": 8999}]},
+                {"from": [{"podSelector": engine_pods}]},
                 {"from": [{"namespaceSelector": {"matchLabels": {
                                "kubernetes.io/metadata.name": "monitoring"}},
                            "podSelector": {"matchLabels": {

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.timeout(60)
 
 DECODE = "decode-0-0"
 CHUNK_2x2 = 2 * 2 * 2 * 4 * 2 * 4 * 2  # K,V x 2 layers x 2 pages x 4 slots x 2 heads x 4 x bf16
+TICKET = 1  # the ticket of the first request a fresh decode rank expects
 
 
 def _transferring(mode: str) -> tuple[Cluster, Request, DecodeReceiver]:
@@ -59,7 +60,7 @@ def _forge(cluster: Cluster, *messages: Message) -> None:
 
 def _done(room: str, part: int, pages: range, final: int | None = None,
           layers: range = range(2)) -> PartDone:
-    return PartDone(room=room, part=part, sender_id=0, layer_start=layers.start,
+    return PartDone(room=room, ticket=TICKET, part=part, sender_id=0, layer_start=layers.start,
                     layer_stop=layers.stop, page_start=pages.start,
                     page_count=len(pages), final_parts=final)
 
@@ -87,15 +88,17 @@ def test_staged_part_index_beyond_the_final_count_fails_the_request() -> None:
     were Succeeded though part 1 never existed."""
     cluster, request, receiver = _transferring("staged")
     room = request.room
-    _forge(cluster, AllocRequest(room=room, part=0, sender_id=0, size_bytes=CHUNK_2x2),
-           AllocRequest(room=room, part=5, sender_id=0, size_bytes=CHUNK_2x2))
+    _forge(cluster,
+           AllocRequest(room=room, ticket=TICKET, part=0, sender_id=0, size_bytes=CHUNK_2x2),
+           AllocRequest(room=room, ticket=TICKET, part=5, sender_id=0, size_bytes=CHUNK_2x2))
     parts = receiver._transfers[room].writers[0].parts
     offsets = {index: part.region.offset_bytes for index, part in parts.items()
                if part.region is not None}
     assert sorted(offsets) == [0, 5]
 
     def staged(part: int, pages: range, final: int | None) -> StagedPart:
-        return StagedPart(room=room, part=part, sender_id=0, ring_offset=offsets[part],
+        return StagedPart(room=room, ticket=TICKET, part=part, sender_id=0,
+                          ring_offset=offsets[part],
                           size_bytes=CHUNK_2x2, layer_start=0, layer_stop=2,
                           page_start=pages.start, page_count=len(pages), ring_version=1,
                           final_parts=final)
@@ -151,7 +154,7 @@ def test_staged_layer_stop_beyond_64_bits_is_a_counted_rejection() -> None:
     inside len(range) and failed the request InternalError; the request is untouched now."""
     cluster, request, receiver = _transferring("staged")
     fields = json.loads(encode_message(StagedPart(
-        room=request.room, part=0, sender_id=0, ring_offset=0, size_bytes=CHUNK_2x2,
+        room=request.room, ticket=TICKET, part=0, sender_id=0, ring_offset=0, size_bytes=CHUNK_2x2,
         layer_start=0, layer_stop=2, page_start=0, page_count=2, ring_version=1)))
     fields["layer_stop"] = 2**64
     _send_raw(cluster, json.dumps(fields).encode())
@@ -165,10 +168,12 @@ def test_staged_layer_stop_at_the_wire_bound_is_a_protocol_violation() -> None:
     as coverage outside the plan, never computed with (InternalError before)."""
     cluster, request, receiver = _transferring("staged")
     room = request.room
-    _forge(cluster, AllocRequest(room=room, part=0, sender_id=0, size_bytes=CHUNK_2x2))
+    _forge(cluster,
+           AllocRequest(room=room, ticket=TICKET, part=0, sender_id=0, size_bytes=CHUNK_2x2))
     region = receiver._transfers[room].writers[0].parts[0].region
     assert region is not None
-    _forge(cluster, StagedPart(room=room, part=0, sender_id=0, ring_offset=region.offset_bytes,
+    _forge(cluster, StagedPart(room=room, ticket=TICKET, part=0, sender_id=0,
+                               ring_offset=region.offset_bytes,
                                size_bytes=CHUNK_2x2, layer_start=0, layer_stop=2**63 - 1,
                                page_start=0, page_count=2, ring_version=1))
     state, reason, detail = _decode_failure(receiver, room)

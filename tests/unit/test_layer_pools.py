@@ -365,7 +365,7 @@ def test_document_publishes_regions_and_the_base_table_and_round_trips() -> None
     cluster = cpu_cluster()
     receiver = cluster.receivers[0]
     document = receiver.document()
-    assert document.v == 3
+    assert document.v == 4
     assert (document.geometry.page_format, document.geometry.packing) == ("hnd", "per_head")
     assert document.layer_bases == receiver.pool.base_table()
     assert len(document.kv_regions) == 1  # one allocation shared by every layer
@@ -411,7 +411,7 @@ def test_hostile_documents_are_refused() -> None:
 
 
 def test_a_page_format_mismatch_is_refused_at_the_handshake_naming_both_values() -> None:
-    flash, cpu = Cluster(per_layer=True), cpu_cluster()
+    flash, cpu = Cluster(per_layer=True), cpu_cluster(host="127.0.0.1")
     with pytest.raises(GeometryMismatch, match="has page_format='hnd' but this rank has "
                                                "page_format='nhd'"):
         check_compatible(flash.geometry, cpu.senders[0].document(), "prefill:1")

@@ -46,7 +46,7 @@ def _identity(instance: str) -> RankIdentity:
 def test_a_rank_opens_serves_its_document_and_closes_in_order(
         role: Role, kind: type, size_of: Callable[[Any], int]) -> None:
     fabric = LoopbackFabric()
-    transport = fabric.create(f"{role.value}-0")
+    transport = fabric.create(f"{role.value}-0@127.0.0.1")
     rank = open_rank(role, transport, _pool(), _identity("i0"), auth=TEST_AUTH,
                      staging_bytes=8192, name=f"test-{role.value}")
     try:
@@ -54,7 +54,7 @@ def test_a_rank_opens_serves_its_document_and_closes_in_order(
         assert rank.worker.alive and rank.worker.endpoint is rank.endpoint
         document = fetch_document(rank.bootstrap_address, 5.0, TEST_AUTH)
         assert (document.role, document.instance, document.agent_name) == (
-            role.value, "i0", f"{role.value}-0")
+            role.value, "i0", f"{role.value}-0@127.0.0.1")
     finally:
         rank.close()
     assert not rank.worker.alive

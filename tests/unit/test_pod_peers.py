@@ -32,7 +32,7 @@ class Restartable:
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
-    cluster = Cluster()
+    cluster = Cluster(host="127.0.0.1")  # documents are fetched over HTTP
     workers = [Worker(e, max_idle_sleep_s=0.001).start() for e in cluster.endpoints]
     try:
         yield cluster
@@ -54,7 +54,7 @@ def test_a_pod_restarted_at_the_same_address_is_connected_anew(cluster: Cluster)
         assert [d.agent_name for d in connections.connect(pod.server.address, "decode")] == [
             old.transport.agent_name]
         # The pod restarts: a new receiver (a new agent) behind the same address.
-        new = DecodeReceiver(cluster.fabric.create("decode-0-0-restarted"), old.pool,
+        new = DecodeReceiver(cluster.fabric.create("decode-0-0-restarted@127.0.0.1"), old.pool,
                              RankIdentity("d0", RankCoord(0, 0), cluster.decode_par,
                                           cluster.geometry),
                              auth=TEST_AUTH, ring_bytes=cluster.ring_bytes,

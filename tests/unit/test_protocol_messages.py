@@ -41,26 +41,30 @@ from pd_transfer.protocol.messages import (
 pytestmark = pytest.mark.timeout(10)
 
 EVERY_TYPE: list[Message] = [
-    RequestKV(room="r", decode_pp_rank=0, decode_tp_rank=3, dst_page_runs=((4, 2), (9, 1)),
+    RequestKV(room="r", ticket=7, decode_pp_rank=0, decode_tp_rank=3,
+              dst_page_runs=((4, 2), (9, 1)),
               num_tokens=37, path="staged", ring_version=1),
-    RequestKV(room="r", decode_pp_rank=0, decode_tp_rank=3, dst_page_runs=((4, 2), (9, 1)),
+    RequestKV(room="r", ticket=7, decode_pp_rank=0, decode_tp_rank=3,
+              dst_page_runs=((4, 2), (9, 1)),
               num_tokens=37, path="staged", ring_version=2, pregrant_offset=512,
               pregrant_bytes=8192),
-    AllocRequest(room="r", part=0, sender_id=1, size_bytes=4096),
-    Grant(room="r", part=0, sender_id=1, ring_offset=256, size_bytes=4096, ring_version=1),
-    GrantRefused(room="r", part=0, sender_id=1, needed_bytes=1 << 30, capacity_bytes=1 << 20),
-    StagedPart(room="r", part=2, sender_id=1, ring_offset=0, size_bytes=64, layer_start=0,
+    AllocRequest(room="r", ticket=7, part=0, sender_id=1, size_bytes=4096),
+    Grant(room="r", ticket=7, part=0, sender_id=1, ring_offset=256, size_bytes=4096,
+          ring_version=1),
+    GrantRefused(room="r", ticket=7, part=0, sender_id=1, needed_bytes=1 << 30,
+                 capacity_bytes=1 << 20),
+    StagedPart(room="r", ticket=7, part=2, sender_id=1, ring_offset=0, size_bytes=64, layer_start=0,
                layer_stop=4, page_start=3, page_count=2, ring_version=1, final_parts=3),
-    PartDone(room="r", part=0, sender_id=0, layer_start=0, layer_stop=2, page_start=0,
+    PartDone(room="r", ticket=7, part=0, sender_id=0, layer_start=0, layer_stop=2, page_start=0,
              page_count=4),
-    Finish(room="r", sender_id=0, final_parts=2),
-    Release(room="r"),
-    Abort(room="r", reason="Aborted", detail="engine"),
+    Finish(room="r", ticket=7, sender_id=0, final_parts=2),
+    Release(room="r", ticket=7),
+    Abort(room="r", ticket=7, reason="Aborted", detail="engine"),
     Watermark(used_bytes=1, capacity_bytes=2, largest_free_bytes=1, pending_allocations=0),
     RingUpdate(ring_version=2, name="d/ring-v2", base_address=4096, size_bytes=1 << 20,
                kind="VRAM", device_id=0, transport_metadata_b64="bWV0YQ=="),
-    Withdraw(room="r", sender_id=1),
-    Withdrawn(room="r", sender_id=1),
+    Withdraw(room="r", ticket=7, sender_id=1),
+    Withdrawn(room="r", ticket=7, sender_id=1),
 ]
 
 
@@ -69,7 +73,7 @@ EVERY_TYPE: list[Message] = [
 def test_every_message_round_trips_as_compact_versioned_json(message: Message) -> None:
     wire = encode_message(message)
     envelope = json.loads(wire)
-    assert envelope["v"] == PROTOCOL_VERSION == 5 and envelope["type"] == message.type
+    assert envelope["v"] == PROTOCOL_VERSION == 6 and envelope["type"] == message.type
     assert b" " not in wire.replace(b'"engine"', b"")  # compact
     assert decode_message(wire) == message
 
@@ -78,8 +82,8 @@ def _raw(**fields: object) -> bytes:
     return json.dumps({"v": PROTOCOL_VERSION, **fields}).encode()
 
 
-GRANT = {"type": "grant", "room": "r", "part": 0, "sender_id": 0, "ring_offset": 0,
-         "size_bytes": 64, "ring_version": 1}
+GRANT = {"type": "grant", "room": "r", "ticket": 3, "part": 0, "sender_id": 0,
+         "ring_offset": 0, "size_bytes": 64, "ring_version": 1}
 
 REJECTED: list[tuple[str, bytes, str]] = [
     ("oversized payload", b'{"v":2,"pad":"' + b"x" * MAX_MESSAGE_BYTES + b'"}', "too_large"),
@@ -99,6 +103,20 @@ REJECTED: list[tuple[str, bytes, str]] = [
     ("missing type", _raw(room="r"), "invalid_body"),
     ("unknown field (positional drift)", _raw(**GRANT, extra=1), "invalid_body"),
     ("negative ring offset", _raw(**{**GRANT, "ring_offset": -256}), "invalid_body"),
+    ("a message about a room without its ticket",
+     _raw(**{k: v for k, v in GRANT.items() if k != "ticket"}), "invalid_body"),
+    ("ticket 0 (tickets count from 1)", _raw(**{**GRANT, "ticket": 0}), "invalid_body"),
+    ("a watermark naming a room without its ticket",
+     _raw(type="watermark", used_bytes=0, capacity_bytes=1, largest_free_bytes=0,
+          pending_allocations=0, room="r"), "invalid_body"),
+    ("a ring version of 4001 digits",
+     _raw(type="ring_update", ring_version=int("9" * 4001), name="d/ring",
+          base_address=4096, size_bytes=4096, kind="DRAM", device_id=0,
+          transport_metadata_b64="bWV0YQ=="), "invalid_body"),
+    ("a ring version past 2^31 - 1",
+     _raw(type="ring_update", ring_version=1 << 31, name="d/ring", base_address=4096,
+          size_bytes=4096, kind="DRAM", device_id=0, transport_metadata_b64="bWV0YQ=="),
+     "invalid_body"),
     ("zero size", _raw(**{**GRANT, "size_bytes": 0}), "invalid_body"),
     ("size as a string", _raw(**{**GRANT, "size_bytes": "64"}), "invalid_body"),
     ("size as a float", _raw(**{**GRANT, "size_bytes": 64.0}), "invalid_body"),
@@ -135,18 +153,18 @@ REJECTED: list[tuple[str, bytes, str]] = [
     # The boundary the bracket count guards (fewer opening brackets than MAX_DEPTH + 1
     # cannot nest deeper, so such payloads skip the scan): depth 5 is refused before parsing,
     # depth 4 is parsed and refused by the schema (no field "x").
-    ("depth MAX_DEPTH + 1, no other bracket", b'{"v":5,"type":"release","room":"r","x":'
+    ("depth MAX_DEPTH + 1, no other bracket", b'{"v":6,"type":"release","room":"r","ticket":1,"x":'
      + b"[" * MAX_DEPTH + b"1" + b"]" * MAX_DEPTH + b"}", "too_deep"),
-    ("depth MAX_DEPTH", b'{"v":5,"type":"release","room":"r","x":' + b"[" * (MAX_DEPTH - 1)
-     + b"1" + b"]" * (MAX_DEPTH - 1) + b"}", "invalid_body"),
+    ("depth MAX_DEPTH", b'{"v":6,"type":"release","room":"r","ticket":1,"x":'
+     + b"[" * (MAX_DEPTH - 1) + b"1" + b"]" * (MAX_DEPTH - 1) + b"}", "invalid_body"),
     ("version as a float", json.dumps({"v": 2.0, "type": "release", "room": "r"}).encode(),
      "unsupported_version"),
     ("duplicate type key (last would win)",
      b'{"v":2,"type":"grant","type":"release","room":"r"}', "duplicate_key"),
     # Of the current version and valid but for the repeat: the schema alone would take the
     # last value (test_the_schema_alone_takes_a_repeated_key_s_last_value).
-    ("duplicate room key of a valid grant", b'{"v":5,"type":"grant","room":"r","room":"s",'
-     b'"part":0,"sender_id":0,"ring_offset":0,"size_bytes":64,"ring_version":1}',
+    ("duplicate room key of a valid grant", b'{"v":6,"type":"grant","room":"r","room":"s",'
+     b'"ticket":1,"part":0,"sender_id":0,"ring_offset":0,"size_bytes":64,"ring_version":1}',
      "duplicate_key"),
     ("a valid grant's key twice, same value", encode_message(EVERY_TYPE[3])[:-1]
      + b',"size_bytes":4096}', "duplicate_key"),
@@ -198,7 +216,8 @@ def test_a_request_of_scattered_pages_decodes_to_itself() -> None:
     the depth of every RequestKV."""
     runs = compute_runs(list(range(0, 256, 4)))
     assert len(runs) == 64
-    message = RequestKV(room="r", decode_pp_rank=0, decode_tp_rank=1, dst_page_runs=runs,
+    message = RequestKV(room="r", ticket=1, decode_pp_rank=0, decode_tp_rank=1,
+                        dst_page_runs=runs,
                         num_tokens=1024, path="staged", ring_version=1)
     assert decode_message(encode_message(message)) == message
 
@@ -213,7 +232,8 @@ def test_largest_wire_integer_is_accepted() -> None:
 def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
     """Depth is counted outside strings only: a room id full of brackets is a legal id."""
     room = "[[[[[{{{{{" + '\\"[[[['
-    assert decode_message(encode_message(Release(room=room))) == Release(room=room)
+    assert decode_message(encode_message(Release(room=room, ticket=1))) == Release(room=room,
+                                                                                 ticket=1)
 
 
 def test_page_runs_round_trip_and_expansion_is_bounded() -> None:

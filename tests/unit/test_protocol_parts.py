@@ -140,9 +140,10 @@ def test_an_endpoint_counts_refusals_and_a_clean_transfer_has_none() -> None:
 
 
 def test_a_quarantined_region_matches_only_its_own_late_write() -> None:
-    entry = Quarantined(Region(7, "room", 512, 300, 512), "prefill-0", 10.0, 2)
-    assert entry.matches("prefill-0", 512, 300, 2)
-    assert not entry.matches("prefill-1", 512, 300, 2)
-    assert not entry.matches("prefill-0", 0, 300, 2)
-    assert not entry.matches("prefill-0", 512, 256, 2)
-    assert not entry.matches("prefill-0", 512, 300, 1)
+    entry = Quarantined(Region(7, "room", 512, 300, 512), "prefill-0", 10.0, 2, 41)
+    assert entry.matches("prefill-0", 41, 512, 300, 2)
+    assert not entry.matches("prefill-1", 41, 512, 300, 2)
+    assert not entry.matches("prefill-0", 40, 512, 300, 2)  # another request incarnation
+    assert not entry.matches("prefill-0", 41, 0, 300, 2)
+    assert not entry.matches("prefill-0", 41, 512, 256, 2)
+    assert not entry.matches("prefill-0", 41, 512, 300, 1)

@@ -83,19 +83,20 @@ def _sealed(sender: str, receiver: str, body: bytes) -> bytes:
                           sender=sender, receiver=receiver)
 
 
-def _forged_part(mode: str, room: str, rng: random.Random, ring_bytes: int) -> Message:
+def _forged_part(mode: str, room: str, ticket: int, rng: random.Random,
+                 ring_bytes: int) -> Message:
     """A notification that is wrong by construction: its part index (>= 100) was never
     a real part, so it can never complete a request (it either fails it or is refused)."""
     part, layers = 100 + rng.randrange(50), rng.choice([(0, 1), (0, 2), (1, 2), (1, 3)])
     pages = rng.randrange(0, 7), rng.randrange(1, 4)
     final = rng.choice([None, 1, 2, 200])
     if mode == "staged":
-        return StagedPart(room=room, part=part, sender_id=0,
+        return StagedPart(room=room, ticket=ticket, part=part, sender_id=0,
                           ring_offset=rng.choice([0, rng.randrange(2 * ring_bytes)]),
                           size_bytes=rng.choice([3, 512, 1024, ring_bytes + 1]),
                           layer_start=layers[0], layer_stop=layers[1], page_start=pages[0],
                           page_count=pages[1], ring_version=1, final_parts=final)
-    return PartDone(room=room, part=part, sender_id=0, layer_start=layers[0],
+    return PartDone(room=room, ticket=ticket, part=part, sender_id=0, layer_start=layers[0],
                     layer_stop=layers[1], page_start=pages[0], page_count=pages[1],
                     final_parts=final)
 
@@ -106,6 +107,9 @@ def _inject(cluster: Cluster, scenario: Scenario, hostile: tuple[str, int], room
     rng = random.Random(seed)
     room = rng.choice(rooms)
     prefill, decode = cluster.senders[0].transport, cluster.receivers[0].transport
+    # The live request's ticket where there is one, so a forgery meets the checks past it.
+    to_decode = cluster.receivers[0].request_tickets(room).get(PREFILL, rng.randrange(1, 99))
+    to_prefill = cluster.senders[0].request_tickets(room).get(DECODE, rng.randrange(1, 99))
     if kind == "garbage":
         decode_bound = _sealed(PREFILL, DECODE, rng.randbytes(rng.randrange(1, 200)))
         prefill.send_message(DECODE, decode_bound)
@@ -114,26 +118,29 @@ def _inject(cluster: Cluster, scenario: Scenario, hostile: tuple[str, int], room
     elif kind == "nested":
         prefill.send_message(DECODE, _sealed(PREFILL, DECODE, b"[" * rng.randrange(5, 3000)))
     elif kind == "forged_part":
-        message = _forged_part(scenario.mode, room, rng, cluster.ring_bytes)
+        message = _forged_part(scenario.mode, room, to_decode, rng, cluster.ring_bytes)
         prefill.send_message(DECODE, seal_as(PREFILL, DECODE, message))
     elif kind == "early_final":
-        message = Finish(room=room, sender_id=0, final_parts=rng.randrange(1, 4))
+        message = Finish(room=room, ticket=to_decode, sender_id=0,
+                         final_parts=rng.randrange(1, 4))
         prefill.send_message(DECODE, seal_as(PREFILL, DECODE, message))
     elif kind == "alloc":
-        message = AllocRequest(room=room, part=100 + rng.randrange(50), sender_id=0,
+        message = AllocRequest(room=room, ticket=to_decode, part=100 + rng.randrange(50),
+                               sender_id=0,
                                size_bytes=rng.choice([1, 512, cluster.ring_bytes * 2]))
         prefill.send_message(DECODE, seal_as(PREFILL, DECODE, message))
     elif kind == "replay" and captured:
         prefill.send_message(DECODE, rng.choice(captured))
     elif kind == "to_prefill":
-        grant = Grant(room=room, part=100 + rng.randrange(50), sender_id=0,
+        grant = Grant(room=room, ticket=to_prefill, part=100 + rng.randrange(50), sender_id=0,
                       ring_offset=rng.randrange(2 * cluster.ring_bytes), size_bytes=512,
                       ring_version=1)
         body = rng.choice([seal_as(DECODE, PREFILL, grant),
                            _sealed(DECODE, PREFILL, b'{"v":' * 100)])
         decode.send_message(PREFILL, body)
     elif kind == "early_request_kv":
-        message = RequestKV(room=f"ghost-{seed % 7}", decode_pp_rank=0, decode_tp_rank=0,
+        message = RequestKV(room=f"ghost-{seed % 7}", ticket=1_000_000 + seed % 100_000,
+                            decode_pp_rank=0, decode_tp_rank=0,
                             dst_page_runs=((0, 1),), num_tokens=1, path="staged",
                             ring_version=1)
         decode.send_message(PREFILL, seal_as(DECODE, PREFILL, message))

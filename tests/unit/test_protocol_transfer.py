@@ -318,12 +318,12 @@ def test_a_notification_of_another_room_leaves_a_quarantined_region_held() -> No
     sender, receiver = cluster.senders[0], cluster.receivers[0]
     assert receiver.ring.quarantined_regions == 1
     held = receiver.grants.quarantined[0]
-    stale = StagedPart(room="finished-room", part=0, sender_id=0,
+    stale = StagedPart(room="finished-room", ticket=held.ticket, part=0, sender_id=0,
                        ring_offset=held.region.offset_bytes, size_bytes=held.region.size_bytes,
                        layer_start=0, layer_stop=2, page_start=0, page_count=2,
                        ring_version=held.ring_version)
-    assert held.matches(sender.transport.agent_name, stale.ring_offset, stale.size_bytes,
-                        stale.ring_version)  # all but the room
+    assert held.matches(sender.transport.agent_name, stale.ticket, stale.ring_offset,
+                        stale.size_bytes, stale.ring_version)  # all but the room
     sender.transport.send_message(receiver.transport.agent_name, seal_as(
         sender.transport.agent_name, receiver.transport.agent_name, stale))
     cluster.step()
@@ -480,15 +480,19 @@ def test_hostile_messages_are_rejected_counted_and_change_nothing() -> None:
     cluster.start(request, send=False)
     cluster.run(lambda: sender.poll(request.room).state is State.TRANSFERRING)  # type: ignore[union-attr]
     ring_before = receiver.ring_buffer.clone()
+    # The live request's tickets: mallory copies them, so the checks past them are met.
+    (ticket,) = receiver.request_tickets(request.room).values()
     hostile: list[tuple[Endpoint, Message]] = [
-        (receiver, AllocRequest(room=request.room, part=0, sender_id=0, size_bytes=64)),
-        (receiver, StagedPart(room=request.room, part=0, sender_id=0, ring_offset=0,
-                              size_bytes=64, layer_start=0, layer_stop=1, page_start=0,
-                              page_count=1, ring_version=1)),
-        (receiver, Release(room=request.room)),
-        (sender, Grant(room=request.room, part=5, sender_id=0, ring_offset=0, size_bytes=64,
-                       ring_version=1)),
-        (sender, StagedPart(room="nope", part=0, sender_id=0, ring_offset=0, size_bytes=64,
+        (receiver, AllocRequest(room=request.room, ticket=ticket, part=0, sender_id=0,
+                                size_bytes=64)),
+        (receiver, StagedPart(room=request.room, ticket=ticket, part=0, sender_id=0,
+                              ring_offset=0, size_bytes=64, layer_start=0, layer_stop=1,
+                              page_start=0, page_count=1, ring_version=1)),
+        (receiver, Release(room=request.room, ticket=ticket)),
+        (sender, Grant(room=request.room, ticket=ticket, part=5, sender_id=0, ring_offset=0,
+                       size_bytes=64, ring_version=1)),
+        (sender, StagedPart(room="nope", ticket=1, part=0, sender_id=0, ring_offset=0,
+                            size_bytes=64,
                             layer_start=0, layer_stop=1, page_start=0, page_count=1,
                             ring_version=1)),
     ]
@@ -520,8 +524,10 @@ def test_a_grant_outside_the_ring_is_refused_before_anything_is_posted() -> None
     request = cluster.new_request(num_tokens=8)
     cluster.start(request)
     cluster.run(lambda: sender.alloc_requests_sent == 1)
-    forged = Grant(room=request.room, part=0, sender_id=0, ring_offset=4096 - 256,
-                   size_bytes=512, ring_version=1)
+    forged = Grant(room=request.room,
+                   ticket=sender.request_tickets(request.room)[receiver.transport.agent_name],
+                   part=0, sender_id=0, ring_offset=4096 - 256, size_bytes=512,
+                   ring_version=1)
     receiver.transport.send_message(sender.transport.agent_name, seal_as(
         receiver.transport.agent_name, sender.transport.agent_name, forged))
     cluster.run(lambda: cluster.finished(request.room))
@@ -537,7 +543,8 @@ def test_request_kv_naming_pages_outside_the_decode_pool_is_a_violation() -> Non
     sender.register_request(request.room, request.src_pages, request.num_tokens)
     sender.send_part(request.room, last=True)
     forged = seal_as(receiver.transport.agent_name, sender.transport.agent_name,
-                     RequestKV(room=request.room, decode_pp_rank=0, decode_tp_rank=0,
+                     RequestKV(room=request.room, ticket=1, decode_pp_rank=0,
+                               decode_tp_rank=0,
                                dst_page_runs=((cluster.num_pages - 1, 2),),
                                num_tokens=8, path="contiguous", ring_version=1))
     receiver.transport.send_message(sender.transport.agent_name, forged)
@@ -723,7 +730,7 @@ def test_a_hostile_pre_grant_fails_its_request_before_anything_is_posted(
     request = cluster.new_request(num_tokens=8)
     sender.register_request(request.room, request.src_pages, request.num_tokens)
     sender.send_part(request.room, last=True)
-    forged = RequestKV(room=request.room, decode_pp_rank=0, decode_tp_rank=0,
+    forged = RequestKV(room=request.room, ticket=1, decode_pp_rank=0, decode_tp_rank=0,
                        dst_page_runs=compute_runs(request.dst_pages), num_tokens=8,
                        path="staged", ring_version=1, pregrant_offset=offset,
                        pregrant_bytes=size)

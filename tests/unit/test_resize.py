@@ -154,7 +154,9 @@ def test_a_staged_part_of_a_stale_registration_is_rejected_for_its_request_only(
     victim = cluster.new_request(num_tokens=8)
     cluster.start(victim, send=False)
     cluster.run(lambda: receiver.poll(victim.room).state is State.TRANSFERRING)  # type: ignore[union-attr]
-    stale = StagedPart(room=victim.room, part=0, sender_id=0, ring_offset=0, size_bytes=256,
+    (ticket,) = receiver.request_tickets(victim.room).values()
+    stale = StagedPart(room=victim.room, ticket=ticket, part=0, sender_id=0, ring_offset=0,
+                       size_bytes=256,
                        layer_start=0, layer_stop=2, page_start=0, page_count=2,
                        ring_version=1)
     sender.transport.send_message(receiver.transport.agent_name, seal_as(
@@ -167,6 +169,46 @@ def test_a_staged_part_of_a_stale_registration_is_rejected_for_its_request_only(
     cluster.start(ok)
     cluster.run(lambda: cluster.finished(ok.room))
     _succeeded_and_exact(cluster, [ok])
+
+
+def test_a_ring_announcement_is_checked_against_what_the_rank_registered() -> None:
+    """docs/failure-modes.md #50: a newer ring inside the KV pool, one overlapping the ring in
+    force, a buffer the metadata does not register, another kind of memory, a version far
+    ahead, and another ring at the version in force are refused, each with its reason; the
+    announcement in force again is a repeat; a real resize is still taken."""
+    cluster = Cluster(mode="staged")
+    receiver, sender = cluster.receivers[0], cluster.senders[0]
+    name, target = receiver.transport.agent_name, sender.transport.agent_name
+    update = receiver._ring_update()
+    pool, ring = receiver.kv_regions[0], receiver.ring_region
+    version = update.ring_version
+    forged = [
+        update.model_copy(update={"ring_version": version + 1,
+                                  "base_address": pool.base_address, "size_bytes": 4096}),
+        update.model_copy(update={"ring_version": version + 1,
+                                  "base_address": ring.base_address + 64, "size_bytes": 64}),
+        update.model_copy(update={"ring_version": version + 1,
+                                  "base_address": ring.end_address + (1 << 20)}),
+        update.model_copy(update={"ring_version": version + 1, "kind": "VRAM"}),
+        update.model_copy(update={"ring_version": version + 65,
+                                  "base_address": ring.end_address + (1 << 20)}),
+        update.model_copy(update={"base_address": ring.base_address + 64}),  # same version
+        update,  # the announcement in force again: a repeat, not counted
+    ]
+    for message in forged:
+        receiver.transport.send_message(target, seal_as(name, target, message))
+    cluster.step()
+    assert sender.metrics.snapshot().rejected_by_reason == {
+        "invalid_ring_update": 4, "unregistered_ring": 1, "conflicting_registration": 1}
+    assert sender.peers[name].ring_version == version
+    future = receiver.resize_ring(16384, deadline_s=1.0)
+    cluster.run(future.done)
+    cluster.step()
+    assert sender.peers[name].ring_version == version + 1
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request)
+    cluster.run(lambda: cluster.finished(request.room))
+    assert cluster.states(request.room) == {State.SUCCEEDED} and cluster.verified(request)
 
 
 def test_a_lost_ring_update_is_sent_again_and_the_next_request_succeeds() -> None:

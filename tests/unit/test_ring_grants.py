@@ -51,10 +51,12 @@ class _Ring:
                                  clock=self.clock, on_unpinned=self.unpinned.append)
 
     def request(self, room: str, peer: str = "prefill-a") -> ReceiveTransfer:
-        """A live request with one staged writer (sender id 0) on ``peer``."""
-        transfer = ReceiveTransfer(room, self.clock(), lambda t: self.released.append(t.room),
-                                   bootstrap_s=2.0, dst_pages=[0, 1], num_tokens=8,
-                                   instance=None, mode="staged")
+        """A live request with one staged writer (sender id 0) on ``peer``; tickets are 1, 2,
+        3, ... in the order requests are made."""
+        transfer = ReceiveTransfer(room, len(self.transfers) + 1, self.clock(),
+                                   lambda t: self.released.append(t.room), bootstrap_s=2.0,
+                                   dst_pages=[0, 1], num_tokens=8, instance=None,
+                                   mode="staged")
         transfer.add_writer(peer, _PLAN, _LAYOUT, "staged", self.clock())
         self.transfers[room] = transfer
         return transfer
@@ -296,13 +298,15 @@ def test_a_quarantined_region_is_released_only_by_a_staged_part_of_its_own_room(
     failed = ring.request("failed")
     assert ring.ask(failed, 0, 1000)  # [0, 1000), 1024 reserved
     ring.grants.release(failed, live_peers={"prefill-a"}, expiry=30.0)
-    assert not ring.grants.late_write("prefill-a", "finished", 0, 1000, 1)  # another room
-    assert not ring.grants.late_write("prefill-a", "failed", 0, 768, 1)  # not its size
-    assert not ring.grants.late_write("prefill-b", "failed", 0, 1000, 1)  # not its writer
-    assert not ring.grants.late_write("prefill-a", "failed", 0, 1000, 2)  # not its ring
+    assert not ring.grants.late_write("prefill-a", "finished", 1, 0, 1000, 1)  # another room
+    assert not ring.grants.late_write("prefill-a", "failed", 1, 0, 768, 1)  # not its size
+    assert not ring.grants.late_write("prefill-b", "failed", 1, 0, 1000, 1)  # not its writer
+    assert not ring.grants.late_write("prefill-a", "failed", 1, 0, 1000, 2)  # not its ring
+    # The same room id, another request: an earlier incarnation's notification sent again.
+    assert not ring.grants.late_write("prefill-a", "failed", 9, 0, 1000, 1)
     assert ring.grants.ring.used_bytes == 1024
     assert [e.region.owner for e in ring.grants.quarantined] == ["failed"]
-    assert ring.grants.late_write("prefill-a", "failed", 0, 1000, 1)
+    assert ring.grants.late_write("prefill-a", "failed", 1, 0, 1000, 1)
     assert ring.grants.quarantined == () and ring.grants.ring.used_bytes == 0
     assert ring.unpinned == []  # a region of the ring in force: no buffer to let go
 
@@ -317,9 +321,10 @@ def test_a_quarantined_pregrant_takes_a_smaller_late_write_or_its_withdrawn() ->
     for transfer in (pre, pre2, plain):
         ring.grants.release(transfer, live_peers={"prefill-a"}, expiry=30.0)
     assert [e.region.owner for e in ring.grants.quarantined] == ["pre", "pre2", "plain"]
-    assert ring.grants.late_write("prefill-a", "pre", 0, 512, 1)  # 512 <= 2048, its start
-    assert not ring.grants.late_withdrawn("prefill-a", "plain")  # not a pre-grant
-    assert ring.grants.late_withdrawn("prefill-a", "pre2")
+    assert ring.grants.late_write("prefill-a", "pre", 1, 0, 512, 1)  # 512 <= 2048, its start
+    assert not ring.grants.late_withdrawn("prefill-a", "plain", 3)  # not a pre-grant
+    assert not ring.grants.late_withdrawn("prefill-a", "pre2", 1)  # another incarnation's
+    assert ring.grants.late_withdrawn("prefill-a", "pre2", 2)
     assert [e.region.owner for e in ring.grants.quarantined] == ["plain"]
     assert ring.grants.ring.used_bytes == 512
 
@@ -353,7 +358,7 @@ def test_a_retired_rings_buffer_is_let_go_when_its_last_quarantined_region_is() 
     ring.grants.swap(8192)
     assert (ring.grants.version, ring.grants.pins(1), ring.grants.pins(2)) == (2, True, False)
     assert ring.grants.ring.used_bytes == 0  # the new ring holds none of the old regions
-    assert ring.grants.late_write("prefill-a", "a", 0, 1024, 1)
+    assert ring.grants.late_write("prefill-a", "a", 1, 0, 1024, 1)
     assert ring.unpinned == [] and ring.grants.pins(1)  # b's region still pins it
     ring.grants.expire(30.0)
     assert ring.unpinned == [1] and not ring.grants.pins(1)

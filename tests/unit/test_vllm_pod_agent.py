@@ -127,7 +127,7 @@ def canned_ranks(base: int, ranks: list[int],
                  staging_mib: Callable[[int], int] = lambda _rank: 8,
                  ) -> Iterator[list[BootstrapServer]]:
     """Bootstrap servers at base + r answering hand-made reports (and staging replies)."""
-    cluster = Cluster()
+    cluster = Cluster(host="127.0.0.1")  # documents are fetched over HTTP
     servers = []
     for rank in ranks:
         server = BootstrapServer(cluster.receivers[0].document, TEST_AUTH, "127.0.0.1",
@@ -151,7 +151,7 @@ def live_ranks(base: int, tp: int = 2, transfers: int = 0) -> Iterator[Cluster]:
     """``tp`` real decode ranks (loopback), each stepped by a worker thread, each with a
     bootstrap server at base + r carrying its control routes; ``transfers`` requests moved
     (stepped by hand) before the threads start."""
-    cluster = Cluster(decode_tp=tp, prefill_tp=tp)
+    cluster = Cluster(decode_tp=tp, prefill_tp=tp, host="127.0.0.1")
     for _ in range(transfers):
         request = cluster.new_request(16)
         cluster.start(request)

@@ -3,9 +3,17 @@
 Only pods of one PDDeployment hold its transfer key (a Secret the operator creates and
 mounts; ``pd_contract.names.TRANSFER_AUTH_PATH``), so a valid MAC proves the sender is one
 of them (docs/failure-modes.md #26). Every control message, WRITE notification and bootstrap
-document travels in a frame::
+document travels in a frame, authenticated or, for what carries secrets, encrypted::
 
     b"PDA1" | HMAC-SHA256(key, context | body) (32 bytes) | body
+    b"PDE1" | nonce (12 bytes) | AES-256-GCM(enc_key, nonce, body, aad=context) (body + 16)
+
+An encrypted frame (``seal(..., confidential=True)``) is what bootstrap documents and ring
+announcements travel in: they carry the transport's worker address, region addresses and
+remote keys, which let whoever reads them post one-sided WRITEs (docs/failure-modes.md #47).
+``enc_key`` is HMAC-SHA256(key, "pd-transfer/encrypt/1"), so the MAC and the cipher never
+share a key; nonces are random (these frames are rare: one per document fetch or resize,
+far below GCM's 2^32 random-nonce bound per key).
 
 ``context`` binds the purpose (``message`` / ``document`` / ``control``), the protocol
 version, the sender's and the receiver's agent names, each length-prefixed: a frame cannot
@@ -35,6 +43,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar, Final
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from pd_transfer.errors import RemoteProtocolError, TransferError
 
 __all__ = [
@@ -42,6 +53,7 @@ __all__ = [
     "FRAME_OVERHEAD",
     "KEY_BYTES",
     "MAX_KEYS",
+    "SECRET_MAGIC",
     "AuthKeyError",
     "PeerAuth",
     "Purpose",
@@ -56,8 +68,13 @@ MAX_KEYS: Final = 4
 RELOAD_INTERVAL_S: Final = 2.0
 RELOAD_ON_FAILURE_INTERVAL_S: Final = 0.5
 FRAME_MAGIC: Final = b"PDA1"  # frame format 1; a new format gets a new magic
+SECRET_MAGIC: Final = b"PDE1"  # an encrypted frame, format 1
 MAC_BYTES: Final = 32
 FRAME_OVERHEAD: Final = len(FRAME_MAGIC) + MAC_BYTES
+NONCE_BYTES: Final = 12
+TAG_BYTES: Final = 16
+SECRET_OVERHEAD: Final = len(SECRET_MAGIC) + NONCE_BYTES + TAG_BYTES
+_ENCRYPT_LABEL: Final = b"pd-transfer/encrypt/1"
 _log = logging.getLogger(__name__)
 _KEY_LINE: Final = re.compile(r"[0-9a-f]{64}")
 _DOMAIN: Final = b"pd-transfer/auth/1\x00"
@@ -101,9 +118,18 @@ class PeerAuth:
         if len(set(keys)) != len(keys):
             raise AuthKeyError("the transfer key set lists one key twice")
         self._keys = tuple(bytes(key) for key in keys)
+        self._ciphers = _ciphers(self._keys)
         self._source: Path | None = None
         self._stamp: tuple[int, int, int] | None = None
         self._checked_at = 0.0
+
+    def __getstate__(self) -> dict[str, object]:
+        """Picklable (a spawned process gets the keys): the ciphers are rebuilt there."""
+        return {k: v for k, v in self.__dict__.items() if k != "_ciphers"}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._ciphers = _ciphers(self._keys)
 
     @classmethod
     def generate(cls) -> PeerAuth:
@@ -176,7 +202,10 @@ class PeerAuth:
             return False
         self._stamp = stamp
         changed = fresh._keys != self._keys
-        self._keys = fresh._keys  # one reference swap: readers see the old or the new set
+        # Two reference swaps, ciphers first: a reader may pair new ciphers with old MAC
+        # keys for a moment, which only makes one frame fail to open.
+        self._ciphers = fresh._ciphers
+        self._keys = fresh._keys
         if changed:
             _log.info("transfer keys reloaded from %s (key in force %s)", self._source,
                       self.fingerprint)
@@ -192,16 +221,29 @@ class PeerAuth:
         return hashlib.sha256(b"pd-transfer/fingerprint\x00" + self._keys[0]).hexdigest()[:12]
 
     def seal(self, body: bytes, *, purpose: Purpose, version: int, sender: str,
-             receiver: str) -> bytes:
-        """Frame ``body`` with the MAC of the key in force over its context and itself."""
+             receiver: str, confidential: bool = False) -> bytes:
+        """Frame ``body`` with the MAC of the key in force over its context and itself, or,
+        ``confidential``, encrypt it with that key (the context is authenticated data)."""
         self.refresh()
         context = _context(purpose, version, sender, receiver)
+        if confidential:
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            return SECRET_MAGIC + nonce + self._ciphers[0].encrypt(nonce, body, context)
         return FRAME_MAGIC + _mac(self._keys[0], context, body) + body
 
     def open(self, frame: bytes, *, purpose: Purpose, version: int, sender: str,
-             receiver: str) -> bytes:
-        """The body of a frame whose MAC one accepted key verifies for this context; else
-        Unauthenticated (the body is never looked at)."""
+             receiver: str, confidential: bool = False) -> bytes:
+        """The body of a frame one accepted key verifies (or decrypts) for this context;
+        else Unauthenticated (the body is never looked at). ``confidential``: only an
+        encrypted frame is accepted (what must never travel in the clear)."""
+        if frame.startswith(SECRET_MAGIC):
+            return self._decrypt(frame, _context(purpose, version, sender, receiver),
+                                 f"{purpose.value} from {sender!r} to {receiver!r}")
+        if confidential:
+            raise Unauthenticated(
+                f"{purpose.value} from {sender!r}: {len(frame)} bytes that are not an encrypted "
+                f"{SECRET_MAGIC!r} frame; this {purpose.value} carries transport secrets and is "
+                f"accepted encrypted only (a peer of an older version, or a downgrade)")
         if len(frame) < FRAME_OVERHEAD or not frame.startswith(FRAME_MAGIC):
             raise Unauthenticated(
                 f"{purpose.value} from {sender!r}: {len(frame)} bytes without a {FRAME_MAGIC!r} "
@@ -220,6 +262,23 @@ class PeerAuth:
                 f"frame meant for another peer)")
         return body
 
+    def _decrypt(self, frame: bytes, context: bytes, what: str) -> bytes:
+        if len(frame) < SECRET_OVERHEAD:
+            raise Unauthenticated(f"{what}: {len(frame)} bytes, shorter than an encrypted frame")
+        nonce = frame[len(SECRET_MAGIC):len(SECRET_MAGIC) + NONCE_BYTES]
+        sealed = frame[len(SECRET_MAGIC) + NONCE_BYTES:]
+        for attempt in range(2):
+            for cipher in self._ciphers:
+                try:
+                    return cipher.decrypt(nonce, sealed, context)
+                except InvalidTag:
+                    continue
+            if attempt or not self.refresh(min_interval_s=RELOAD_ON_FAILURE_INTERVAL_S):
+                break
+        raise Unauthenticated(
+            f"{what}: no accepted key decrypts it (wrong deployment, a key rotated out, or a "
+            f"frame meant for another peer)")
+
 
 def _stamp_of(path: Path) -> tuple[int, int, int] | None:
     try:
@@ -229,10 +288,18 @@ def _stamp_of(path: Path) -> tuple[int, int, int] | None:
     return (stat.st_ino, stat.st_mtime_ns, stat.st_size)
 
 
-def outgoing_body(frame: bytes) -> bytes:
+def _ciphers(keys: tuple[bytes, ...]) -> tuple[AESGCM, ...]:
+    """One AES-256-GCM per key, under a key derived for encryption only."""
+    return tuple(AESGCM(hmac.new(key, _ENCRYPT_LABEL, hashlib.sha256).digest()) for key in keys)
+
+
+def outgoing_body(frame: bytes) -> bytes | None:
     """The body of a frame this process sealed itself, WITHOUT verifying it: only for
     instrumentation and fault injection wrapped around our own transport (timing stamps,
-    dropping our own Grants). Never act on a peer's frame this way: ``PeerAuth.open`` it."""
+    dropping our own Grants). None for an encrypted frame (a ring announcement), whose body
+    only its receiver reads. Never act on a peer's frame this way: ``PeerAuth.open`` it."""
+    if frame.startswith(SECRET_MAGIC):
+        return None
     return frame[FRAME_OVERHEAD:] if frame.startswith(FRAME_MAGIC) else frame
 
 

@@ -21,11 +21,19 @@ response body; the vLLM connector adds the pod agent's control routes this way, 
 module knows nothing of senders or receivers). The document is rendered on each request, so
 a re-registered ring shows up at once.
 
-Authenticated (docs/failure-modes.md #26): the body is the document's JSON in a
-``pd_transfer.auth`` frame sealed with the deployment's transfer key (purpose ``document``);
-``fetch_document`` verifies the MAC before it parses a byte of JSON, so transport metadata
-reaches ``Transport.add_peer`` only from a pod holding the key. The document names its agent
-inside the MACed body; ``add_peer`` checks the metadata embeds that same name.
+Encrypted (docs/failure-modes.md #26, #47): the body is the document's JSON in an encrypted
+``pd_transfer.auth`` frame under the deployment's transfer key (purpose ``document``), so
+only a holder of the key learns the worker address, region addresses and remote keys; a
+frame that is only MACed is refused. ``fetch_document`` decrypts and verifies before it
+parses a byte of JSON, so transport metadata reaches ``Transport.add_peer`` only from a pod
+holding the key.
+
+Agent names are bound to the pod that serves them (docs/failure-modes.md #48): a rank's agent
+is named ``<base>@<host>``, ``host`` being the address peers reach its pod at (the pod IP the
+API reports, which routers hand out as the bootstrap address), and ``fetch_document`` refuses
+a document whose name is bound to another host than the one it was fetched from. A key
+holder can only name agents of its own address, so it cannot take a decode rank's name and
+receive that rank's WRITEs. ``add_peer`` checks the metadata embeds the document's name.
 
 Version history of ``DOCUMENT_VERSION``:
   1: first version.
@@ -33,6 +41,8 @@ Version history of ``DOCUMENT_VERSION``:
   3: per-layer pools: the geometry gains ``page_format`` and ``packing``; ``kv_regions`` lists
      every registered KV range (up to ``MAX_KV_REGIONS``) and ``layer_bases`` the page-0
      address of each (part, local layer).
+  4: the frame is encrypted (AES-256-GCM), and ``agent_name`` is ``<base>@<host>``, bound to
+     the host the document is served from.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import base64
 import bisect
 import itertools
 import json
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -69,13 +80,15 @@ __all__ = [
     "RankDocument",
     "RegionDoc",
     "RouteHandler",
+    "agent_host",
+    "bound_agent_name",
     "check_compatible",
     "fetch_document",
     "open_document",
     "seal_document",
 ]
 
-DOCUMENT_VERSION: Final = 3
+DOCUMENT_VERSION: Final = 4
 MAX_DOCUMENT_BYTES: Final = 1 << 20
 MAX_KV_REGIONS: Final = 2 * 1024
 """Registered KV ranges a document may list (one per layer tensor, two parts at most)."""
@@ -167,10 +180,10 @@ _BaseRow = Annotated[
 class RankDocument(_Doc):
     """Everything a peer needs to address this rank."""
 
-    v: Literal[3] = DOCUMENT_VERSION
+    v: Literal[4] = DOCUMENT_VERSION
     role: Literal["prefill", "decode"]
     instance: str = Field(min_length=1, max_length=253)
-    agent_name: str = Field(min_length=1)
+    agent_name: str = Field(min_length=1, max_length=512)
     pp_rank: int = Field(ge=0)
     tp_rank: int = Field(ge=0)
     pp: int = Field(ge=1)
@@ -243,6 +256,32 @@ def _check_regions(regions: tuple[RegionDoc, ...]) -> None:
             )
 
 
+_AGENT_BASE: Final = re.compile(r"[!-?A-~]{1,255}")  # printable ASCII but space and "@"
+_HOST: Final = re.compile(r"[0-9A-Za-z.:\-\[\]]{1,255}")
+
+
+def bound_agent_name(base: str, host: str) -> str:
+    """The agent name ``base@host`` of a rank whose pod peers reach at ``host`` (module
+    docstring); ValueError for a base or host a peer could not parse back."""
+    if not _AGENT_BASE.fullmatch(base):
+        raise ValueError(f"agent name base {base!r}: 1-255 printable ASCII characters, no "
+                         f"space or '@'")
+    if not _HOST.fullmatch(host) or host in ("0.0.0.0", "::", "[::]"):
+        raise ValueError(f"agent host {host!r}: the address peers reach this pod at (its pod "
+                         f"IP or host name), not a wildcard bind address")
+    return f"{base}@{host}"
+
+
+def agent_host(name: str) -> str:
+    """The host an agent name is bound to (what follows its last ``@``; "" if none)."""
+    return name.rpartition("@")[2] if "@" in name else ""
+
+
+def _address_host(address: str) -> str:
+    host = address.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def check_compatible(local: GeometryDoc, remote: RankDocument, address: str) -> None:
     """Raise GeometryMismatch naming both values of the first field that differs."""
     for field in GeometryDoc.model_fields:
@@ -259,18 +298,20 @@ def check_compatible(local: GeometryDoc, remote: RankDocument, address: str) -> 
 def seal_document(document: RankDocument, auth: PeerAuth) -> bytes:
     """The document's JSON in a frame sealed with the key in force (what the server sends)."""
     return auth.seal(document.model_dump_json().encode(), purpose=Purpose.DOCUMENT,
-                     version=DOCUMENT_VERSION, sender="", receiver="")
+                     version=DOCUMENT_VERSION, sender="", receiver="", confidential=True)
 
 
 def open_document(raw: bytes, auth: PeerAuth, source: str) -> RankDocument:
-    """Verify a sealed document's MAC, then parse it; raises BootstrapError naming ``source``.
+    """Decrypt and verify a sealed document, then parse it; raises BootstrapError naming
+    ``source``.
 
     The frame binds no agent names (a fetcher is anonymous): the agent name is inside the
-    MACed body, and ``Transport.add_peer`` checks the metadata against it.
+    encrypted body, ``fetch_document`` checks it is bound to the host it came from, and
+    ``Transport.add_peer`` checks the metadata against it.
     """
     try:
         body = auth.open(raw, purpose=Purpose.DOCUMENT, version=DOCUMENT_VERSION,
-                         sender="", receiver="")
+                         sender="", receiver="", confidential=True)
     except Unauthenticated as exc:
         raise BootstrapError(
             f"{source}: unauthenticated bootstrap document: {exc.detail}; prefill and decode "
@@ -291,8 +332,9 @@ def open_document(raw: bytes, auth: PeerAuth, source: str) -> RankDocument:
 
 
 def fetch_document(address: str, timeout_s: float, auth: PeerAuth) -> RankDocument:
-    """GET ``http://{address}/v1/rank`` within ``timeout_s`` and verify it with ``auth``;
-    raises BootstrapError."""
+    """GET ``http://{address}/v1/rank`` within ``timeout_s``, decrypt and verify it with
+    ``auth``, and check its agent name is bound to ``address``'s host; raises
+    BootstrapError."""
     url = f"http://{address}{ROUTE}"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
@@ -301,7 +343,15 @@ def fetch_document(address: str, timeout_s: float, auth: PeerAuth) -> RankDocume
         raise BootstrapError(f"cannot fetch {url} within {timeout_s} s: {exc}") from exc
     if len(raw) > MAX_DOCUMENT_BYTES:
         raise BootstrapError(f"{url}: document larger than {MAX_DOCUMENT_BYTES} bytes")
-    return open_document(raw, auth, url)
+    document = open_document(raw, auth, url)
+    host = _address_host(address)
+    if agent_host(document.agent_name) != host:
+        raise BootstrapError(
+            f"{url}: the document names agent {document.agent_name!r}, bound to host "
+            f"{agent_host(document.agent_name)!r}, but {host!r} served it; an agent's name is "
+            f"bound to the pod that owns it, so no pod can take another's (a key holder "
+            f"impersonating a rank, or a rank started with the wrong advertised host)")
+    return document
 
 
 class BootstrapServer:

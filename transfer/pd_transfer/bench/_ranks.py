@@ -32,7 +32,7 @@ import torch
 
 from pd_contract.transferagent import Role
 from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import DTYPES, DtypeName, GeometryDoc
+from pd_transfer.bootstrap import DTYPES, DtypeName, GeometryDoc, bound_agent_name
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import PollIntervals, RankIdentity, Timeouts
 from pd_transfer.layout import KVLayout, KVPart
@@ -181,7 +181,8 @@ class _Rank:
                           DTYPES[spec.dtype])
         self.pool = KVPool.allocate(layout, self.device)
         self.kv = spec.geometry().kv_geometry()
-        transport = NixlTransport(f"bench-{role}-{tp_rank}-{uuid.uuid4().hex[:8]}",
+        transport = NixlTransport(bound_agent_name(f"bench-{role}-{tp_rank}-{uuid.uuid4().hex[:8]}",
+                                                   RankOptions().host),
                                   NixlConfig(progress_thread=spec.progress_thread))
         identity = RankIdentity(f"bench-{role}", self.coord, parallelism, spec.geometry())
         timeouts = Timeouts(transfer_s=spec.timeout_s, kv_lease_s=2 * spec.timeout_s,

@@ -95,7 +95,8 @@ class TimedTransport(DelegatingTransport):
         notification: bytes,
     ) -> PreparedWrite:
         prepared = self.inner.prepare_write(peer, local, remote, remote_regions, notification)
-        message = decode_message(outgoing_body(notification))
+        body = outgoing_body(notification)
+        message = decode_message(body) if body is not None else None
         if isinstance(message, PartDone | StagedPart):
             self._parts[prepared] = (message.room, message.part)
         return prepared
@@ -129,7 +130,7 @@ class TimedTransport(DelegatingTransport):
         for _, payload in received:
             try:
                 # Timing stamps only (the endpoint verifies the frame before acting on it).
-                message = decode_message(outgoing_body(payload))
+                message = decode_message(outgoing_body(payload) or b"")
             except Exception:  # the endpoint itself rejects and counts a bad payload
                 continue
             if isinstance(message, PartDone | StagedPart):

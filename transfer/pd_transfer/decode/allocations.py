@@ -145,13 +145,15 @@ class _Allocations:
         rx = self._rx
         writer.move(part, PartEvent.REFUSE, rx.part_machine)
         rx.send(writer.peer, wire.GrantRefused(
-            room=transfer.room, part=part.index, sender_id=writer.plan.sender_id,
+            room=transfer.room, ticket=transfer.ticket, part=part.index,
+            sender_id=writer.plan.sender_id,
             needed_bytes=part.size_bytes, capacity_bytes=rx.ring.capacity_bytes))
         rx._fail(transfer, FailureReason.OVERSIZED_CHUNK, str(exc), skip_peer=writer.peer)
 
     def _grant(self, transfer: ReceiveTransfer, writer: _Writer, part: _InPart) -> wire.Grant:
         assert part.region is not None
-        return wire.Grant(room=transfer.room, part=part.index, sender_id=writer.plan.sender_id,
+        return wire.Grant(room=transfer.room, ticket=transfer.ticket, part=part.index,
+                          sender_id=writer.plan.sender_id,
                           ring_offset=part.region.offset_bytes, size_bytes=part.region.size_bytes,
                           ring_version=self._rx.ring_version)
 
@@ -162,7 +164,8 @@ class _Allocations:
         return wire.Watermark(
             used_bytes=ring.used_bytes, capacity_bytes=ring.capacity_bytes,
             largest_free_bytes=ring.largest_free_extent_bytes,
-            pending_allocations=self._rx.grants.queued, room=transfer.room, part=part,
+            pending_allocations=self._rx.grants.queued, room=transfer.room,
+            ticket=transfer.ticket, part=part,
             sender_id=writer.plan.sender_id)
 
     # Progress: the queue, asking pre-grants back -------------------------------------------
@@ -211,6 +214,6 @@ class _Allocations:
         first = part.withdraw_sent_at is None
         if not self._rx.grants.withdraw_due(part, now):
             return False
-        self._rx.send(writer.peer, wire.Withdraw(room=transfer.room,
+        self._rx.send(writer.peer, wire.Withdraw(room=transfer.room, ticket=transfer.ticket,
                                                  sender_id=writer.plan.sender_id))
         return first

@@ -187,4 +187,4 @@ class _Arrivals:
                 rx.metrics.bytes_moved(writer.path, writer.plan.bytes_per_token * slots)
         rx._apply(transfer, Event.COMPLETE)
         for writer in transfer.writers.values():
-            rx.send(writer.peer, wire.Release(room=transfer.room))
+            rx.send(writer.peer, wire.Release(room=transfer.room, ticket=transfer.ticket))

@@ -213,26 +213,30 @@ class RingGrants:
                 assert part.region is not None
                 if writer.peer in live_peers and self.ring.quarantine(part.region):
                     self._quarantine.append(Quarantined(part.region, writer.peer, expiry,
-                                                        part.ring_version, part.pregranted))
+                                                        part.ring_version, transfer.ticket,
+                                                        part.pregranted))
             writer.parts.clear()
         self.ring.free_owner(transfer.room)
 
-    def late_write(self, peer: str, room: str, ring_offset: int, size_bytes: int,
-                   ring_version: int) -> bool:
-        """A StagedPart for a room no longer live: release the quarantined region it wrote,
-        if any. Its own room only: a written part's notification sent again (the writer
-        heard no Release) may name a region that another room holds since."""
+    def late_write(self, peer: str, room: str, ticket: int, ring_offset: int,  # noqa: PLR0917
+                   size_bytes: int, ring_version: int) -> bool:
+        """A StagedPart for a request no longer live: release the quarantined region it
+        wrote, if any. Its own request only (room and ticket): a written part's notification
+        sent again (the writer heard no Release) may name a region that another request
+        holds since, and a frame of an earlier request with the same room id is no write."""
         for entry in self._quarantine:
-            if entry.region.owner == room and entry.matches(peer, ring_offset, size_bytes,
-                                                            ring_version):
+            if entry.region.owner == room and entry.matches(peer, ticket, ring_offset,
+                                                            size_bytes, ring_version):
                 self._drop(entry)
                 return True
         return False
 
-    def late_withdrawn(self, peer: str, room: str) -> bool:
-        """A Withdrawn for a room no longer live: release its unwritten pre-grant, if held."""
+    def late_withdrawn(self, peer: str, room: str, ticket: int) -> bool:
+        """A Withdrawn for a request no longer live: release its unwritten pre-grant, if
+        held."""
         for entry in self._quarantine:
-            if entry.pregranted and (entry.writer, entry.region.owner) == (peer, room):
+            if entry.pregranted and (entry.writer, entry.region.owner, entry.ticket) == (
+                    peer, room, ticket):
                 self._drop(entry)
                 return True
         return False

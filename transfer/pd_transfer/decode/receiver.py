@@ -9,6 +9,7 @@ deadlines and endings, and swaps the ring in a resize. The rules are in decode/_
 from __future__ import annotations
 
 import base64
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -85,6 +86,8 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                                  on_unpinned=self._unpinned)
         self.metrics.attach_ring(self.ring)
         self.metrics.set_staging(ring_bytes, self.ring_version)
+        # Request incarnations (messages.Ticket): never one twice for this agent.
+        self._tickets = itertools.count(1)
         self._retired: dict[int, torch.Tensor] = {}  # old ring buffers quarantine still pins
         self._scatters = _Scatters(pool, self._stream)
         self._allocations = _Allocations(self)
@@ -172,7 +175,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
                 f"tokens to receive (the last page holds the last token, which decode never "
                 f"has cached)")
         self._check_new(room, pages, num_tokens - first_page * page_size, "expected")
-        transfer = ReceiveTransfer(room, self.clock(), self._release,
+        transfer = ReceiveTransfer(room, next(self._tickets), self.clock(), self._release,
                                    bootstrap_s=self.timeouts.bootstrap_s, dst_pages=pages,
                                    num_tokens=num_tokens, instance=instance, mode=mode,
                                    first_page=first_page)
@@ -217,7 +220,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         writer.asked_at = self.clock()
         region = self._allocations.pregrant(transfer, writer)
         self.send(writer.peer, wire.RequestKV(
-            room=transfer.room, decode_pp_rank=self.identity.coord.pp_rank,
+            room=transfer.room, ticket=transfer.ticket, decode_pp_rank=self.identity.coord.pp_rank,
             decode_tp_rank=self.identity.coord.tp_rank,
             dst_page_runs=wire.compute_runs(transfer.dst_pages), num_tokens=transfer.num_tokens,
             path=writer.path,  # type: ignore[arg-type]
@@ -239,7 +242,7 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
     def _on_message(self, peer: str, message: wire.Message) -> None:
         assert isinstance(message, wire.TO_DECODE)  # Endpoint.step refused the others
         transfer = self._transfers.get(message.room)
-        if transfer is None:
+        if transfer is None or message.ticket != transfer.ticket:
             self._on_unknown_room(peer, message)
             return
         sender_id = None if isinstance(message, wire.Abort) else message.sender_id
@@ -272,17 +275,25 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
             self._arrivals.check_complete(transfer)
 
     def _on_unknown_room(self, peer: str, message: wire.Message) -> None:
+        """A message for a request not live here: no live room, or a live room of another
+        incarnation (an earlier request's frame, late or replayed: ``stale_ticket``)."""
+        assert isinstance(message, wire.TO_DECODE)
+        live = self._transfers.get(message.room)
         if isinstance(message, wire.StagedPart):  # a late write into a quarantined region?
-            self.grants.late_write(peer, message.room, message.ring_offset, message.size_bytes,
-                                   message.ring_version)
+            self.grants.late_write(peer, message.room, message.ticket, message.ring_offset,
+                                   message.size_bytes, message.ring_version)
         if isinstance(message, wire.Withdrawn) and self.grants.late_withdrawn(
-                peer, message.room):  # a failed request's pre-grant, unwritten
+                peer, message.room, message.ticket):  # a failed request's pre-grant, unwritten
             return
         if isinstance(message, wire.AllocRequest) and peer in self.peers:
-            self.send(peer, wire.Abort(room=message.room, reason="AbortedByPeer", detail="decode "
-                                       "does not expect this room (finished or failed)"))
-        room = getattr(message, "room", None)
-        self.reject("unknown_room", f"{message.type} for {room!r} from {peer}")
+            self.send(peer, wire.Abort(room=message.room, ticket=message.ticket,
+                                       reason="AbortedByPeer", detail="decode does not expect "
+                                       "this request (finished or failed)"))
+        if live is not None:
+            self.reject("stale_ticket", f"{message.type} for {message.room!r} ticket "
+                        f"{message.ticket} from {peer}; the live request is ticket {live.ticket}")
+            return
+        self.reject("unknown_room", f"{message.type} for {message.room!r} from {peer}")
 
     # Progress, deadlines, endings ------------------------------------------------------------
 

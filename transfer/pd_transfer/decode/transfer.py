@@ -82,6 +82,7 @@ class ReceiveTransfer(Transfer):
     def __init__(
         self,
         room: str,
+        ticket: int,
         created: float,
         release: Callable[[ReceiveTransfer], None],
         *,
@@ -93,6 +94,7 @@ class ReceiveTransfer(Transfer):
         first_page: int = 0,
     ) -> None:
         super().__init__(room, created, lambda: release(self))
+        self.ticket = ticket  # this incarnation's number; every message about it carries it
         self.dst_pages = dst_pages
         self.dst_ids: PageIds | None = None  # dst_pages on the device (staged path)
         self.num_tokens = num_tokens
@@ -106,8 +108,8 @@ class ReceiveTransfer(Transfer):
     def pages(self) -> int:
         return len(self.dst_pages)
 
-    def bound_peers(self) -> list[str]:
-        return [writer.peer for writer in self.writers.values()]
+    def bound_peers(self) -> dict[str, int]:
+        return {writer.peer: self.ticket for writer in self.writers.values()}
 
     def add_writer(self, peer: str, plan: TransferPlan, layout: KVLayout, path: str,
                    asked_at: float) -> _Writer:

@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, ClassVar, Generic, TypeVar
 
-from pd_transfer.auth import PeerAuth, Purpose
+from pd_transfer.auth import SECRET_MAGIC, PeerAuth, Purpose
 from pd_transfer.bootstrap import (
     GeometryDoc,
     RankDocument,
@@ -62,6 +62,7 @@ from pd_transfer.protocol.messages import (
     RECEIVED_BY,
     Abort,
     Message,
+    RingUpdate,
     decode_message,
     encode_message,
 )
@@ -90,8 +91,9 @@ class Transfer(abc.ABC):
         self.part_times: list[PartTimes] = []  # finished parts' stamps (with a PhaseLog)
 
     @abc.abstractmethod
-    def bound_peers(self) -> list[str]:
-        """The peers this request is bound to (told with an Abort when it fails)."""
+    def bound_peers(self) -> dict[str, int]:
+        """The peers this request is bound to (told with an Abort when it fails), each with
+        the request's ticket (messages.Ticket) on that pair."""
 
     @property
     @abc.abstractmethod
@@ -200,6 +202,12 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         """The latest status of ``room`` (live or recently finished), None if unknown."""
         return self._statuses.get(room)
 
+    def request_tickets(self, room: str) -> dict[str, int]:
+        """The peers live request ``room`` is bound to, each with the request's ticket on
+        that pair (messages.Ticket); empty if it is not live. Diagnostics and tests."""
+        transfer = self._transfers.get(room)
+        return transfer.bound_peers() if transfer is not None else {}
+
     def forget(self, room: str) -> None:
         """Drop a finished request's status (the engine has read it)."""
         self._statuses.forget(room)
@@ -266,6 +274,10 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             busy = True
             try:
                 message = decode_message(self.authenticate(peer, payload))
+                if isinstance(message, RingUpdate) and not payload.startswith(SECRET_MAGIC):
+                    self.reject("plaintext_secret", f"{message.type} from {peer} in a frame "
+                                "that is not encrypted (it carries transport secrets)")
+                    continue
                 if self.role.value not in RECEIVED_BY[message.type]:
                     self.reject("wrong_direction",
                                 f"{message.type} from {peer} to a {self.role.value} rank")
@@ -328,7 +340,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         and WRITE notification travels as (docs/failure-modes.md #26)."""
         return self.auth.seal(encode_message(message), purpose=Purpose.MESSAGE,
                               version=PROTOCOL_VERSION, sender=self.transport.agent_name,
-                              receiver=peer)
+                              receiver=peer, confidential=isinstance(message, RingUpdate))
 
     def authenticate(self, peer: str, payload: bytes) -> bytes:
         """The body of a frame ``peer`` sealed for this agent, checked before any decoding;
@@ -406,10 +418,10 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         if transfer.lifecycle.finished:
             return
         if notify:
-            for peer in transfer.bound_peers():
+            for peer, ticket in transfer.bound_peers().items():
                 if peer != skip_peer and peer in self.peers:
-                    self.send(peer, Abort(room=transfer.room, reason=reason.value,
-                                          detail=detail[:1024]))
+                    self.send(peer, Abort(room=transfer.room, ticket=ticket,
+                                          reason=reason.value, detail=detail[:1024]))
             if transfer.lifecycle.finished:
                 return  # a send found its peer gone, and pruning the peer failed it first
         self._apply(transfer, Event.FAIL, reason, detail)

@@ -116,7 +116,7 @@ class Endings:
             unwritten = stream.pregrant is not None or (
                 part0 is not None and part0.pregranted and part0.state is PartState.AWAITING_GRANT)
             if unwritten and stream.peer in ctx.peers:  # decode may free it before its grace
-                ctx.send(stream.peer, wire.Withdrawn(room=transfer.room,
+                ctx.send(stream.peer, wire.Withdrawn(room=transfer.room, ticket=stream.ticket,
                                                      sender_id=stream.plan.sender_id))
             for out in stream.out.values():
                 if out.handle is not None:

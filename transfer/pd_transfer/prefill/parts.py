@@ -69,7 +69,7 @@ class PartMaker:
                     if stream.parts_made == 0:
                         raise ValueError(f"no part of {transfer.room!r} had layers for decode "
                                          f"rank {stream.plan.decode}")
-                    ctx.send(stream.peer, wire.Finish(room=transfer.room,
+                    ctx.send(stream.peer, wire.Finish(room=transfer.room, ticket=stream.ticket,
                                                       sender_id=stream.plan.sender_id,
                                                       final_parts=stream.parts_made))
         return made
@@ -189,7 +189,7 @@ class PartMaker:
             ctx.counts.alloc_requests_sent += 1
         else:
             return  # posted (its StagedPart is on its way) or given back already
-        ctx.send(stream.peer, wire.Withdrawn(room=transfer.room,
+        ctx.send(stream.peer, wire.Withdrawn(room=transfer.room, ticket=stream.ticket,
                                              sender_id=stream.plan.sender_id))
         if out is not None and out.state is PartState.AWAITING_GRANT and out.grant is None:
             ctx.send(stream.peer, stream.alloc_request(transfer.room, out))

@@ -100,7 +100,7 @@ class Poster:
             local, remote = compute_sliced_spans(
                 ctx.pool.layout, src_bases=src_bases, dst=stream.layout, dst_bases=dst_bases,
                 layers=layers, pages=pages, plan=stream.plan)
-        note = wire.PartDone(room=transfer.room, part=out.index,
+        note = wire.PartDone(room=transfer.room, ticket=stream.ticket, part=out.index,
                              sender_id=stream.plan.sender_id, layer_start=out.layers.start,
                              layer_stop=out.layers.stop,
                              page_start=out.pages.start - stream.first_page,
@@ -154,7 +154,7 @@ class Poster:
         ring = ctx.peer_document(stream).ring
         assert ring is not None  # checked when the stream opened
         note = wire.StagedPart(
-            room=transfer.room, part=index, sender_id=stream.plan.sender_id,
+            room=transfer.room, ticket=stream.ticket, part=index, sender_id=stream.plan.sender_id,
             ring_offset=grant.ring_offset, size_bytes=grant.size_bytes,
             layer_start=layers.start, layer_stop=layers.stop,
             page_start=pages.start - stream.first_page, page_count=len(pages),
@@ -202,7 +202,8 @@ class Poster:
         if state is TransferState.FAILED:
             # Tell a live peer from a dead one: messaging a dead peer raises at once and
             # prunes it (→ PeerUnreachable for all its requests).
-            if ctx.send(stream.peer, wire.Abort(room=transfer.room, reason="TransportFailed")):
+            if ctx.send(stream.peer, wire.Abort(room=transfer.room, ticket=stream.ticket,
+                                                 reason="TransportFailed")):
                 ctx.fail(transfer, FailureReason.TRANSPORT_FAILED,
                          f"a WRITE to {stream.peer} failed", notify=False)
             return True

@@ -11,12 +11,16 @@ then ``_check_deadlines``.
 
 Decode ring resizes: a ``RingUpdate`` from a decode peer replaces that peer's ring region,
 registration version and transport metadata (kept per peer, so decode peers with different
-pool sizes are served at once). A grant of an older version than the peer's ring in force is
-refused; one of a newer version waits for its RingUpdate: nothing is ever written with an
-older registration. ``resize_buffer(new_bytes, deadline_s)`` re-sizes this rank's own
-staging buffer: no new gather starts, parts holding staging space finish until the deadline
-(the rest fail ResizeDeadline), the buffer is re-registered (``StagingBuffer.swap``),
-gathers resume.
+pool sizes are served at once), once checked (``_ring_problem``; docs/failure-modes.md #26):
+its version is newer than the one in force by at most ``MAX_RING_VERSION_STEP`` (the same
+version again is a repeat if it announces the same ring, else refused), the ring keeps its
+memory kind and device, lies outside every KV region the peer's document published and
+outside the ring in force, and the new metadata registers exactly that buffer. A grant of an
+older version than the peer's ring in force is refused; one of a newer version waits for its
+RingUpdate: nothing is ever written with an older registration. ``resize_buffer(new_bytes,
+deadline_s)`` re-sizes this rank's own staging buffer: no new gather starts, parts holding
+staging space finish until the deadline (the rest fail ResizeDeadline), the buffer is re-
+registered (``StagingBuffer.swap``), gathers resume.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
 from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import RegionDoc
+from pd_transfer.bootstrap import RankDocument, RegionDoc
 from pd_transfer.endpoint import (
     Endpoint,
     PollIntervals,
@@ -57,9 +61,12 @@ from pd_transfer.protocol.parts import PartEvent, PartState
 from pd_transfer.ring import StagingRing
 from pd_transfer.transport.base import RegisteredRegion, Transport
 
-__all__ = ["PrefillSender"]
+__all__ = ["MAX_RING_VERSION_STEP", "PrefillSender"]
 
 _log = logging.getLogger("pd_transfer")
+MAX_RING_VERSION_STEP = 64
+"""How far a RingUpdate may skip ahead of the version in force (a decode rank re-registers
+once per resize, and tells every prefill peer each time)."""
 
 
 class PrefillSender(Endpoint[SendTransfer]):
@@ -288,6 +295,11 @@ class PrefillSender(Endpoint[SendTransfer]):
         if transfer is None or stream is None:
             self.reject("unknown_room", f"{message.type} for {message.room!r} from {peer}")
             return
+        if message.ticket != stream.ticket:  # an earlier request's, with the same room id
+            self.reject("stale_ticket", f"{message.type} for {message.room!r} ticket "
+                        f"{message.ticket} from {peer}; the live request is ticket "
+                        f"{stream.ticket}")
+            return
         with self.guard(self._failer(transfer)):
             if isinstance(message, wire.Grant | wire.GrantRefused):
                 self._parts.grant(transfer, stream, message)
@@ -313,20 +325,35 @@ class PrefillSender(Endpoint[SendTransfer]):
         if document is None or document.role != "decode":
             self.reject("unknown_peer", f"RingUpdate from {peer}, not a known decode rank")
             return
-        if message.ring_version <= document.ring_version:
-            if message.ring_version < document.ring_version:
-                self.reject("stale_registration", f"RingUpdate {message.ring_version} from "
-                            f"{peer}; version {document.ring_version} is in force")
-            return
-        # The message's MAC (checked at intake) proves ``peer`` sent it; the transport
-        # loads the metadata only if it embeds that same name (docs/failure-modes.md #26).
         try:
             ring = RegionDoc(name=message.name, base_address=message.base_address,
                              size_bytes=message.size_bytes, kind=message.kind,
                              device_id=message.device_id)
+        except ValueError as exc:  # pydantic's ValidationError
+            self.reject("invalid_ring_update", f"from {peer}: {exc}")
+            return
+        if message.ring_version <= document.ring_version:
+            if message.ring_version < document.ring_version:
+                self.reject("stale_registration", f"RingUpdate {message.ring_version} from "
+                            f"{peer}; version {document.ring_version} is in force")
+            elif not _same_memory(ring, document.ring):
+                self.reject("conflicting_registration", f"RingUpdate {message.ring_version} "
+                            f"from {peer} announces another ring than the one in force")
+            return  # else the announcement in force again (a new peer is told it)
+        problem = _ring_problem(document, ring, message.ring_version)
+        if problem is not None:
+            self.reject("invalid_ring_update", f"from {peer}: {problem}")
+            return
+        # The message's MAC (checked at intake) proves ``peer`` sent it; the transport
+        # loads the metadata only if it embeds that same name (docs/failure-modes.md #26).
+        try:
             metadata = base64.b64decode(message.transport_metadata_b64, validate=True)
+            if not self.transport.registers(metadata, ring.to_region(), expected_name=peer):
+                self.reject("unregistered_ring", f"from {peer}: ring {ring.base_address:#x} "
+                            f"+{ring.size_bytes} is not a buffer its metadata registers")
+                return
             self.transport.add_peer(metadata, expected_name=peer)  # its registrations changed
-        except (ValueError, TransportError) as exc:  # pydantic's ValidationError included
+        except (ValueError, TransportError) as exc:
             self.reject("invalid_ring_update", f"from {peer}: {exc}")
             return
         self.peers[peer] = document.model_copy(update={
@@ -407,3 +434,31 @@ class PrefillSender(Endpoint[SendTransfer]):
         for transfer in list(self._transfers.values()):
             if peer in transfer.streams:
                 self._fail(transfer, FailureReason.PEER_UNREACHABLE, detail, notify=False)
+
+
+def _same_memory(ring: RegionDoc, other: RegionDoc | None) -> bool:
+    return other is not None and (ring.base_address, ring.size_bytes, ring.kind,
+                                  ring.device_id) == (other.base_address, other.size_bytes,
+                                                      other.kind, other.device_id)
+
+
+def _ring_problem(document: RankDocument, ring: RegionDoc, version: int) -> str | None:
+    """Why a decode peer's announced ring of ``version`` cannot be its staging ring (module
+    docstring), or None."""
+    if version - document.ring_version > MAX_RING_VERSION_STEP:
+        return (f"version {version} skips more than {MAX_RING_VERSION_STEP} past "
+                f"{document.ring_version}, the version in force")
+    current = document.ring
+    if current is None:
+        return "the peer published no staging ring, so it announces none"
+    if (ring.kind, ring.device_id) != (current.kind, current.device_id):
+        return (f"a {ring.kind} ring on device {ring.device_id}; its ring is {current.kind} on "
+                f"device {current.device_id}")
+    end = ring.base_address + ring.size_bytes
+    for region in (*document.kv_regions, current):
+        if ring.base_address < region.base_address + region.size_bytes and (
+                region.base_address < end):
+            what = "its ring in force" if region is current else f"KV region {region.name!r}"
+            return (f"ring [{ring.base_address:#x}, {end:#x}) overlaps {what} "
+                    f"[{region.base_address:#x}, {region.base_address + region.size_bytes:#x})")
+    return None

@@ -5,6 +5,12 @@ A RequestKV for a room not registered yet is buffered for ``kv_lease_s`` (docs/f
 seconds before its first chunk registers the room; the lease is how long either side of a
 request may wait for the other. Past it, decode gets an Abort (LeaseExpired).
 
+Every RequestKV's ticket (its request incarnation) is checked against what this rank has
+acted on from that decode agent (``protocol.tickets``): a re-sent RequestKV of a live
+request is idempotent, one seen before for a request no longer live is a replay
+(``replayed``), one below the window ``stale_ticket``, and another ticket for a room whose
+stream is open ``ticket_conflict``; none of them is acted on (docs/failure-modes.md #26).
+
 Opening a stream checks the RequestKV against the request (pages, tokens, path, instance)
 and its pre-grant, if any: exactly the writer's whole share, inside the peer's ring, or the
 request fails ProtocolViolation. A staged stream with a pre-grant is armed for gathers on
@@ -23,6 +29,7 @@ from pd_transfer.prefill.gathers import EngineGathers
 from pd_transfer.prefill.transfer import SendTransfer, _Stream
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.lifecycle import Event, FailureReason, State
+from pd_transfer.protocol.tickets import TicketState, TicketWindow
 from pd_transfer.staging import staged_chunk_bytes
 
 __all__ = ["MAX_EARLY_REQUESTS", "StreamOpener"]
@@ -41,6 +48,7 @@ class StreamOpener:
         self._engine_gathers = gathers
         # RequestKVs for rooms not registered yet: (peer, message, expiry) by room.
         self._early: dict[str, list[tuple[str, wire.RequestKV, float]]] = {}
+        self._tickets: dict[str, TicketWindow] = {}  # by decode agent
 
     def early_count(self) -> int:
         """RequestKVs held for unregistered rooms (``debug_counts``)."""
@@ -49,7 +57,7 @@ class StreamOpener:
     def take_early(self, room: str) -> None:
         """``room`` was just registered: open the streams its early RequestKVs asked for."""
         for peer, message, _ in self._early.pop(room, []):
-            self.on_request_kv(peer, message)
+            self._open(peer, message)  # checked, and its ticket marked, when it came
 
     def on_request_kv(self, peer: str, message: wire.RequestKV) -> None:
         ctx = self._ctx
@@ -61,6 +69,17 @@ class StreamOpener:
                                                     message.decode_tp_rank):
             ctx.reject("coord_mismatch", f"{peer} is rank {document.coord}, claims otherwise")
             return
+        window = self._tickets.setdefault(peer, TicketWindow())
+        state = window.state(message.ticket)
+        if state is TicketState.STALE:
+            ctx.reject("stale_ticket", f"RequestKV for {message.room!r} ticket "
+                       f"{message.ticket} from {peer}, below the window ({window.highest})")
+            return
+        if state is TicketState.SEEN:
+            if not self._holds(peer, message):
+                ctx.reject("replayed", f"RequestKV for {message.room!r} ticket "
+                           f"{message.ticket} from {peer}: acted on before, no longer live")
+            return  # else a re-sent RequestKV of a live request: idempotent
         transfer = self._transfers.get(message.room)
         if transfer is None:
             waiting = self._early.setdefault(message.room, [])
@@ -68,13 +87,41 @@ class StreamOpener:
                 ctx.reject("early_buffer_full", f"RequestKV for {message.room!r} from {peer}")
             elif all(p != peer for p, _, _ in waiting):
                 waiting.append((peer, message, ctx.clock() + self._early_wait_s()))
+                window.mark(message.ticket)
+            else:
+                ctx.reject("ticket_conflict", f"RequestKV for {message.room!r} ticket "
+                           f"{message.ticket} from {peer}, which asked with another already")
             if not waiting:
                 del self._early[message.room]
             return
         if peer in transfer.streams:
-            return  # a re-sent RequestKV: idempotent
-        with ctx.guard(transfer):
-            self._open_stream(transfer, peer, document, message)
+            ctx.reject("ticket_conflict", f"RequestKV for {message.room!r} ticket "
+                       f"{message.ticket} from {peer}; its stream is ticket "
+                       f"{transfer.streams[peer].ticket}")
+            return
+        window.mark(message.ticket)
+        self._open(peer, message)
+
+    def _open(self, peer: str, message: wire.RequestKV) -> None:
+        ctx = self._ctx
+        document = ctx.peers.get(peer)
+        transfer = self._transfers.get(message.room)
+        if document is None or transfer is None:  # pruned meanwhile (failed its requests)
+            ctx.reject("unknown_peer", f"RequestKV from {peer}, no longer a known peer")
+            return
+        if peer not in transfer.streams:
+            with ctx.guard(transfer):
+                self._open_stream(transfer, peer, document, message)
+
+    def _holds(self, peer: str, message: wire.RequestKV) -> bool:
+        """``peer``'s RequestKV with ``message``'s ticket is live here (held early, or its
+        stream open)."""
+        transfer = self._transfers.get(message.room)
+        stream = transfer.streams.get(peer) if transfer is not None else None
+        if stream is not None:
+            return stream.ticket == message.ticket
+        return any(p == peer and m.ticket == message.ticket
+                   for p, m, _ in self._early.get(message.room, ()))
 
     def _early_wait_s(self) -> float:
         """How long a RequestKV for a room not registered yet is kept. Decode waits for
@@ -91,7 +138,7 @@ class StreamOpener:
             for entry in [e for e in waiting if e[2] <= now]:
                 waiting.remove(entry)
                 ctx.reject("expired_early_request", f"RequestKV for unregistered {room!r}")
-                ctx.send(entry[0], wire.Abort(room=room,
+                ctx.send(entry[0], wire.Abort(room=room, ticket=entry[1].ticket,
                                               reason=FailureReason.LEASE_EXPIRED.value,
                                               detail="prefill never registered this room"))
             if not waiting:
@@ -145,7 +192,7 @@ class StreamOpener:
             if pregrant is None:
                 return
         transfer.streams[peer] = _Stream(peer, document, layout, plan, message.path, dst_pages,
-                                         first_page=first, pregrant=pregrant)
+                                         message.ticket, first_page=first, pregrant=pregrant)
         if message.path == "staged":
             transfer.page_ids(ctx.pool)  # now, not on the way of the first part
             self._engine_gathers.arm(transfer, transfer.streams[peer])
@@ -174,6 +221,7 @@ class StreamOpener:
             ctx.reject("region_mismatch", f"pre-grant {span} in a {ring.size_bytes}-byte ring")
             ctx.violation(transfer, peer, "pre-grant outside the ring")
             return None
-        return wire.Grant(room=transfer.room, part=0, sender_id=plan.sender_id,
+        return wire.Grant(room=transfer.room, ticket=message.ticket, part=0,
+                          sender_id=plan.sender_id,
                           ring_offset=message.pregrant_offset,
                           size_bytes=message.pregrant_bytes, ring_version=message.ring_version)

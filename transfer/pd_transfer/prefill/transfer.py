@@ -91,6 +91,7 @@ class _Stream:
     plan: TransferPlan
     path: str
     dst_pages: list[int]
+    ticket: int  # the RequestKV's: every message of this stream carries it
     first_page: int = 0  # decode holds the request's pages before this one
     pregrant: wire.Grant | None = None  # from the RequestKV, for part 0 until it is taken
     next_spec: int = 0
@@ -105,7 +106,8 @@ class _Stream:
 
     def alloc_request(self, room: str, out: _OutPart) -> wire.AllocRequest:
         """``out``'s AllocRequest (its first send, or a re-send)."""
-        return wire.AllocRequest(room=room, part=out.index, sender_id=self.plan.sender_id,
+        return wire.AllocRequest(room=room, ticket=self.ticket, part=out.index,
+                                 sender_id=self.plan.sender_id,
                                  size_bytes=out.size_bytes)
 
 
@@ -138,8 +140,8 @@ class SendTransfer(Transfer):
     def pages(self) -> int:
         return len(self.src_pages)
 
-    def bound_peers(self) -> list[str]:
-        return [stream.peer for stream in self.streams.values()]
+    def bound_peers(self) -> dict[str, int]:
+        return {stream.peer: stream.ticket for stream in self.streams.values()}
 
     def page_ids(self, pool: KVPool) -> PageIds:
         """The request's source pages on the pool's device, made once (again only when

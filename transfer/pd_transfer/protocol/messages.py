@@ -11,6 +11,11 @@ the body. Every refusal, whatever raised it, is a ``RemoteProtocolError`` with a
 (docs/failure-modes.md #27). Integers are bounded to what a 64-bit transport address can hold,
 and ids carry no control characters.
 
+Every message about a request carries its ``ticket``, the incarnation decode's RequestKV
+numbered (room ids are the engine's and may come back): a receiver acts only on a message
+whose ticket is the one its request holds, so no frame of an earlier request with the same
+room id, replayed or late, reaches the new one (docs/failure-modes.md #26).
+
 Page lists travel as runs ``[[first, count], ...]``; a staged part names request page
 *indices* and layers, never addresses: the receiver maps them through its own bookkeeping,
 so no peer-supplied number is ever used as an address unchecked.
@@ -44,6 +49,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_MESSAGE_BYTES",
     "MAX_PARTS",
+    "MAX_RING_VERSION",
     "MAX_WIRE_INT",
     "PROTOCOL_VERSION",
     "RECEIVED_BY",
@@ -62,6 +68,7 @@ __all__ = [
     "RequestKV",
     "RingUpdate",
     "StagedPart",
+    "Ticket",
     "Watermark",
     "Withdraw",
     "Withdrawn",
@@ -71,7 +78,7 @@ __all__ = [
     "expand_runs",
 ]
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 # Version history of PROTOCOL_VERSION (bump on any change a peer could misread):
 #   1: first version: RequestKV, AllocRequest, Grant, GrantRefused, StagedPart, PartDone,
 #      Finish, Release, Abort, Watermark.
@@ -89,10 +96,16 @@ PROTOCOL_VERSION: Final = 5
 #      AllocRequest / Grant round trip (its ``StagedPart`` names the region's start and the
 #      part's own size, at most the region's). New ``Withdraw`` (decode → prefill: give an
 #      unwritten pre-grant back) and ``Withdrawn`` (prefill → decode: it never will write it).
+#   6: request incarnations: every message about a room carries the ``ticket`` decode's
+#      RequestKV gave it (a number one decode agent never gives twice), so a frame of an
+#      earlier request with the same room id is refused (``stale_ticket``), and prefill
+#      refuses a RequestKV whose ticket it has seen before (``replayed``). RingUpdate's
+#      ``ring_version`` is bounded; ring announcements travel encrypted.
 MAX_MESSAGE_BYTES: Final = 64 * 1024
 MAX_DEPTH: Final = 4  # object → page runs → run → value; anything deeper is hostile
 MAX_WIRE_INT: Final = (1 << 63) - 1  # every count, size and offset fits a signed 64-bit address
 MAX_PARTS: Final = 1 << 16  # parts per (request, writer); bounds every per-part structure
+MAX_RING_VERSION: Final = (1 << 31) - 1  # a ring re-registers once per resize
 
 Path = Literal["staged", "sliced", "contiguous"]
 """How a (prefill rank, decode rank) pair moves a request's KV (see PROTOCOL.md, "Paths")."""
@@ -103,13 +116,15 @@ Count = Annotated[int, Field(ge=0, le=MAX_WIRE_INT)]
 PartIndex = Annotated[int, Field(ge=0, lt=MAX_PARTS)]
 SenderId = Annotated[int, Field(ge=0, lt=1 << 16)]
 Size = Annotated[int, Field(gt=0, le=MAX_WIRE_INT)]
+Ticket = Annotated[int, Field(gt=0, le=MAX_WIRE_INT)]
+"""A request's incarnation: decode's RequestKV numbers it, every message about it repeats it."""
 PageRuns = tuple[tuple[Count, Size], ...]
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    v: Literal[5] = PROTOCOL_VERSION
+    v: Literal[6] = PROTOCOL_VERSION
 
 
 class RequestKV(_Message):
@@ -123,6 +138,7 @@ class RequestKV(_Message):
 
     type: Literal["request_kv"] = "request_kv"
     room: Room
+    ticket: Ticket
     decode_pp_rank: Count
     decode_tp_rank: Count
     dst_page_runs: PageRuns = Field(min_length=1)
@@ -147,6 +163,7 @@ class AllocRequest(_Message):
 
     type: Literal["alloc_request"] = "alloc_request"
     room: Room
+    ticket: Ticket
     part: PartIndex
     sender_id: SenderId
     size_bytes: Size
@@ -157,6 +174,7 @@ class Grant(_Message):
 
     type: Literal["grant"] = "grant"
     room: Room
+    ticket: Ticket
     part: PartIndex
     sender_id: SenderId
     ring_offset: Count
@@ -169,6 +187,7 @@ class GrantRefused(_Message):
 
     type: Literal["grant_refused"] = "grant_refused"
     room: Room
+    ticket: Ticket
     part: PartIndex
     sender_id: SenderId
     needed_bytes: Size
@@ -186,6 +205,7 @@ class StagedPart(_Message):
 
     type: Literal["staged_part"] = "staged_part"
     room: Room
+    ticket: Ticket
     part: PartIndex
     sender_id: SenderId
     ring_offset: Count
@@ -205,6 +225,7 @@ class PartDone(_Message):
 
     type: Literal["part_done"] = "part_done"
     room: Room
+    ticket: Ticket
     part: PartIndex
     sender_id: SenderId
     layer_start: Count
@@ -222,6 +243,7 @@ class Finish(_Message):
 
     type: Literal["finish"] = "finish"
     room: Room
+    ticket: Ticket
     sender_id: SenderId
     final_parts: Annotated[int, Field(gt=0, le=MAX_PARTS)]
 
@@ -231,6 +253,7 @@ class Release(_Message):
 
     type: Literal["release"] = "release"
     room: Room
+    ticket: Ticket
 
 
 class Abort(_Message):
@@ -238,6 +261,7 @@ class Abort(_Message):
 
     type: Literal["abort"] = "abort"
     room: Room
+    ticket: Ticket
     reason: Annotated[str, Field(max_length=64, pattern=r"^[A-Za-z]*$")]
     detail: Annotated[str, Field(max_length=1024)] = ""
 
@@ -252,8 +276,15 @@ class Watermark(_Message):
     largest_free_bytes: Count
     pending_allocations: Count
     room: Room | None = None
+    ticket: Ticket | None = None
     part: PartIndex | None = None
     sender_id: SenderId | None = None
+
+    @model_validator(mode="after")
+    def _room_with_ticket(self) -> Watermark:
+        if (self.room is None) != (self.ticket is None):
+            raise ValueError("room and ticket come together or not at all")
+        return self
 
 
 class Withdraw(_Message):
@@ -263,6 +294,7 @@ class Withdraw(_Message):
 
     type: Literal["withdraw"] = "withdraw"
     room: Room
+    ticket: Ticket
     sender_id: SenderId
 
 
@@ -272,6 +304,7 @@ class Withdrawn(_Message):
 
     type: Literal["withdrawn"] = "withdrawn"
     room: Room
+    ticket: Ticket
     sender_id: SenderId
 
 
@@ -282,7 +315,7 @@ class RingUpdate(_Message):
     Grants of older versions are void; a writer never writes with an older registration."""
 
     type: Literal["ring_update"] = "ring_update"
-    ring_version: Annotated[int, Field(ge=1)]
+    ring_version: Annotated[int, Field(ge=1, le=MAX_RING_VERSION)]
     name: Annotated[str, Field(min_length=1, max_length=512, pattern=_PRINTABLE)]
     base_address: Size
     size_bytes: Size

@@ -147,12 +147,15 @@ class Quarantined:
     writer: str  # the writer's peer (agent) name
     expiry: float
     ring_version: int  # of the ring the region belongs to (a resize may have retired it)
+    ticket: int  # the failed request's incarnation (messages.Ticket)
     pregranted: bool = False  # granted with the RequestKV: its part may fill only its start
 
-    def matches(self, peer: str, ring_offset: int, size_bytes: int, ring_version: int) -> bool:
+    def matches(self, peer: str, ticket: int, ring_offset: int, size_bytes: int,
+                ring_version: int) -> bool:
         """Is a StagedPart with these fields from ``peer`` the late write into this region?
-        It starts at the region's start and has its size (a pre-granted region's: at most)."""
+        Of the same request incarnation, it starts at the region's start and has its size (a
+        pre-granted region's: at most)."""
         fits = (0 < size_bytes <= self.region.size_bytes if self.pregranted
                 else size_bytes == self.region.size_bytes)
-        return fits and (self.writer, self.region.offset_bytes, self.ring_version) == (
-            peer, ring_offset, ring_version)
+        return fits and (self.writer, self.ticket, self.region.offset_bytes,
+                         self.ring_version) == (peer, ticket, ring_offset, ring_version)

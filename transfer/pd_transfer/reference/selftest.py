@@ -8,7 +8,8 @@ non-contiguous pages), prefill ranks fill their pools with seeded bytes (``refer
 register and send; decode ranks then compare their pages with the expected head slices,
 computed from first principles (not from the transfer path). ``run_selftest`` is the CLI's
 whole run; the integration tests reuse the group (several modes per group, and killing a
-rank mid-transfer).
+rank mid-transfer). ``tap_frames`` keeps the last frames each rank received, for the
+hostile-peer tests that replay them, as an eavesdropper on the fabric would.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import random
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -33,6 +34,7 @@ from pd_transfer.bootstrap import (
     GeometryDoc,
     PackingName,
     PageFormatName,
+    bound_agent_name,
 )
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity, Timeouts
@@ -49,6 +51,7 @@ from pd_transfer.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.rank import RankOptions, open_rank
 from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool
+from pd_transfer.transport.delegating import DelegatingTransport
 from pd_transfer.transport.nixl import NixlTransport
 
 __all__ = [
@@ -84,6 +87,7 @@ class SelftestConfig:
     page_format: PageFormatName = "nhd"  # anything but nhd/separate is a per-layer pool
     packing: PackingName = "separate"
     per_layer: bool = False  # vLLM-shaped per-layer tensors (always, unless nhd/separate)
+    tap_frames: int = 0  # keep each rank's last N received frames (the "frames" command)
 
     @property
     def pages_per_request(self) -> int:
@@ -128,7 +132,10 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
                       packing=KVPacking(config.packing))
     pool = (KVPool.allocate_per_layer(layout, device)
             if config.per_layer or not layout.is_token_major else KVPool.allocate(layout, device))
-    transport = NixlTransport(f"{role}-{pp_rank}-{tp_rank}-{uuid.uuid4().hex[:8]}")
+    nixl = NixlTransport(bound_agent_name(f"{role}-{pp_rank}-{tp_rank}-{uuid.uuid4().hex[:8]}",
+                                          RankOptions().host))
+    transport: NixlTransport | _Tap = nixl if not config.tap_frames else _Tap(
+        nixl, config.tap_frames)
     identity = RankIdentity(f"{role}-0", coord, parallelism, geometry)
     timeouts = Timeouts(transfer_s=config.timeout_s, kv_lease_s=2 * config.timeout_s,
                         bootstrap_s=config.timeout_s, grant_s=1.0, stall_s=config.timeout_s / 2,
@@ -217,10 +224,32 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
                 "rejected": snapshot.rejected_by_reason,
                 "debug_counts": endpoint.debug_counts(),
             })
+        elif command == "peer_rings":  # the ring version in force of each peer
+            conn.send(endpoint.submit(lambda: {name: doc.ring_version for name, doc in
+                                               endpoint.peers.items()}).result(READY_TIMEOUT_S))
+        elif command == "frames":  # what the rank received (tap_frames), oldest first
+            conn.send(transport.taken() if isinstance(transport, _Tap) else [])
         elif command == "exit":
             rank.close()
             conn.send("bye")
             return
+
+
+class _Tap(DelegatingTransport):
+    """Keeps the last ``size`` (sender, frame) pairs the rank received (module docstring)."""
+
+    def __init__(self, inner: NixlTransport, size: int) -> None:
+        super().__init__(inner)
+        self._frames: deque[tuple[str, bytes]] = deque(maxlen=size)
+
+    def poll_messages(self) -> list[tuple[str, bytes]]:
+        received = self.inner.poll_messages()
+        self._frames.extend(received)
+        return received
+
+    def taken(self) -> list[tuple[str, bytes]]:
+        """The frames kept, oldest first (any thread: one copy of the deque)."""
+        return list(self._frames)
 
 
 class SelftestGroup:

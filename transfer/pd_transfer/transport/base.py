@@ -192,6 +192,15 @@ class Transport(Protocol):
         """
         ...
 
+    def registers(self, metadata: bytes, region: RegisteredRegion, *,
+                  expected_name: str) -> bool:
+        """Whether a peer's ``metadata`` (checked as ``add_peer`` checks it, NOT loaded)
+        registers ``region``'s memory exactly: one registration of its address, size, kind
+        and device. A peer's announcement of where to WRITE is checked with it (a ring must
+        be a buffer the peer registered, not a slice of its KV pool: docs/failure-modes.md
+        #26). Raises TransportError for metadata ``add_peer`` would refuse."""
+        ...
+
     def remove_peer(self, name: str) -> None:
         """Forget a peer and disconnect (docs/failure-modes.md #10); idempotent, unknown names
         ignored."""

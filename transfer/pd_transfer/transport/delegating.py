@@ -48,6 +48,10 @@ class DelegatingTransport(Transport):
     def add_peer(self, metadata: bytes, *, expected_name: str) -> str:
         return self.inner.add_peer(metadata, expected_name=expected_name)
 
+    def registers(self, metadata: bytes, region: RegisteredRegion, *,
+                  expected_name: str) -> bool:
+        return self.inner.registers(metadata, region, expected_name=expected_name)
+
     def remove_peer(self, name: str) -> None:
         self.inner.remove_peer(name)
 

@@ -274,21 +274,7 @@ class LoopbackTransport(Transport):
 
     def add_peer(self, metadata: bytes, *, expected_name: str) -> str:
         self._check_open()
-        if not metadata.startswith(_METADATA_MAGIC) or len(metadata) > _MAX_METADATA_BYTES:
-            raise TransportError(
-                f"not loopback metadata ({len(metadata)} bytes, starts {metadata[:16]!r})"
-            )
-        try:
-            text = metadata[len(_METADATA_MAGIC) :].decode()
-            incarnation_text, _, name = text.partition("\x00")
-            incarnation = int(incarnation_text)
-        except ValueError as exc:  # UnicodeDecodeError is a ValueError
-            raise TransportError(f"malformed loopback metadata: {exc}") from exc
-        if name != expected_name:
-            raise TransportError(
-                f"loopback metadata names agent {name!r} but its authenticated sender is "
-                f"{expected_name!r}: refused"
-            )
+        name, incarnation = _parse_metadata(metadata, expected_name)
         known = self._peers.get(name)
         if known is not None and incarnation < known:
             raise TransportError(
@@ -299,6 +285,16 @@ class LoopbackTransport(Transport):
             self._forget_prepared(name)  # built against the metadata being replaced
         self._peers[name] = incarnation
         return name
+
+    def registers(self, metadata: bytes, region: RegisteredRegion, *,
+                  expected_name: str) -> bool:
+        self._check_open()
+        name, incarnation = _parse_metadata(metadata, expected_name)
+        agent = self._fabric._live(name, incarnation)  # the fabric stands for its memory
+        return agent is not None and any(
+            (r.base_address, r.size_bytes, r.kind, r.device_id)
+            == (region.base_address, region.size_bytes, region.kind, region.device_id)
+            for r in agent._regions)
 
     def remove_peer(self, name: str) -> None:
         self._peers.pop(name, None)
@@ -429,3 +425,23 @@ class LoopbackTransport(Transport):
             if transfer.state is TransferState.PENDING:
                 transfer.finish(TransferState.FAILED)
         self._handles.clear()
+
+
+def _parse_metadata(metadata: bytes, expected_name: str) -> tuple[str, int]:
+    """(agent name, incarnation) of loopback metadata naming ``expected_name``."""
+    if not metadata.startswith(_METADATA_MAGIC) or len(metadata) > _MAX_METADATA_BYTES:
+        raise TransportError(
+            f"not loopback metadata ({len(metadata)} bytes, starts {metadata[:16]!r})"
+        )
+    try:
+        text = metadata[len(_METADATA_MAGIC) :].decode()
+        incarnation_text, _, name = text.partition("\x00")
+        incarnation = int(incarnation_text)
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError
+        raise TransportError(f"malformed loopback metadata: {exc}") from exc
+    if name != expected_name:
+        raise TransportError(
+            f"loopback metadata names agent {name!r} but its authenticated sender is "
+            f"{expected_name!r}: refused"
+        )
+    return name, incarnation

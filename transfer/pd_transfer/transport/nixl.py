@@ -1,4 +1,5 @@
-"""``Transport`` over a NIXL agent (UCX backend): the only module that imports ``nixl``.
+"""``Transport`` over a NIXL agent (UCX backend): the only module that imports ``nixl`` (the
+vetting process, ``nixl_vetter_child``, loads the same NIXL build by the name given here).
 
 NIXL's Python API mixes conventions: bad descriptor input is logged and returned as None,
 transfer states are the strings "DONE" / "PROC" / "ERR", and the bindings raise their own
@@ -23,11 +24,11 @@ Facts this module relies on (measured with nixl 1.5.1, UCX, two processes on one
   choice per endpoint to stdout (on one host: RMA ``cma/memory``, messages ``tcp/lo``).
 * NIXL's own metadata listener (``enable_listen_thread``, ``fetch_remote_metadata``) is not
   used: our control plane carries ``local_metadata`` bytes to ``add_peer`` itself.
-* ``add_remote_agent`` can abort the process (a UCX assertion) on a malformed connection
-  blob. ``add_peer`` is only called with metadata from an authenticated peer, and checks it
-  first (``nixl_metadata.parse_nixl_metadata``: size, framing, the agent name); a reload for
-  a known agent must carry the connection blob already loaded for it (docs/failure-modes.md
-  #26).
+* ``add_remote_agent`` aborts or segfaults the process (UCX) on some malformed connection
+  blobs and remote keys, and a load it refuses poisons the agent's name. ``add_peer`` is
+  only called with metadata from an authenticated peer, and loads only what
+  ``nixl_admission`` admits: checked, the parts new to UCX loaded by a vetting process
+  first, under a fresh NIXL name after a refusal (docs/failure-modes.md #26).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,7 +65,9 @@ from pd_transfer.transport.base import (
     TransportStats,
 )
 from pd_transfer.transport.descriptors import Placed, RegionTable, validate_write
-from pd_transfer.transport.nixl_metadata import NixlMetadata, parse_nixl_metadata
+from pd_transfer.transport.nixl_admission import PeerAdmission
+from pd_transfer.transport.nixl_metadata import parse_nixl_metadata
+from pd_transfer.transport.nixl_vetter import MetadataVetter, VetterSpec, VettingStats
 
 __all__ = ["NixlConfig", "NixlTransport"]
 
@@ -83,11 +87,15 @@ _NIXL_STATE = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING}
 
 @dataclass(frozen=True)
 class NixlConfig:
-    """How to build the agent. Defaults suit a CPU-shared pod; GPUs may want the thread."""
+    """How to build the agent. Defaults suit a CPU-shared pod; GPUs may want the thread.
+    ``vet_metadata``: load what peers' metadata brings new in a vetting process first
+    (``nixl_vetter``), which must answer within ``vet_timeout_s``."""
 
     progress_thread: bool = False
     backends: tuple[str, ...] = ("UCX",)
     num_threads: int = 0
+    vet_metadata: bool = True
+    vet_timeout_s: float = 10.0
 
 
 @dataclass
@@ -129,11 +137,13 @@ class NixlTransport(Transport):
                 f"without GDS/libfabric native libraries"
             )
         self._name = agent_name
+        self._admission = PeerAdmission(MetadataVetter(VetterSpec(
+            agent_name, nixl_agent.__module__, tuple(config.backends), config.num_threads,
+            tuple(os.environ.items()), config.vet_timeout_s)) if config.vet_metadata else None)
         self._stats = TransportStats()
         self._regions = RegionTable()
         self._registrations: dict[str, tuple[torch.Tensor, Any]] = {}  # name -> (tensor, dlist)
         self._peers: set[str] = set()
-        self._loaded: dict[str, NixlMetadata] = {}  # what each peer's metadata said
         self._posted: dict[TransferHandle, _Posted] = {}
         self._prepared: dict[PreparedWrite, _Prepared] = {}
         self._serials = itertools.count(1)
@@ -148,6 +158,11 @@ class NixlTransport(Transport):
     @property
     def stats(self) -> TransportStats:
         return self._stats
+
+    @property
+    def vetting(self) -> VettingStats:
+        """The vetting process's counters (zero when ``vet_metadata`` is off)."""
+        return self._admission.vetting
 
     @staticmethod
     def nixl_version() -> str:
@@ -196,26 +211,33 @@ class NixlTransport(Transport):
 
     def add_peer(self, metadata: bytes, *, expected_name: str) -> str:
         self._check_open()
-        checked = parse_nixl_metadata(metadata, expected_name)  # before UCX sees a byte
-        known = self._loaded.get(expected_name)
-        if known is not None:
-            _check_reload(known, checked)
-            for prepared in [p for p in self._prepared if p.peer == expected_name]:
-                self.discard(prepared)  # built against the metadata being replaced
+        admitted = self._admission.admit(metadata, expected_name)  # checked, vetted
+        for prepared in [p for p in self._prepared if p.peer == expected_name]:
+            self.discard(prepared)  # built against the metadata being replaced
         try:
-            loaded = self._agent.add_remote_agent(metadata)
+            loaded = self._agent.add_remote_agent(admitted.blob)
         except _NIXL_ERRORS as exc:
+            self._peers.discard(expected_name)  # NIXL may have dropped it: start afresh
+            self._remove_remote(self._admission.refused(expected_name))
             raise TransportError(
                 f"NIXL could not load peer metadata ({len(metadata)} bytes): {exc}"
             ) from exc
         name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if name != expected_name:  # parse_nixl_metadata read another name than NIXL did
-            if name not in self._peers:  # never disturb an agent loaded before
+        if name != admitted.nixl_name:  # parse_nixl_metadata read another name than NIXL did
+            if name not in {self._nixl_name(p) for p in self._peers}:  # never disturb others
                 self._agent.remove_remote_agent(name)
-            raise TransportError(f"NIXL loaded agent {name!r}, expected {expected_name!r}")
-        self._peers.add(name)
-        self._loaded[name] = checked
-        return name
+            raise TransportError(f"NIXL loaded agent {name!r}, expected {admitted.nixl_name!r}")
+        self._peers.add(expected_name)
+        self._admission.loaded(expected_name, admitted)
+        return expected_name
+
+    def registers(self, metadata: bytes, region: RegisteredRegion, *,
+                  expected_name: str) -> bool:
+        self._check_open()
+        checked = parse_nixl_metadata(metadata, expected_name)  # nothing loaded, nothing vetted
+        wanted = (region.kind.value, region.base_address, region.size_bytes, region.device_id)
+        return any((section.kind, d.address, d.length, d.device) == wanted
+                   for section in checked.sections for d in section.descriptors)
 
     def remove_peer(self, name: str) -> None:
         if name not in self._peers:
@@ -223,11 +245,8 @@ class NixlTransport(Transport):
         for prepared in [p for p in self._prepared if p.peer == name]:
             self.discard(prepared)  # before NIXL forgets the agent they address
         self._peers.discard(name)
-        self._loaded.pop(name, None)
-        try:
-            self._agent.remove_remote_agent(name)
-        except _NIXL_ERRORS as exc:  # a dead peer may fail to disconnect cleanly: forget it
-            _log.warning("NIXL agent %s: removing peer %s: %s", self._name, name, exc)
+        self._admission.removed(name)
+        self._remove_remote(self._nixl_name(name))
 
     # Transfers ------------------------------------------------------------------------------
 
@@ -246,7 +265,7 @@ class NixlTransport(Transport):
         remote_descs = self._xfer_descs(plan.remote, plan.remote_kind)
         try:
             native = self._agent.initialize_xfer(
-                "WRITE", local_descs, remote_descs, peer, notification
+                "WRITE", local_descs, remote_descs, self._nixl_name(peer), notification
             )
         except _DISCONNECTED as exc:
             raise PeerUnreachable(peer, f"disconnected ({exc})") from exc
@@ -332,7 +351,7 @@ class NixlTransport(Transport):
         self._check_open()
         self._check_peer(peer)
         try:
-            self._agent.send_notif(peer, payload)
+            self._agent.send_notif(self._nixl_name(peer), payload)
         except _DISCONNECTED as exc:
             raise PeerUnreachable(peer, f"disconnected ({exc})") from exc
         except _NIXL_ERRORS as exc:
@@ -351,6 +370,7 @@ class NixlTransport(Transport):
         """Abort/release handles, deregister memory, drop peers; the agent is then freed."""
         if self._closed:
             return
+        self._admission.close()
         for prepared in list(self._prepared):
             self.discard(prepared)
         for handle in list(self._posted):
@@ -376,6 +396,15 @@ class NixlTransport(Transport):
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError(f"NIXL transport {self._name!r} is closed")
+
+    def _nixl_name(self, peer: str) -> str:
+        return self._admission.nixl_name(peer)
+
+    def _remove_remote(self, nixl_name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(nixl_name)
+        except _NIXL_ERRORS as exc:  # a dead peer may fail to disconnect cleanly: forget it
+            _log.warning("NIXL agent %s: removing peer %s: %s", self._name, nixl_name, exc)
 
     def _check_peer(self, peer: str) -> None:
         if peer not in self._peers:
@@ -411,21 +440,3 @@ class NixlTransport(Transport):
         for peer, payloads in notifs.items():
             self._inbox.extend((str(peer), bytes(payload)) for payload in payloads)
 
-
-def _check_reload(known: NixlMetadata, new: NixlMetadata) -> None:
-    """A known agent's new metadata may only add or drop regions: its connection blob and the
-    remote key of every region it listed before must be unchanged (docs/failure-modes.md #26).
-    """
-    name = new.agent_name
-    if new.connections != known.connections:
-        raise TransportError(
-            f"peer {name!r} sent metadata whose connection info differs from the one loaded for "
-            f"it: an agent's worker address never changes (a restarted process has a new agent "
-            f"name); refused before NIXL loads it")
-    before = known.backend_keys()
-    for region, key in new.backend_keys().items():
-        if region in before and before[region] != key:
-            raise TransportError(
-                f"peer {name!r} sent metadata whose remote key for its region at "
-                f"{region[2]:#x} (+{region[3]}) differs from the loaded one although the region "
-                f"did not change; refused before NIXL loads it")

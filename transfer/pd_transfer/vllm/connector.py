@@ -29,10 +29,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
-from pd_contract.names import ENV_POD_NAME
+from pd_contract.names import ENV_POD_IP, ENV_POD_NAME
 from pd_contract.transferagent import Role
 from pd_transfer.agent.transport_probe import UcxLogTail
 from pd_transfer.auth import PeerAuth
+from pd_transfer.bootstrap import bound_agent_name
 from pd_transfer.config_file import load_transfer_config
 from pd_transfer.endpoint import RankIdentity, Timeouts
 from pd_transfer.plan import Parallelism, RankCoord
@@ -40,7 +41,7 @@ from pd_transfer.pod_peers import PodConnections
 from pd_transfer.rank import OpenRank, RankOptions, open_rank
 from pd_transfer.vllm.cache import map_kv_caches
 from pd_transfer.vllm.params import ConnectorSettings, ParamsError
-from pd_transfer.vllm.pod_agent import PodAgent, start_pod_agent
+from pd_transfer.vllm.pod_agent import PodAgent, rank_host, start_pod_agent
 from pd_transfer.vllm.rank import RankSide
 from pd_transfer.vllm.rank_control import RankControl, start_transport_probe
 from pd_transfer.vllm.scheduler import ScheduledPrompt, SchedulerSide
@@ -168,7 +169,11 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         cache = map_kv_caches(kv_caches, config.model, tp_size=self._tp_size, tp_rank=tp_rank)
         auth = PeerAuth.from_file(settings.key_file)
         timeouts = Timeouts.from_config(config.timeouts)
-        agent = f"vllm-{self._engine_role}-r{tp_rank}-{self._instance}-{uuid.uuid4().hex[:8]}"
+        # Bound to the pod IP the router hands out as this pod's bootstrap address (a peer
+        # refuses a document whose agent is bound to another host: docs/failure-modes.md #48).
+        agent = bound_agent_name(
+            f"vllm-{self._engine_role}-r{tp_rank}-{self._instance}-{uuid.uuid4().hex[:8]}",
+            os.environ.get(ENV_POD_IP) or rank_host(settings.bind_host))
         probe, self._ucx_tail = start_transport_probe()  # before the first NIXL agent
         transport = NixlTransport(agent)
         identity = RankIdentity(self._instance, RankCoord(0, tp_rank),

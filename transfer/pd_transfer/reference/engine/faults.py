@@ -100,7 +100,8 @@ class FaultyTransport(DelegatingTransport):
         self.inner.release(handle)
 
     def send_message(self, peer: str, payload: bytes) -> None:
-        if self._plan.active() and isinstance(decode_message(outgoing_body(payload)), Grant) and (
+        body = outgoing_body(payload) if self._plan.active() else None
+        if body is not None and isinstance(decode_message(body), Grant) and (
                 self._plan.fires("drop_grants")):
             return
         self.inner.send_message(peer, payload)

@@ -49,6 +49,7 @@ from pd_transfer.bootstrap import (
     BootstrapServer,
     GeometryDoc,
     RankDocument,
+    bound_agent_name,
 )
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity, ResizeResult, Timeouts
@@ -250,7 +251,7 @@ class EngineService:
         from pd_transfer.transport.nixl import NixlTransport  # noqa: PLC0415
 
         options = self.options
-        name = f"r{rank}-{options.agent_prefix}"
+        name = bound_agent_name(f"r{rank}-{options.agent_prefix}", options.host)
         transport = FaultyTransport(NixlTransport(name), self.faults)
         identity = RankIdentity(options.instance, RankCoord(0, rank), Parallelism(options.tp),
                                 self.geometry)

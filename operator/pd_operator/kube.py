@@ -70,6 +70,7 @@ REQUEST_TIMEOUT_S: Final = (5.0, 30.0)
 EVENT_COMPONENT: Final = "pd-operator"
 # The StatefulSet controller reports a pod it cannot create only as such an Event.
 FAILED_CREATE_SELECTOR: Final = "involvedObject.kind=StatefulSet,reason=FailedCreate,type=Warning"
+_METADATA_LIST: Final = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 
 
 @dataclass(frozen=True)
@@ -278,9 +279,10 @@ class KubeClient:
         query: Mapping[str, str] | None = None,
         body: Any = None,
         content_type: str = "application/json",
+        accept: str = "application/json",
     ) -> Obj | None:
         """Send one request; the decoded JSON body, or None on 404."""
-        headers = {"Accept": "application/json", "Content-Type": content_type}
+        headers = {"Accept": accept, "Content-Type": content_type}
         if method != "GET":
             if self._write_guard is not None:
                 self._write_guard()
@@ -324,15 +326,18 @@ class KubeClient:
         return self._request("GET", ref.item_path(namespace, name), kind=ref.kind)
 
     def list_objects(self, ref: KindRef, namespace: str, label_selector: str, *,
-                     from_cache: bool = False) -> list[Obj]:
+                     from_cache: bool = False, metadata_only: bool = False) -> list[Obj]:
         """Objects of one kind matching the selector; [] when the kind is not served.
         `from_cache`: served from the API server's watch cache (resourceVersion 0), which
-        spares etcd a read but may lag a moment behind it."""
+        spares etcd a read but may lag a moment behind it. `metadata_only`: each object's
+        metadata alone (`PartialObjectMetadataList`): what an audit of which objects exist
+        needs, at a fraction of the bytes of a namespace's pods."""
         query = {"labelSelector": label_selector}
         if from_cache:
             query["resourceVersion"] = "0"
         listed = self._request("GET", ref.collection_path(namespace), kind=ref.kind,
-                               query=query)
+                               query=query, accept=_METADATA_LIST if metadata_only
+                               else "application/json")
         items = (listed or {}).get("items") or []
         # List items lack apiVersion/kind; children are keyed by them.
         return [{**item, "apiVersion": ref.api_version, "kind": ref.kind} for item in items]

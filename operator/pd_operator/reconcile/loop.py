@@ -213,7 +213,8 @@ class ReconcileLoop:
         for scope in scopes:
             ref, selector = selectors[scope[0], scope[1]]
             listed_at = time.monotonic()
-            listed = kube.list_objects(ref, scope[2], selector, from_cache=True)
+            listed = kube.list_objects(ref, scope[2], selector, from_cache=True,
+                                       metadata_only=True)
             gone, suspects = cache.audit(scope, listed, listed_at)
             lost |= gone
             pending = pending or suspects

@@ -289,9 +289,10 @@ class Reconciler:
             problems.append(format_validation_error(exc, "spec"))
         if problems:
             return _Parsed(body, previous, None, "; ".join(problems))
-        pdd = PDDeployment(
-            metadata=ObjectMeta.model_validate(body["metadata"]), spec=spec, status=previous
-        )
+        # Without managedFields: the last valid generation is kept per PDDeployment
+        # (`_last_valid`), and a status the operator writes often has the largest of them.
+        meta = {k: v for k, v in body["metadata"].items() if k != "managedFields"}
+        pdd = PDDeployment(metadata=ObjectMeta.model_validate(meta), spec=spec, status=previous)
         return _Parsed(body, previous, pdd, None)
 
     def _reconcile_invalid(self, parsed: _Parsed, namespace: str, name: str,

@@ -2,6 +2,7 @@
 
 - ``types``: what an endpoint is built from and answers with (``RankIdentity``,
   ``Timeouts``, ``PollIntervals``, ``CUDA_POLL``, ``ResizeResult``);
+- ``transfer``: ``Transfer``, what every request has on either side for its lifetime;
 - ``core``: ``Endpoint``, the worker-driven core (commands, authenticated message intake
   against one direction table, peers, admission and endings of a ``Transfer``);
 - ``statuses``: ``StatusBoard``, the request statuses engine threads poll;
@@ -9,9 +10,10 @@
 - ``resize``: ``StagingResizes``, the drain → swap lifecycle of a staging resize.
 """
 
-from pd_transfer.endpoint.core import Endpoint, Transfer
+from pd_transfer.endpoint.core import Endpoint
 from pd_transfer.endpoint.memory import StagingMemory
 from pd_transfer.endpoint.resize import StagingSide
+from pd_transfer.endpoint.transfer import Transfer
 from pd_transfer.endpoint.types import (
     CUDA_POLL,
     PollIntervals,

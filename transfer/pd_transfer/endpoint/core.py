@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pd_transfer.auth import SECRET_MAGIC, PeerAuth, Purpose
 from pd_transfer.bootstrap import (
@@ -45,6 +45,7 @@ from pd_transfer.bootstrap import (
 )
 from pd_transfer.endpoint.resize import StagingResizes, StagingSide
 from pd_transfer.endpoint.statuses import StatusBoard
+from pd_transfer.endpoint.transfer import Transfer
 from pd_transfer.endpoint.types import (
     CUDA_POLL,
     PollIntervals,
@@ -56,7 +57,7 @@ from pd_transfer.errors import PeerUnreachable, RemoteProtocolError, TransportEr
 from pd_transfer.metrics import PendingKV, TransferMetrics
 from pd_transfer.phases import PartTimes, PhaseLog, RequestTimes
 from pd_transfer.pool import KVPool
-from pd_transfer.protocol.lifecycle import Event, FailureReason, Lifecycle, RequestStatus, Role
+from pd_transfer.protocol.lifecycle import Event, FailureReason, RequestStatus, Role
 from pd_transfer.protocol.messages import (
     PROTOCOL_VERSION,
     RECEIVED_BY,
@@ -70,42 +71,11 @@ from pd_transfer.protocol.parts import PartMachine
 from pd_transfer.staging import StagingStream
 from pd_transfer.transport.base import RegisteredRegion, Transport
 
-__all__ = ["Endpoint", "Transfer"]
+__all__ = ["Endpoint"]
 
 _log = logging.getLogger("pd_transfer")
 T = TypeVar("T")
-TransferT = TypeVar("TransferT", bound="Transfer")
-
-
-class Transfer(abc.ABC):
-    """What every request has on either side: its room, lifecycle, bytes and status."""
-
-    role: ClassVar[Role]
-
-    def __init__(self, room: str, created: float, release: Callable[[], None]) -> None:
-        self.room = room
-        self.created = created
-        self.transfer_deadline = float("inf")
-        self.bytes = 0
-        self.lifecycle = Lifecycle(release)  # ``release`` runs once, on the terminal state
-        self.part_times: list[PartTimes] = []  # finished parts' stamps (with a PhaseLog)
-
-    @abc.abstractmethod
-    def bound_peers(self) -> dict[str, int]:
-        """The peers this request is bound to (told with an Abort when it fails), each with
-        the request's ticket (messages.Ticket) on that pair."""
-
-    @property
-    @abc.abstractmethod
-    def pages(self) -> int:
-        """The engine pages this request holds on this rank (prefill: its KV not yet pulled;
-        decode: the pages its KV lands in)."""
-
-    def status(self, now: float) -> RequestStatus:
-        return RequestStatus(
-            self.room, self.role, self.lifecycle.state, self.lifecycle.reason,
-            self.lifecycle.detail, self.bytes, now - self.created,
-        )
+TransferT = TypeVar("TransferT", bound=Transfer)
 
 
 class Endpoint(abc.ABC, Generic[TransferT]):

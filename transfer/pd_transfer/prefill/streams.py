@@ -9,7 +9,7 @@ Every RequestKV's ticket (its request incarnation) is checked against what this 
 acted on from that decode agent (``protocol.tickets``): a re-sent RequestKV of a live
 request is idempotent, one seen before for a request no longer live is a replay
 (``replayed``), one below the window ``stale_ticket``, and another ticket for a room whose
-stream is open ``ticket_conflict``; none of them is acted on (docs/failure-modes.md #26).
+stream is open ``ticket_conflict``; none of them is acted on (docs/failure-modes.md #49).
 
 Opening a stream checks the RequestKV against the request (pages, tokens, path, instance)
 and its pre-grant, if any: exactly the writer's whole share, inside the peer's ring, or the

@@ -16,7 +16,8 @@ Reading order, by what is driven:
   over captured metrics);
 - the router: `router_engines` (stand-in engines over HTTP);
 - the control plane: `cluster` (test-side reads and writes), `operator_runner` (the operator
-  in-process), `rollout_harness` (a live fleet under load for staging rollouts);
+  in-process), `operator_process` (operator processes, leader-elected replicas),
+  `rollout_harness` (a live fleet under load for staging rollouts);
 - engines: `vllm` (real vLLM servers on CPU), `exposition_text` (cutting metric captures).
 """
 
@@ -31,6 +32,7 @@ __all__ = [
     "kube_factories",
     "native_harness",
     "nixl_waves",
+    "operator_process",
     "operator_runner",
     "polling",
     "rollout_harness",

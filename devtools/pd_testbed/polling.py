@@ -13,9 +13,11 @@ __all__ = ["wait_for", "wait_for_events"]
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = 30.0,
-             interval_s: float = 0.3, until: Callable[[Any], bool] = bool) -> Any:
+             interval_s: float = 0.3, until: Callable[[Any], bool] = bool, *,
+             explain: Callable[[], str] | None = None) -> Any:
     """Poll `probe` until `until` holds for what it returns (default: it is truthy) and
-    return that; on timeout fail the test naming `what` and the last value seen."""
+    return that; on timeout fail the test naming `what` and the last value seen, followed
+    by what `explain` says (a component's log, say)."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:
@@ -23,7 +25,8 @@ def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = 30.0,
         if until(last):
             return last
         time.sleep(interval_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}; last seen: {last!r}")
+    why = "" if explain is None else f"\n{explain()}"
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}; last seen: {last!r}{why}")
 
 
 def wait_for_events(events: Callable[[], Sequence[dict[str, Any]]], reason: str,

@@ -32,6 +32,7 @@ from pd_operator.reconcile import ReconcileLoop
 
 __all__ = [
     "feed_cache",
+    "healthy",
     "login",
     "on_child_event",
     "on_pddeployment_event",
@@ -86,6 +87,18 @@ def _forget_deleted(memo: kopf.Memo, type: str | None, body: kopf.Body) -> None:
     cache = memo.get("object_cache")
     if type == "DELETED" and isinstance(cache, ObjectCache):
         cache.delete(body)
+
+
+@kopf.on.probe(id="reconcile_loop")
+async def healthy(memo: kopf.Memo, **_: Any) -> str:
+    """The liveness endpoint (`--liveness`) fails while the reconcile loop cannot do its job:
+    a stalled leader election or a background task that ended; the kubelet then restarts
+    the pod, and the standby leads meanwhile."""
+    loop = _loop(memo)
+    problem = "the reconcile loop has not started" if loop is None else loop.health()
+    if problem is not None:
+        raise RuntimeError(problem)
+    return "ok"
 
 
 @kopf.on.cleanup()

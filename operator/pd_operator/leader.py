@@ -10,7 +10,9 @@ Lease runs the queue's workers. The rules are client-go's (`tools/leaderelection
 - the holder renews every `retry_s`; it counts as leader only until `renew_deadline_s`
   after the start of its last successful renewal (`fence`). That deadline is shorter than
   `lease_s`, and a standby starts its own `lease_s` only after it sees the renewal, so the
-  old leader stops writing before anyone else may start;
+  old leader stops writing before anyone else may start. A term whose deadline passed is
+  over even if a later renewal succeeds: the reconciles refused meanwhile were dropped, so
+  the replica steps down and starts a new term, which looks at every PDDeployment again;
 - a graceful stop releases the Lease (holder cleared), so the standby takes over within one
   `retry_s` instead of waiting out the lease.
 Not the kubernetes client's `leaderelection` module: it runs in threads on the process-wide
@@ -33,13 +35,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
-from pd_operator.errors import ConflictError, LeadershipLost, OperatorError
+from pd_operator.errors import APIUnreachable, ConflictError, LeadershipLost, OperatorError
 from pd_operator.kube import LEASES, KubeClient
 from pd_operator.metrics import LEADER, LEADER_TRANSITIONS
 
-__all__ = ["LeaderElector", "LeaseConfig", "default_identity", "own_namespace"]
+__all__ = ["ROUND_LIMIT_S", "LeaderElector", "LeaseConfig", "default_identity", "own_namespace"]
 
 log = logging.getLogger(__name__)
+
+# Longest a round may take: two requests with their timeouts, each retried by the client.
+ROUND_LIMIT_S: Final = 60.0
 
 _SERVICE_ACCOUNT_NAMESPACE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -99,12 +104,15 @@ class LeaderElector:
         self.config = config
         self._on_started: Callable[[], Awaitable[None]] | None = None
         self._on_stopped: Callable[[], Awaitable[None]] | None = None
+        self._on_reconnected: Callable[[], None] | None = None
+        self._unreachable = False  # the last round found no API server
         self._clock = clock
         self._fence = float("-inf")  # leader until then (monotonic seconds)
         self._leading = False
         self._observed: dict[str, Any] | None = None  # the Lease's spec as last seen
         self._observed_at = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._round_at = clock()  # when the last round of the campaign ended
         # Its own thread: reconciles blocked on a restarting API server hold every thread of
         # the loop's default executor for up to their timeout, and a renewal queued behind
         # them would miss its deadline (or, as a candidate, never take the Lease back).
@@ -116,6 +124,19 @@ class LeaderElector:
         return f"{self.config.namespace}/{self.config.name}"
 
     # -- the fence ---------------------------------------------------------------------
+
+    def stalled(self) -> str | None:
+        """What is wrong with the campaign, or None: a round (or the wait between two) that
+        has not ended for a lease duration past its longest, or a term past its deadline
+        that was not ended (client-go's leader healthz, for the liveness probe)."""
+        cfg = self.config
+        quiet = self._clock() - self._round_at
+        if quiet > ROUND_LIMIT_S + cfg.retry_s + cfg.lease_s:
+            return f"the leader election on {self.lease_ref} made no progress for {quiet:.0f} s"
+        if self._leading and self._clock() > self._fence + cfg.lease_s:
+            return (f"{cfg.identity} still counts itself leader of {self.lease_ref} "
+                    f"{self._clock() - self._fence:.0f} s past its renewal deadline")
+        return None
 
     def is_leading(self) -> bool:
         return self._leading and self._clock() < self._fence
@@ -130,10 +151,14 @@ class LeaderElector:
     # -- campaign ----------------------------------------------------------------------
 
     def start(self, *, on_started: Callable[[], Awaitable[None]],
-              on_stopped: Callable[[], Awaitable[None]]) -> None:
+              on_stopped: Callable[[], Awaitable[None]],
+              on_reconnected: Callable[[], None] | None = None) -> None:
         """Campaign on the running loop: `on_started` when this replica takes the Lease,
-        `on_stopped` when it loses or releases it."""
+        `on_stopped` when it loses or releases it, `on_reconnected` when the API server
+        answers again after a round that could not reach it (watch events may have been
+        missed, even when the outage was too short to end the term)."""
         self._on_started, self._on_stopped = on_started, on_stopped
+        self._on_reconnected = on_reconnected
         self._task = asyncio.create_task(self._campaign(), name="pd-operator-leader-election")
 
     async def stop(self) -> None:
@@ -149,25 +174,43 @@ class LeaderElector:
 
     async def _campaign(self) -> None:
         while True:
-            attempt = self._clock()
             try:
-                held = await asyncio.get_running_loop().run_in_executor(
-                    self._thread, self._try_acquire_or_renew)
-            except OperatorError as exc:
-                log.warning("leader election on %s: %s", self.lease_ref, exc)
-                held = False
-            if held:
-                self._fence = attempt + self.config.renew_deadline_s
-                if not self._leading:
-                    self._leading = True
-                    LEADER.labels(name=self.lease_ref).set(1)
-                    LEADER_TRANSITIONS.labels(name=self.lease_ref).inc()
-                    log.info("%s leads (Lease %s)", self.config.identity, self.lease_ref)
-                    if self._on_started is not None:
-                        await self._on_started()
-            elif self._leading and self._clock() >= self._fence:
-                await self._step_down(f"no renewal for {self.config.renew_deadline_s:.0f} s")
+                await self._round()
+            except Exception:  # the campaign outlives any one round, whatever went wrong
+                log.exception("leader election on %s: unexpected error", self.lease_ref)
+            self._round_at = self._clock()
             await asyncio.sleep(self.config.retry_s)
+
+    async def _round(self) -> None:
+        """One try to take or renew the Lease, and what follows from it for the term."""
+        attempt = self._clock()
+        try:
+            held = await asyncio.get_running_loop().run_in_executor(
+                self._thread, self._try_acquire_or_renew)
+        except OperatorError as exc:
+            log.warning("leader election on %s: %s", self.lease_ref, exc)
+            self._unreachable = self._unreachable or isinstance(exc, APIUnreachable)
+            held = False
+        else:
+            if self._unreachable and self._on_reconnected is not None:
+                self._on_reconnected()
+            self._unreachable = False
+        if self._leading and self._clock() >= self._fence:
+            # The term lapsed, even when this round renewed the Lease after the deadline:
+            # writes were refused meanwhile (their reconciles dropped), so the term ends, and
+            # the next one starts afresh and looks at every PDDeployment again.
+            await self._step_down(f"no renewal for {self.config.renew_deadline_s:.0f} s")
+        fence = attempt + self.config.renew_deadline_s
+        if not held or self._clock() >= fence:
+            return  # a renewal that ended past its own deadline opens no term: the next may
+        self._fence = fence
+        if not self._leading:
+            self._leading = True
+            LEADER.labels(name=self.lease_ref).set(1)
+            LEADER_TRANSITIONS.labels(name=self.lease_ref).inc()
+            log.info("%s leads (Lease %s)", self.config.identity, self.lease_ref)
+            if self._on_started is not None:
+                await self._on_started()
 
     async def _step_down(self, why: str) -> None:
         self._leading = False

@@ -167,6 +167,12 @@ class WorkQueue(Generic[K]):
         """Until nothing is queued or in flight (delayed adds do not count)."""
         await self._idle.wait()
 
+    def health(self) -> str | None:
+        """None while every started worker runs; else which ended (they end only when
+        cancelled by `stop`, which forgets them)."""
+        ended = [t.get_name() for t in self._workers if t.done()]
+        return f"work queue workers ended: {', '.join(ended)}" if ended else None
+
     # -- running -----------------------------------------------------------------------------
 
     def start(self) -> None:

@@ -107,8 +107,13 @@ class Bed:
             problems.append(f"Degraded: {degraded.get('message')}")
         return problems
 
+    def explain(self) -> str:
+        """Shown when a wait fails: the operator's own log lines, latest last."""
+        return f"--- the operator's last log lines ---\n{self.operator.notable()}"
+
     def wait_converged(self, what: str, timeout_s: float = 60) -> None:
-        wait_for(what, self.converged, timeout_s, interval_s=0.5, until=lambda p: p == [])
+        wait_for(what, self.converged, timeout_s, interval_s=0.5, until=lambda p: p == [],
+                 explain=self.explain)
         assert self.operator.alive, self.operator.log()
         print(f"operator processes restarted so far: {self.restarts}")
 
@@ -170,7 +175,7 @@ def test_an_apiserver_restart_mid_reconcile_ends_with_every_child_applied(bed: B
     before = bed.operator.counter('pd_operator_reconciles_total{result=error}')
     bed.cluster.patch_spec({"prefill": {"replicas": 3}, "decode": {"replicas": 3}})
     wait_for("the prefill StatefulSet to take the edit", lambda: replicas(bed, "prefill") == 3,
-             15, interval_s=0.01)
+             15, interval_s=0.01, explain=bed.explain)
     bed.restart_apiserver(down_s=3.0)
     bed.wait_converged("every child after the restart")
     assert (replicas(bed, "prefill"), replicas(bed, "decode")) == (3, 3)
@@ -179,7 +184,7 @@ def test_an_apiserver_restart_mid_reconcile_ends_with_every_child_applied(bed: B
     # The watches came back (kopf restarts an expired one with a fresh listing), so an edit
     # now is seen at once, not at the next resync.
     bed.cluster.patch_spec({"prefill": {"replicas": 2}, "decode": {"replicas": 2}})
-    wait_for("the next edit", lambda: replicas(bed, "decode") == 2, 10)
+    wait_for("the next edit", lambda: replicas(bed, "decode") == 2, 10, explain=bed.explain)
     assert "Restarting the watch-stream" in bed.all_logs()
 
 
@@ -204,7 +209,7 @@ def test_a_child_deleted_while_the_watches_were_down_is_recreated(bed: Bed) -> N
     bed.restart_apiserver(while_down=delete_in_etcd)
     wait_for("the ConfigMap to be recreated", lambda: config_map in {
         c.metadata.name for c in bed.cluster.core.list_namespaced_config_map(NAMESPACE).items
-        if c.metadata is not None}, 90)
+        if c.metadata is not None}, 90, explain=bed.explain)
     bed.wait_converged("every child")
     log = bed.all_logs()[log_before:]
     assert "deleted while the watches were down" in log  # found by the audit, not by luck
@@ -225,15 +230,18 @@ def test_etcd_paused_for_20_s_then_the_edit_completes(bed: Bed) -> None:
     bed.wait_converged("every child after etcd resumed", 90)
     print(f"converged {time.monotonic() - resumed:.1f} s after etcd resumed")
     assert replicas(bed, "decode") == 3
-    wait_for("the operator to lead again", bed.operator.leads, 30)
+    wait_for("the operator to lead again", bed.operator.leads, 30, explain=bed.explain)
 
 
 def test_a_rival_writer_makes_writes_conflict_and_the_edit_still_lands(bed: Bed) -> None:
     """Guards against a status lost to 409s: another client rewrites the PDDeployment's
-    metadata every 20 ms, so the operator's status writes (made with the resourceVersion
-    it read) keep conflicting; it re-reads and lands them."""
+    metadata, so the operator's status writes (made with the resourceVersion it read)
+    conflict; it re-reads and lands them. The rival writes back to back until the operator
+    has seen a conflict (so one surely happens, however loaded the machine), then every
+    20 ms while the edit must still land."""
     objects = k8s.CustomObjectsApi(bed.api)
-    stop = threading.Event()
+    stop, back_to_back = threading.Event(), threading.Event()
+    back_to_back.set()
 
     def rival() -> None:
         n = 0
@@ -242,20 +250,26 @@ def test_a_rival_writer_makes_writes_conflict_and_the_edit_still_lands(bed: Bed)
             objects.patch_namespaced_custom_object(
                 "pd.serving.dev", "v1alpha1", NAMESPACE, "pddeployments", NAME,
                 {"metadata": {"annotations": {"example.com/rival": str(n)}}})
-            time.sleep(0.02)
+            if not back_to_back.is_set():
+                time.sleep(0.02)
 
-    conflicts = bed.operator.counter("pd_operator_reconciles_total{result=conflict}")
+    def conflicted() -> float:
+        return bed.operator.counter("pd_operator_reconciles_total{result=conflict}")
+
+    before = conflicted()
     thread = threading.Thread(target=rival, daemon=True)
     thread.start()
     try:
-        bed.cluster.patch_spec({"decode": {"replicas": 2}})
+        # A new generation whatever the tests before left: its status must be written.
+        bed.cluster.patch_spec({"decode": {"replicas": 3 if replicas(bed, "decode") == 2 else 2}})
+        wait_for("a status write to conflict", lambda: conflicted() > before, 30,
+                 interval_s=0.05, explain=bed.explain)
+        back_to_back.clear()
         bed.wait_converged("the edit under a rival writer")
     finally:
         stop.set()
         thread.join()
-    seen = bed.operator.counter("pd_operator_reconciles_total{result=conflict}") - conflicts
-    print(f"conflicted reconciles: {seen:.0f}")
-    assert seen > 0
+    print(f"conflicted reconciles: {conflicted() - before:.0f}")
 
 
 def test_throttled_by_priority_and_fairness_it_backs_off_and_converges(bed: Bed) -> None:
@@ -293,7 +307,7 @@ def test_throttled_by_priority_and_fairness_it_backs_off_and_converges(bed: Bed)
 
         for name in (f"throttled-{copy}" for copy in range(4)):
             wait_for(f"{name}'s children and status", partial(done, name), 120,
-                     interval_s=1.0)
+                     interval_s=1.0, explain=bed.explain)
         rejected = _rejected(bed, level) - rejected_before
         print(f"requests of the operator refused with 429: {rejected:.0f}")
         assert rejected > 0
@@ -317,7 +331,8 @@ def test_a_forbidden_kind_is_named_in_degraded_and_recovers_once_granted(bed: Be
         k8s.NetworkingV1Api(bed.api).delete_collection_namespaced_network_policy(NAMESPACE)
         degraded: dict[str, Any] = wait_for("Degraded naming the refused kind", lambda: next(
             (c for c in bed.cluster.status().get("conditions", [])
-             if c["type"] == "Degraded" and c["status"] == "True"), None), 60)
+             if c["type"] == "Degraded" and c["status"] == "True"), None), 60,
+            explain=bed.explain)
         assert "networkpolicies" in degraded["message"] and "forbidden" in degraded["message"]
         assert replicas(bed, "decode") == 1  # the other children followed the edit
         assert bed.operator.alive

@@ -81,6 +81,8 @@ def test_the_standby_writes_nothing_and_takes_over_a_killed_leader_within_15_s(
     time.sleep(3)  # the standby has seen every event by now
     assert second.leads() is False
     assert second.writes() == 0
+    # Both replicas are alive as the kubelet probes them (the reconcile loop's own check).
+    assert first.health() == second.health() == (200, {"reconcile_loop": "ok"})
     assert lease(cluster).spec.holder_identity.startswith("first_")
 
     first.kill()

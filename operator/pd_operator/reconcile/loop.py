@@ -129,7 +129,8 @@ class ReconcileLoop:
         if self.elector is None:
             self.queue.start()
         else:
-            self.elector.start(on_started=self._lead, on_stopped=self._follow)
+            self.elector.start(on_started=self._lead, on_stopped=self._follow,
+                               on_reconnected=self._audit_now.set)
 
     async def stop(self) -> None:
         if self._audit_task is not None:
@@ -141,6 +142,17 @@ class ReconcileLoop:
         else:
             await self.queue.stop()
         self.reconciler.kube.close()
+
+    def health(self) -> str | None:
+        """What keeps this replica from doing its job, or None (the liveness probe's
+        answer): a stalled leader election, or a background task that ended."""
+        if self.elector is not None:
+            stalled = self.elector.stalled()
+            if stalled is not None:
+                return stalled
+        if self._audit_task is not None and self._audit_task.done():
+            return "the cache audit task ended"
+        return self.queue.health()
 
     # -- leadership ------------------------------------------------------------------------
 
@@ -184,6 +196,10 @@ class ReconcileLoop:
                 lost, confirm = await asyncio.to_thread(self._audit, only_suspects=confirm)
             except OperatorError as exc:
                 log.warning("cache audit failed, retried in %.0f s: %s", AUDIT_INTERVAL_S, exc)
+                confirm = False
+                continue
+            except Exception:  # the audit task outlives any one audit
+                log.exception("cache audit failed, retried in %.0f s", AUDIT_INTERVAL_S)
                 confirm = False
                 continue
             for key in sorted(lost):

@@ -8,7 +8,10 @@ with other replica counts), in four namespaces. Two phases in one run:
 1. `--first` (100) PDDeployments created at once: seconds until every one has its children
    (both StatefulSets, and the router Deployment where it has one) and a written status
    (`status.observedGeneration` == `metadata.generation`);
-2. `--count` (1000) more, created at once beside the first ones, measured the same way;
+2. `--count` (1000) more, created at once beside the first ones, measured the same way,
+   with what they cost per PDDeployment: CPU seconds of every process (the operator, etcd,
+   the API server, the controller-manager), the API server's requests (all clients) and the
+   operator's own writes;
 then, once the pod count has settled and the operator has sent no write for 20 s (the
 reconciles the last pods' events queued, done; the time and the writes are reported):
 - writes during `--idle-seconds` (60): the operator's own (`pd_operator_api_writes_total`,
@@ -99,9 +102,11 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return used
 
 
-def per_item(after: dict[str, float], before: dict[str, float], items: int) -> dict[str, float]:
-    return {k: round((v - before.get(k, 0.0)) / items, 2) for k, v in sorted(after.items())
-            if v - before.get(k, 0.0) >= items / 10}
+def per_item(after: dict[str, float], before: dict[str, float], items: int,
+             least: float = 0.1) -> dict[str, float]:
+    """What each key grew by, per item, for the keys that grew by `least` per item or more."""
+    return {k: round((v - before.get(k, 0.0)) / items, 3) for k, v in sorted(after.items())
+            if v - before.get(k, 0.0) >= items * least}
 
 
 def operator_writes(port: int) -> dict[str, float]:
@@ -304,8 +309,10 @@ def main() -> int:
             print(f"phase 2: {args.count} more", flush=True)
             pids = {"operator": operator.pid, **{p.name: p.pid for p in handle.processes}}
             cpu_before, requests_before = cpu_seconds(pids), apiserver_requests(handle)
+            writes_before = operator_writes(metrics_port)
             second_s = create_and_wait(api, made[args.first:], args.timeout_seconds)
             cpu_after, requests_after = cpu_seconds(pids), apiserver_requests(handle)
+            writes_after = operator_writes(metrics_port)
             settle_started = time.monotonic()
             pods = wait_for_stable_pods(k8s.CoreV1Api(api), quiet_s=15.0, timeout_s=900.0)
             settle_s = time.monotonic() - settle_started
@@ -325,9 +332,12 @@ def main() -> int:
             "first_converge_seconds": round(first_s, 1),
             "more_pddeployments": args.count,
             "more_converge_seconds": round(second_s, 1),
-            "more_cpu_seconds_per_pddeployment": per_item(cpu_after, cpu_before, args.count),
+            "more_cpu_seconds_per_pddeployment": per_item(cpu_after, cpu_before, args.count,
+                                                          least=0.0),
             "more_requests_per_pddeployment_all_clients": per_item(
                 requests_after, requests_before, args.count),
+            "more_operator_writes_per_pddeployment": per_item(
+                writes_after, writes_before, args.count, least=0.0),
             "pods_at_rest": pods,
             "pods_settled_after_seconds": round(settle_s, 1),
             "operator_quiet_after_seconds": round(quiet_s, 1),

@@ -18,6 +18,9 @@ changes, deletions and events of the children the operator applies stay immediat
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from typing import Any
 
 import kopf
@@ -31,6 +34,7 @@ from pd_operator.kube import bearer_token, load_configuration
 from pd_operator.reconcile import ReconcileLoop
 
 __all__ = [
+    "exit_after",
     "feed_cache",
     "healthy",
     "login",
@@ -103,9 +107,28 @@ async def healthy(memo: kopf.Memo, **_: Any) -> str:
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
+    grace = settings.current().exit_grace_s
+    if grace is not None:
+        exit_after(grace)
     loop = memo.get("reconcile_loop")
     if isinstance(loop, ReconcileLoop):
         await loop.stop()
+
+
+def exit_after(grace_s: float) -> None:
+    """End the process `grace_s` from now unless it has ended by itself. kopf stops when a
+    watch fails for good (a 404 while a restarted API server has not yet served the CRDs),
+    and its stop can then wait forever for watchers stuck in their own cancellation: a
+    process alive and doing nothing, which no restart policy replaces (failure-modes #52)."""
+    def hard_exit() -> None:
+        logging.getLogger(__name__).critical(
+            "the operator did not finish stopping within %g s; exiting", grace_s)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(grace_s, hard_exit)
+    timer.daemon = True
+    timer.start()
 
 
 @kopf.on.event(GROUP, VERSION, PDDeployment.plural)

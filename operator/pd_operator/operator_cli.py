@@ -11,6 +11,10 @@ from pd_operator.build import DEFAULT_AGENT_IMAGE
 from pd_operator.leader import LeaseConfig, default_identity, own_namespace
 from pd_operator.workqueue import QueueTuning
 
+# Once kopf begins stopping, the process ends within this: a clean stop takes a second or
+# two, and a replica stuck in its stop would otherwise live on doing nothing.
+EXIT_GRACE_S = 15.0
+
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -86,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         lease=_lease(args),
         tuning=QueueTuning(workers=args.workers, resync_s=args.resync_seconds,
                            status_interval_s=args.status_interval_seconds),
+        exit_grace_s=EXIT_GRACE_S,
     )
     metrics.serve(args.metrics_port)
     del handlers  # imported for its registrations

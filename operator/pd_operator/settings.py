@@ -53,13 +53,16 @@ TRANSFER_AGENT_RESOURCE: tuple[str, str, str] = (GROUP, VERSION, TRANSFERAGENT_P
 @dataclass(frozen=True)
 class OperatorConfig:
     """Runtime choices made outside kopf: API credentials, the work queue's timing, the
-    image of the transfer-agent sidecar engine-native pods get, and the leader election's
-    Lease (None: this process is the only operator and always writes)."""
+    image of the transfer-agent sidecar engine-native pods get, the leader election's Lease
+    (None: this process is the only operator and always writes), and how long the process
+    may take to exit once kopf has begun stopping (None: as long as kopf takes; the CLI sets
+    it, an in-process test runner does not)."""
 
     kubeconfig: str | None = None
     tuning: QueueTuning = field(default_factory=QueueTuning)
     agent_image: str = DEFAULT_AGENT_IMAGE
     lease: LeaseConfig | None = None
+    exit_grace_s: float | None = None
 
 
 _config = OperatorConfig()

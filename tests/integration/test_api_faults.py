@@ -68,8 +68,9 @@ class Bed:
 
     def revive(self) -> None:
         """Start the operator again if it exited, as the kubelet restarts a container. kopf
-        ends its process when a watch is answered 404, which a CRD's route is while a
-        restarted API server has not yet loaded the CRDs."""
+        stops when a watch is answered 404, which a CRD's route is while a restarted API
+        server has not yet loaded the CRDs; the process then ends within its exit grace
+        (`EXIT_GRACE_S`), even when kopf's stop hangs on its own watchers."""
         if not self.operator.alive:
             self.restarts += 1
             self.operator = OperatorProcess.start(
@@ -111,7 +112,7 @@ class Bed:
         """Shown when a wait fails: the operator's own log lines, latest last."""
         return f"--- the operator's last log lines ---\n{self.operator.notable()}"
 
-    def wait_converged(self, what: str, timeout_s: float = 60) -> None:
+    def wait_converged(self, what: str, timeout_s: float = 90) -> None:
         wait_for(what, self.converged, timeout_s, interval_s=0.5, until=lambda p: p == [],
                  explain=self.explain)
         assert self.operator.alive, self.operator.log()

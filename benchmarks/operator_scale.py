@@ -31,8 +31,6 @@ import json
 import os
 import random
 import re
-import signal
-import socket
 import ssl
 import statistics
 import subprocess
@@ -51,6 +49,7 @@ from pd_devcluster import ControlPlaneHandle, Ports, start_control_plane
 from pd_operator.api import parse_pdd
 from pd_operator.api.naming import transfer_key_name
 from pd_operator.build import Capabilities, build_children, child_key
+from pd_testbed.operator_process import OperatorProcess
 
 REPO = Path(__file__).resolve().parents[1]
 WRITE_VERBS = ("POST", "PUT", "PATCH", "DELETE")
@@ -61,12 +60,6 @@ EXAMPLES = ("llama-70b.yaml", "deepseek-v3-mla.yaml", "qwen3-8b-vllm.yaml",
 # v1.20 serves no policy/v1: the operator makes no PDBs there.
 CAPS = Capabilities(pod_disruption_budgets=False)
 Obj = dict[str, Any]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def apiserver_requests(handle: ControlPlaneHandle) -> dict[str, float]:
@@ -287,19 +280,13 @@ def main() -> int:
 
     state = Path(tempfile.mkdtemp(prefix="pd-bench-"))
     handle = start_control_plane(state, Ports.free(), REPO / "crds", controller_manager=True)
-    metrics_port = free_port()
-    log_path = state / "operator.log"
     with handle.api_client() as api:
         core = k8s.CoreV1Api(api)
         for namespace in (*NAMESPACES, "pd-system"):
             core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=namespace)))
-    with log_path.open("w") as log:
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "pd_operator.cli", "run", "-A", "--kubeconfig",
-             str(handle.kubeconfig_path), "--metrics-port", str(metrics_port),
-             "--leader-elect", "--leader-elect-namespace", "pd-system"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
+    # As the chart runs it: every namespace, leader election (its Lease in pd-system).
+    operator = OperatorProcess.start(handle, "pd-system", "bench", state, all_namespaces=True)
+    metrics_port = operator.metrics_port
     try:
         with handle.api_client() as api:
             made = bodies(args.first, args.count)
@@ -307,7 +294,8 @@ def main() -> int:
             print(f"phase 1: {args.first} PDDeployments", flush=True)
             first_s = create_and_wait(api, made[:args.first], args.timeout_seconds)
             print(f"phase 2: {args.count} more", flush=True)
-            pids = {"operator": operator.pid, **{p.name: p.pid for p in handle.processes}}
+            pids = {"operator": operator.process.pid,
+                    **{p.name: p.pid for p in handle.processes}}
             cpu_before, requests_before = cpu_seconds(pids), apiserver_requests(handle)
             writes_before = operator_writes(metrics_port)
             second_s = create_and_wait(api, made[args.first:], args.timeout_seconds)
@@ -321,7 +309,7 @@ def main() -> int:
             op_before, api_before = operator_writes(metrics_port), apiserver_writes(handle)
             time.sleep(args.idle_seconds)
             op_after, api_after = operator_writes(metrics_port), apiserver_writes(handle)
-            peak, current = rss_mib(operator.pid)
+            peak, current = rss_mib(operator.process.pid)
             names = [(b["metadata"]["namespace"], b["metadata"]["name"]) for b in made]
             latencies = sorted(edit_latencies(api, names, args.edits))
             problems = children_exact(api, made)
@@ -366,9 +354,8 @@ def main() -> int:
         print(f"saved {out}")
         return 0 if not problems else 1
     finally:
-        operator.send_signal(signal.SIGTERM)
         try:
-            operator.wait(timeout=20)
+            operator.terminate(timeout_s=20)
         except subprocess.TimeoutExpired:
             operator.kill()
         handle.stop()

@@ -54,8 +54,9 @@ from kubernetes import client as k8s  # noqa: E402
 from pd_devcluster import Ports, start_control_plane  # noqa: E402
 from pd_devcluster.kubelet import FakeKubelet  # noqa: E402
 from pd_devcluster.vllm_env import require_vllm_env  # noqa: E402
+from pd_testbed.operator_process import OperatorReplicas  # noqa: E402
 from pd_testbed.polling import wait_for  # noqa: E402
-from pd_testbed.rollout_harness import OperatorProcess  # noqa: E402
+from pd_testbed.rollout_harness import FLEET_OPERATOR  # noqa: E402
 from pd_testbed.vllm import HttpTarget, complete, prompt_ids, scrape  # noqa: E402
 
 GROUP, VERSION = "pd.serving.dev", "v1alpha1"
@@ -268,8 +269,8 @@ def local_fleet(prefix: str, ip_prefix: str, max_tokens: int) -> Iterator[Fleet]
         created = core.create_namespace(k8s.V1Namespace(
             metadata=k8s.V1ObjectMeta(generate_name=f"{prefix}-")))
         namespace = str(api.sanitize_for_serialization(created)["metadata"]["name"])  # type: ignore[no-untyped-call]
-        operator = OperatorProcess(handle, namespace, work)
-        operator.start()
+        operator = OperatorReplicas(handle, namespace, work, count=1,
+                                    extra_args=FLEET_OPERATOR)
         kubelet = FakeKubelet(handle, work / "kubelet", namespace=namespace,
                               ip_prefix=ip_prefix, restart_backoff_s=2.0)
         kubelet_stop = threading.Event()

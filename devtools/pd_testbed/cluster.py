@@ -95,10 +95,14 @@ class Cluster:
         return {child_key(o): o for o in self.kube.list_children(self.ns, selector, KINDS)}
 
     def children_match(self, name: str = NAME) -> list[str]:
-        """Problems: children missing or differing from the builder's manifests."""
+        """Problems: children missing, differing from the builder's manifests, or extra (a
+        child of the PDDeployment that the builders do not make: an orphan)."""
         live = self.live(name)
         problems = []
-        for want in self.desired(name):
+        desired = self.desired(name)
+        problems += [f"extra {kind}/{child}" for _, kind, _, child in
+                     sorted(live.keys() - {child_key(want) for want in desired})]
+        for want in desired:
             have = live.get(child_key(want))
             if have is None:
                 problems.append(f"missing {want['kind']}/{want['metadata']['name']}")

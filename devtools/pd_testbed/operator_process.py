@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_devcluster import ControlPlaneHandle
 from pd_testbed.checkout import REPO_ROOT
 
-__all__ = ["LEASE", "QUICK_TAKEOVER", "OperatorProcess", "OperatorReplicas"]
+__all__ = ["LEASE", "QUICK_TAKEOVER", "TEST_TUNING", "OperatorProcess", "OperatorReplicas"]
 
 LEASE = "pd-operator"
 
@@ -54,13 +54,15 @@ class OperatorProcess:
     @classmethod
     def start(cls, control_plane: ControlPlaneHandle, namespace: str, name: str,
               log_dir: Path, *, kubeconfig: Path | None = None,
-              extra_args: Sequence[str] = ()) -> OperatorProcess:
-        """`kubeconfig`: whose credentials it runs with (default: the admin's)."""
+              extra_args: Sequence[str] = (), all_namespaces: bool = False) -> OperatorProcess:
+        """`kubeconfig`: whose credentials it runs with (default: the admin's).
+        `all_namespaces`: serve every namespace (`-A`), `namespace` holding only the Lease."""
         port, health_port = _free_port(), _free_port()
         log_path = log_dir / f"operator-{name}.log"
+        scope = ["-A"] if all_namespaces else ["--namespace", namespace]
         with log_path.open("ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "pd_operator.cli", "run", "--namespace", namespace,
+                [sys.executable, "-m", "pd_operator.cli", "run", *scope,
                  "--kubeconfig", str(kubeconfig or control_plane.kubeconfig_path),
                  "--metrics-port", str(port), "--leader-elect",
                  "--liveness", f"http://127.0.0.1:{health_port}/healthz",
@@ -145,10 +147,11 @@ class OperatorProcess:
 
 
 # Leader election timing for tests that kill leaders: a takeover after SIGKILL costs ~5 s
-# (lease 4 s, retry 1 s) rather than the chart's ~12 s; reconciles resync every second.
+# (lease 4 s, retry 1 s) rather than the chart's ~12 s.
 QUICK_TAKEOVER = ("--leader-elect-lease-seconds", "4", "--leader-elect-renew-deadline-seconds",
-                  "3", "--leader-elect-retry-seconds", "1", "--status-interval-seconds", "1",
-                  "--resync-seconds", "1")
+                  "3", "--leader-elect-retry-seconds", "1")
+# A queue tuned for tests: status refreshes at most once a second, a resync every second.
+TEST_TUNING = ("--status-interval-seconds", "1", "--resync-seconds", "1")
 
 
 @dataclass
@@ -161,7 +164,7 @@ class OperatorReplicas:
     namespace: str
     log_dir: Path
     count: int = 2
-    extra_args: Sequence[str] = QUICK_TAKEOVER
+    extra_args: Sequence[str] = (*QUICK_TAKEOVER, *TEST_TUNING)
     started: list[OperatorProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -196,7 +199,24 @@ class OperatorReplicas:
         return leader
 
     def stop(self) -> str:
-        """SIGKILL every replica; their logs, for a failed test to show."""
-        for process in self.started:
-            process.kill()
+        """SIGTERM every replica still running (SIGKILL after 10 s); their logs, for a
+        failed test to show."""
+        for process in self.live:
+            try:
+                process.terminate(timeout_s=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
         return "\n".join(f"--- operator {p.name} ---\n{p.log()}" for p in self.started)
+
+    def errors(self) -> list[str]:
+        """ERROR lines and tracebacks in every replica's log, but kopf's own reports of an
+        API request it retries (a busy API server timing out a watch: kopf logs them at
+        ERROR and recovers by itself)."""
+        found = []
+        for process in self.started:
+            for line in process.log_path.read_text(errors="replace").splitlines():
+                if "kopf._cogs.clients" in line and "will retry" in line:
+                    continue
+                if " ERROR " in line or line.startswith("Traceback"):
+                    found.append(line)
+        return found

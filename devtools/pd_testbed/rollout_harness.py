@@ -1,6 +1,7 @@
-"""A live deployment for staging rollouts: control plane + operator (its own process, so a
-test can SIGKILL it) + fake kubelet + reference engines (real processes, real NIXL over
-loopback, hot staging resize) + steady load, with the bookkeeping a rollout is judged by.
+"""A live deployment for staging rollouts: control plane + operator (two leader-elected
+processes, `OperatorReplicas`, so that a test can SIGKILL the leader under load) + fake
+kubelet + reference engines (real processes, real NIXL over loopback, hot staging resize) +
+steady load, with the bookkeeping a rollout is judged by.
 
 `LiveFleet` is used by `tests/e2e/test_rollout_e2e.py` (asserts) and by
 `benchmarks/staging_rollout.py` (figures). What it records:
@@ -12,7 +13,7 @@ loopback, hot staging resize) + steady load, with the bookkeeping a rollout is j
   the other size is confirmed by the agent at once and resizes nothing) and every spec size
   each pod had;
 - the engines' PIDs from the kubelet (a hot resize must not restart them);
-- the operator's log lines at ERROR or with a traceback, over all its incarnations.
+- the operator's log lines at ERROR or with a traceback, over all its replicas.
 
 `SizeFault` is a TEST-ONLY fault tied to a staging size: while one pod reports that size in
 force, its engine drops its Grants (`POST /v1/faults`). It stands in for "this size hurts
@@ -24,10 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
-import signal
-import sys
 import threading
 import time
 import urllib.request
@@ -45,22 +43,20 @@ from kubernetes import client as k8s
 
 from pd_devcluster import ControlPlaneHandle
 from pd_devcluster.kubelet import FakeKubelet
-from pd_devcluster.processes import (
-    ProcessRecord,
-    is_running,
-    spawn_daemon,
-    stop_process,
-)
 from pd_testbed.checkout import EXAMPLES_DIR
+from pd_testbed.operator_process import QUICK_TAKEOVER, OperatorReplicas
 from pd_testbed.polling import wait_for, wait_for_events
 from pd_transfer.reference.load import Engines, LoadConfig, engines_from_pods, run_one
 from pd_transfer.router.pods import pod_selector
 
-__all__ = ["NAME", "LiveFleet", "LoadLog", "OperatorProcess", "Request", "SizeFault",
+__all__ = ["FLEET_OPERATOR", "NAME", "LiveFleet", "LoadLog", "Request", "SizeFault",
            "discover_engines", "live_fleet"]
 
 GROUP, VERSION = "pd.serving.dev", "v1alpha1"
 NAME = "rollout-reference"
+# A fleet's operator: status refreshes at most once a second, a 5 s resync and two workers
+# (the engines need the cores more than the queue does).
+FLEET_OPERATOR = ("--status-interval-seconds", "1", "--resync-seconds", "5", "--workers", "2")
 
 Obj = dict[str, Any]
 Size = tuple[int, int]
@@ -114,49 +110,6 @@ class LoadLog:
                 "p99_latency_s": pct(0.99), "seconds": round(end - start, 2)}
 
 
-class OperatorProcess:
-    """`pd-operator run` for one namespace as a process of its own: `kill()` is a SIGKILL
-    (no shutdown handler runs, as when a node dies), `start()` a new incarnation."""
-
-    def __init__(self, handle: ControlPlaneHandle, namespace: str, log_dir: Path) -> None:
-        self.handle, self.namespace, self.log_dir = handle, namespace, log_dir
-        self.incarnations: list[ProcessRecord] = []
-
-    @property
-    def running(self) -> bool:
-        return bool(self.incarnations) and is_running(self.incarnations[-1])
-
-    def start(self) -> None:
-        argv = [sys.executable, "-m", "pd_operator", "run", "--namespace", self.namespace,
-                "--kubeconfig", str(self.handle.kubeconfig_path), "--metrics-port", "0",
-                "--resync-seconds", "5", "--status-interval-seconds", "1", "--workers", "2"]
-        log = self.log_dir / f"operator-{len(self.incarnations)}.log"
-        self.incarnations.append(spawn_daemon("pd-operator", argv, log, env=dict(os.environ)))
-
-    def kill(self) -> None:
-        record = self.incarnations[-1]
-        if is_running(record):
-            os.kill(record.pid, signal.SIGKILL)
-        wait_for("the operator gone", lambda: not is_running(record), 10)
-
-    def stop(self) -> None:
-        if self.incarnations:
-            stop_process(self.incarnations[-1], grace_s=10.0)
-
-    def errors(self) -> list[str]:
-        """ERROR lines and tracebacks in every incarnation's log, but kopf's own reports of
-        an API request it retries (a busy API server timing out a watch: kopf logs them at
-        ERROR and recovers by itself)."""
-        found = []
-        for record in self.incarnations:
-            for line in Path(record.log_path).read_text(errors="replace").splitlines():
-                if "kopf._cogs.clients" in line and "will retry" in line:
-                    continue
-                if " ERROR " in line or line.startswith("Traceback"):
-                    found.append(line)
-        return found
-
-
 class SizeFault(threading.Thread):
     """TEST-ONLY (module docstring): `pod`'s engine drops its Grants exactly while its
     TransferAgent reports `size` in force; records how often the fault was switched."""
@@ -190,7 +143,7 @@ class LiveFleet:
     """See the module docstring. Use as a context manager (`live_fleet`)."""
 
     def __init__(self, handle: ControlPlaneHandle, kube_client: k8s.ApiClient,
-                 namespace: str, kubelet: FakeKubelet, operator: OperatorProcess) -> None:
+                 namespace: str, kubelet: FakeKubelet, operator: OperatorReplicas) -> None:
         self.handle, self.ns, self.kubelet, self.operator = handle, namespace, kubelet, operator
         self.objects = k8s.CustomObjectsApi(kube_client)
         self.core = k8s.CoreV1Api(kube_client)
@@ -375,8 +328,8 @@ def live_fleet(handle: ControlPlaneHandle, kube_client: k8s.ApiClient, work_dir:
         patch = stack.enter_context(pytest.MonkeyPatch.context())
         patch.setenv("KUBECONFIG", str(handle.kubeconfig_path))
         (work_dir / "kubelet").mkdir(parents=True, exist_ok=True)
-        operator = OperatorProcess(handle, namespace, work_dir)
-        operator.start()
+        operator = OperatorReplicas(handle, namespace, work_dir,
+                                    extra_args=(*QUICK_TAKEOVER, *FLEET_OPERATOR))
         prefix = f"127.{random.randint(100, 250)}.{random.randint(1, 250)}."
         # A container that exits is restarted (2 s, doubling), as a StatefulSet's pod is.
         kubelet = FakeKubelet(handle, work_dir / "kubelet", namespace=namespace,

@@ -28,8 +28,9 @@ from kubernetes import client as k8s
 from pd_devcluster import ControlPlaneHandle
 from pd_devcluster.kubelet import FakeKubelet
 from pd_testbed.checkout import EXAMPLES_DIR
+from pd_testbed.operator_process import OperatorReplicas
 from pd_testbed.polling import wait_for
-from pd_testbed.rollout_harness import OperatorProcess
+from pd_testbed.rollout_harness import FLEET_OPERATOR
 from pd_testbed.vllm import (
     HttpTarget,
     VllmServer,
@@ -71,7 +72,7 @@ class Cluster:
     handle: ControlPlaneHandle
     namespace: str
     kubelet: FakeKubelet
-    operator: OperatorProcess
+    operator: OperatorReplicas
     api: k8s.ApiClient
     expected: dict[int, list[int]]
     outcomes: list[Outcome] = field(default_factory=list)
@@ -216,8 +217,8 @@ def running_cluster(control_plane: ControlPlaneHandle, kube_client: k8s.ApiClien
     single = VllmServer(role="single", port=port, vllm=vllm, model_dir=model_dir,
                         log_dir=work, load_format="dummy", max_num_batched_tokens=256)
     with ExitStack() as stack:
-        operator = OperatorProcess(control_plane, namespace, work)
-        operator.start()
+        operator = OperatorReplicas(control_plane, namespace, work, count=1,
+                                    extra_args=FLEET_OPERATOR)
         stack.callback(operator.stop)
         kubelet = FakeKubelet(control_plane, work / "kubelet", namespace=namespace,
                               ip_prefix=f"127.{random.randint(100, 250)}.{random.randint(1, 250)}.",

@@ -1,15 +1,15 @@
 """Staging rollouts end to end on this machine, with real engines under steady load
-(docs/failure-modes.md #25): control plane + operator (its own process) + fake kubelet + reference
-engines (real processes, real NIXL over loopback) whose agents resize their staging pools in
-place.
+(docs/failure-modes.md #25): control plane + operator (two leader-elected processes) + fake
+kubelet + reference engines (real processes, real NIXL over loopback) whose agents resize their
+staging pools in place.
 
 One deployment (2 prefill TP1 + 2 decode TP2 pods, `rollout_harness.LiveFleet`) serves the
 tests, in order:
 1. grow then shrink the decode pool → each rollout completes, every engine runs the new size,
    no request fails, no engine restarts, never more than maxUnavailable pods resizing;
-2. SIGKILL the operator right after the first batch's spec write, start a new one → the
-   rollout continues from there (no pod is sent back, none twice) and completes, no request
-   fails;
+2. SIGKILL the leading operator right after the first batch's spec write → the standby
+   takes over and the rollout continues from there (no pod is sent back, none twice) and
+   completes, no request fails;
 3. a size that hurts the first resized pod (TEST-ONLY `SizeFault`: its engine drops Grants
    while that size is in force) → the rollout pauses and rolls back by itself, status and
    Events name the pod and why, and traffic recovers.
@@ -87,23 +87,28 @@ def test_grow_then_shrink_under_load_without_failures_or_restarts(fleet: LiveFle
     assert fleet.specs_seen == {pod: [START, GROWN, SHRUNK] for pod in PODS}, fleet.specs_seen
 
 
-def test_operator_killed_mid_rollout_continues_after_restart(fleet: LiveFleet) -> None:
-    """Guards against a restarted operator that restarts the rollout from scratch, sends an
-    updated pod back, or forgets it was rolling out (it keeps no state but the status)."""
+def test_the_leader_killed_mid_rollout_hands_it_to_the_standby_under_load(
+        fleet: LiveFleet) -> None:
+    """Guards against a takeover that restarts the rollout from scratch, sends an updated
+    pod back, forgets it was rolling out (the operator keeps no state but the status), or
+    fails a request: the leading operator is SIGKILLed right after the first batch's spec
+    write, while the load runs, and the standby finishes the rollout."""
     fleet.wait_phase("Complete", to=SHRUNK[0], timeout_s=30)
     pids = fleet.pids()
     started = time.monotonic()
     fleet.resize(START)
     first = wait_for("the first batch's spec write", lambda: [
         pod for pod, seen in fleet.specs_seen.items() if seen[-1] == START], 30)
-    fleet.operator.kill()
+    killed = fleet.operator.kill_leader()  # a replacement joins as the standby's standby
     assert first == [f"{NAME}-decode-0"], first  # growing: decode rings first
-    time.sleep(3)  # the batch resizes while no operator runs
+    time.sleep(1.5)  # the batch resizes while no operator leads (the Lease has 4 s to run)
     assert sum(seen[-1] == START for seen in fleet.specs_seen.values()) == 1, "not mid-way"
-    fleet.operator.start()
+    took_over = fleet.operator.leader(timeout_s=15)
+    print(f"{took_over.name} took over from {killed.name} "
+          f"{time.monotonic() - started:.1f} s after the resize")
     done = fleet.wait_phase("Complete", to=START[0], timeout_s=150)
     window = fleet.log.window(started, time.monotonic())
-    print(f"rollout to {START} across an operator kill: {time.monotonic() - started:.1f} s, "
+    print(f"rollout to {START} across a leader kill: {time.monotonic() - started:.1f} s, "
           f"load {window}")
     assert sorted(done["updatedPods"]) == PODS
     assert fleet.in_force() == dict.fromkeys(PODS, START)

@@ -54,6 +54,7 @@ class Kubelet(threading.Thread):
         self.only: set[str] | None = None
         self.held = False  # no pod turns Ready while set (engines still starting)
         self.uids: set[str] = set()  # every pod seen
+        self.crashed: dict[str, set[str]] = {}  # role -> revisions whose pods it crashed
         self.seen: dict[str, float] = {}
         self.least_ready: Counter[str] = Counter({"prefill": 99, "decode": 99})
         self.most_pods: Counter[str] = Counter()
@@ -73,6 +74,7 @@ class Kubelet(threading.Thread):
                     ready[role] += 1
                 elif self.only is not None and \
                         meta["labels"].get(LABEL_TEMPLATE_HASH) not in self.only:
+                    self.crashed.setdefault(role, set()).add(meta["labels"][LABEL_TEMPLATE_HASH])
                     self._crash(pod)
                 elif not self.held and time.monotonic() - first >= START_S:
                     self.cluster.mark_ready(pod)
@@ -185,15 +187,18 @@ def test_a_revision_that_crashes_at_start_rolls_back_and_stays_refused(
     old_uids = sorted(p["metadata"]["uid"] for p in cluster.pods())
     kubelet.only = set(old.values())  # any other revision's engine exits at start
     cluster.patch_spec({"engine": {"args": ["--exits-at-start"]}})
-    bad = wait_for("the new revision", lambda: (s := cluster.status())["prefill"]["revision"]
-                   != old["prefill"] and s["observedGeneration"] == 2 and s)
+    # The bad revision may start, crash and be rolled back between two looks at the status:
+    # it is known from the pods the kubelet crashed.
     back = wait_for("the rollout to roll back", lambda: rollout(cluster).get("phase")
                     == "RolledBack" and rollout(cluster), 90)
     assert back["reason"] == "CrashLoop"
     assert "restarted 3 times" in back["message"]
     assert "rolled back to the last good revision" in back["message"]
-    assert back["failedRevisions"] == {"prefill": bad["prefill"]["revision"],
-                                       "decode": bad["decode"]["revision"]}
+    failed = back["failedRevisions"]
+    assert failed.keys() == {"prefill", "decode"}
+    assert set(failed.values()).isdisjoint(old.values())
+    assert kubelet.crashed and all(kubelet.crashed[role] == {failed[role]}
+                                   for role in kubelet.crashed), (kubelet.crashed, failed)
     assert back["stableRevisions"] == old
     # the old pods served throughout, the StatefulSets run the old template again
     assert sorted(p["metadata"]["uid"] for p in cluster.pods()) == old_uids
@@ -254,8 +259,7 @@ def test_the_leader_killed_at_every_step_carries_on_without_a_step_twice(
                                   60, interval_s=0.05, until=seen.__ne__))
             assert len(steps) < 40, steps
         print(f"leaders killed: {len(steps) - 1}; steps: {steps}")
-        # The last leader lives on to announce the end (Events follow the status write).
-        wait_for("the RolloutComplete Event", lambda: "RolloutComplete" in events(cluster), 15)
+        time.sleep(2)  # an Event follows its status write: let the last ones land
         settled_events = events(cluster)
     finally:
         print(operators.stop())
@@ -269,9 +273,12 @@ def test_the_leader_killed_at_every_step_carries_on_without_a_step_twice(
     assert len(kubelet.uids - before) == (PREFILL + 1) + (DECODE + 1)
     assert dict(kubelet.least_ready) == {"prefill": PREFILL, "decode": DECODE}
     assert dict(kubelet.most_pods) == {"prefill": PREFILL + 1, "decode": DECODE + 1}
-    # A leader killed between a step and its Event leaves that Event unsent (Events are best
-    # effort): never more than one per old pod.
+    # A leader killed between a status write and its Event leaves that Event unsent (Events
+    # are best effort, and the step that wrote Complete may be the killed leader's): never
+    # more than one per old pod, one start, one end.
     assert settled_events.count("DrainingOldPod") <= PREFILL + DECODE
+    assert settled_events.count("RolloutStarted") <= 1
+    assert settled_events.count("RolloutComplete") <= 1
     # The same end state as one uninterrupted run: every child as the spec builds it. The
     # new variable sits after the ones the old template had (server-side apply keeps a keyed
     # list's order), so the environments are compared by name.

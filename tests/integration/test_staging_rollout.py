@@ -369,8 +369,8 @@ def test_the_leader_killed_at_every_step_hands_the_rollout_on_with_no_step_twice
             assert len(steps) < 30, steps
         print(f"leaders killed: {len(takeovers)}; steps: {steps}; takeover to the next step: "
               f"{max(takeovers):.1f} s at most")
-        # The last leader lives on to announce the end (Events follow the status write).
-        reasons = [e["reason"] for e in fleet.events_with("StagingRolloutComplete")]
+        time.sleep(2)  # an Event follows its status write: let the last ones land
+        reasons = [e["reason"] for e in fleet.events()]
     finally:
         print(operators.stop())
     # Killed at every step: at least one kill per pod whose spec was written.
@@ -381,9 +381,11 @@ def test_the_leader_killed_at_every_step_hands_the_rollout_on_with_no_step_twice
         assert agent.specs_seen == [OLD, BIG], (name, agent.specs_seen)
     assert fleet.fleet.max_resizing == 1
     # A leader killed between a status write and its Event leaves that Event unsent (Events
-    # are best effort), so a start may go unannounced, but is never announced twice.
+    # are best effort, and the step that wrote Complete may be the killed leader's): a start
+    # or an end may go unannounced, but none is announced twice.
     assert reasons.count("StagingRolloutStarted") <= 1
-    assert reasons.count("StagingRolloutComplete") == 1
+    assert reasons.count("StagingRolloutComplete") <= 1
+    assert cluster.children_match() == []  # every child as the builders make it, no orphan
 
 
 def test_a_size_below_one_chunk_is_refused_and_pods_keep_theirs(

@@ -1,5 +1,6 @@
-"""The leader election's pure parts: its timing rules and the write fence before and after
-a term (the Lease itself is exercised against a real API server in
+"""The leader election's campaign on an in-memory Lease: its timing rules, the write fence
+before and after a term, terms that lapse, rounds that fail or hang, and the API server's
+return (the Lease itself is exercised against a real API server in
 tests/integration/test_leader_election.py)."""
 
 from __future__ import annotations
@@ -23,22 +24,6 @@ def test_timing_that_lets_two_leaders_overlap_is_refused(lease: float, deadline:
                                                          retry: float) -> None:
     with pytest.raises(ValueError, match=r"0 < retry .* < renew deadline .* < lease duration"):
         LeaseConfig("l", "ns", "me", lease_s=lease, renew_deadline_s=deadline, retry_s=retry)
-
-
-def test_the_fence_refuses_writes_before_the_first_term_and_after_the_deadline() -> None:
-    now = [100.0]
-    elector = LeaderElector(KubeClient.__new__(KubeClient), LeaseConfig("l", "ns", "me"),
-                            clock=lambda: now[0])
-    with pytest.raises(LeadershipLost, match="does not hold the leader Lease ns/l"):
-        elector.guard()
-    # A term as `_campaign` opens it: a renewal that started at t=100 s.
-    elector._leading, elector._fence = True, 100.0 + elector.config.renew_deadline_s
-    now[0] = 106.9
-    elector.guard()
-    now[0] = 107.0  # 7 s after the renewal began, with no newer one: no more writes
-    assert not elector.is_leading()
-    with pytest.raises(LeadershipLost):
-        elector.guard()
 
 
 class _LeaseStore:
@@ -183,5 +168,29 @@ def test_a_campaign_stuck_in_a_round_fails_the_liveness_check() -> None:
         store.unblocked.set()
         await _until("a new term", lambda: terms == ["started", "stopped", "started"])
         assert elector.stalled() is None
+
+    _campaign(store, scenario, clock=lambda: now[0])
+
+
+def test_the_fence_refuses_writes_before_the_first_term_and_after_the_deadline() -> None:
+    """Guards against a replica that writes without the Lease: nothing before its first term,
+    and nothing from `renew_deadline_s` after the start of its last successful renewal."""
+    store = _LeaseStore()
+    now = [100.0]
+    idle = LeaderElector(cast(KubeClient, store), FAST_LEASE, clock=lambda: now[0])
+    with pytest.raises(LeadershipLost, match="does not hold the leader Lease ns/l"):
+        idle.guard()
+
+    async def scenario(elector: LeaderElector, terms: list[str]) -> None:
+        store.unblocked.clear()  # no renewal from now on: the last began at t=100 s
+        await asyncio.sleep(3 * FAST_LEASE.retry_s)
+        now[0] = 100.0 + FAST_LEASE.renew_deadline_s - 0.01
+        elector.guard()
+        now[0] = 100.0 + FAST_LEASE.renew_deadline_s
+        assert not elector.is_leading()
+        with pytest.raises(LeadershipLost):
+            elector.guard()
+        store.unblocked.set()
+        await _until("a new term", lambda: terms == ["started", "stopped", "started"])
 
     _campaign(store, scenario, clock=lambda: now[0])

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pd_devcluster import ControlPlaneHandle
 from pd_testbed.checkout import REPO_ROOT
+from pd_testbed.polling import wait_for
 
 __all__ = ["LEASE", "QUICK_TAKEOVER", "TEST_TUNING", "OperatorProcess", "OperatorReplicas"]
 
@@ -183,13 +184,10 @@ class OperatorReplicas:
 
     def leader(self, timeout_s: float = 15.0) -> OperatorProcess:
         """The replica that leads, once one does."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            leading = next((p for p in self.live if p.leads()), None)
-            if leading is not None:
-                return leading
-            time.sleep(0.05)
-        raise TimeoutError(f"no replica of {self.namespace} led within {timeout_s:.0f} s")
+        leading: OperatorProcess = wait_for(
+            f"a replica of {self.namespace} to lead",
+            lambda: next((p for p in self.live if p.leads()), None), timeout_s, 0.05)
+        return leading
 
     def kill_leader(self) -> OperatorProcess:
         """SIGKILL the leader (once there is one) and start its replacement; the killed."""

@@ -37,7 +37,7 @@ from pd_transfer.agent.identity import read_identity
 from pd_transfer.agent.report import Connections, ReportFacts, connections_of
 from pd_transfer.agent.reporter import Reporter, ReporterTuning
 from pd_transfer.bench.peers import DecodeProcess, DecodeSpec, PrefillPeer
-from pd_transfer.metrics import TransferSnapshot
+from pd_transfer.common.metrics import TransferSnapshot
 from pd_transfer.reference.model import ModelConfig, ReferenceModel
 
 RESULTS = Path(__file__).parent / "results"

@@ -30,8 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pd_transfer.bootstrap import GeometryDoc
-from pd_transfer.plan import Parallelism, RankCoord, TransferPlan, compute_transfer_topology
+from pd_transfer.kv.plan import Parallelism, RankCoord, TransferPlan, compute_transfer_topology
 from pd_transfer.protocol.messages import (
     AllocRequest,
     Grant,
@@ -43,6 +42,7 @@ from pd_transfer.protocol.messages import (
     decode_message,
     encode_message,
 )
+from pd_transfer.trust.bootstrap import GeometryDoc
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pd_transfer.pipeline import compute_chunk_plan
+from pd_transfer.kv.pipeline import compute_chunk_plan
 from pd_transfer.reference.model import ChunkForward, ModelConfig, ReferenceModel
 
 RESULTS = Path(__file__).parent / "results" / "reference_compute_cpu.json"

@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 
-from pd_transfer import staging, staging_kernel
-from pd_transfer.layout import KVLayout
-from pd_transfer.pool import KVPool
-from pd_transfer.staging import TRITON_AVAILABLE, gather, scatter, staged_chunk_bytes
+from pd_transfer.kv import staging, staging_kernel
+from pd_transfer.kv.layout import KVLayout
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.kv.staging import TRITON_AVAILABLE, gather, scatter, staged_chunk_bytes
 
 LAYERS, HEADS, SLICE, DIM = 32, 4, 2, 128
 GATHER_HEAD, SCATTER_HEAD = 2, 0

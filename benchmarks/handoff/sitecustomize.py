@@ -62,8 +62,8 @@ def _wrap(owner: Any, name: str, label: str, *, always: bool = False) -> None:
 
 def _install() -> None:
     # Imported only when asked for: every Python process on the path runs this file.
-    from pd_transfer import _endpoint as endpoint  # noqa: PLC0415
     from pd_transfer.decode import arrivals, receiver  # noqa: PLC0415
+    from pd_transfer.endpoint import core as endpoint  # noqa: PLC0415
     from pd_transfer.prefill import gathers, parts, posting, sender  # noqa: PLC0415
     from pd_transfer.transport import nixl  # noqa: PLC0415
 

@@ -68,9 +68,11 @@ def _install(path: str) -> None:
     import torch  # noqa: PLC0415 - only when timing is asked for
     from nixl._api import nixl_agent  # noqa: PLC0415
 
-    from pd_transfer import endpoint, staging, worker  # noqa: PLC0415
+    from pd_transfer import endpoint  # noqa: PLC0415
     from pd_transfer.decode import arrivals, receiver, scatter  # noqa: PLC0415
+    from pd_transfer.kv import staging  # noqa: PLC0415
     from pd_transfer.prefill import parts, posting  # noqa: PLC0415
+    from pd_transfer.rank import worker  # noqa: PLC0415
     from pd_transfer.transport import nixl as nixl_transport  # noqa: PLC0415
 
     for owner, name, label in (
@@ -102,7 +104,7 @@ def _install(path: str) -> None:
     ):
         _wrap(owner, name, label)
     if staging.TRITON_AVAILABLE:
-        from pd_transfer import staging_kernel  # noqa: PLC0415
+        from pd_transfer.kv import staging_kernel  # noqa: PLC0415
 
         _wrap(staging_kernel.Launch, "run", "kernel.launch")
     stop = worker.Worker.stop
@@ -126,9 +128,9 @@ def _install(path: str) -> None:
 def _probe(owner: Any) -> None:
     import torch  # noqa: PLC0415
 
-    from pd_transfer import staging  # noqa: PLC0415
-    from pd_transfer.layout import KVLayout  # noqa: PLC0415
-    from pd_transfer.pool import KVPool  # noqa: PLC0415
+    from pd_transfer.kv import staging  # noqa: PLC0415
+    from pd_transfer.kv.layout import KVLayout  # noqa: PLC0415
+    from pd_transfer.kv.pool import KVPool  # noqa: PLC0415
 
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     one = torch.zeros(1, device="cuda")
@@ -169,7 +171,8 @@ def _install_event_times(path: str) -> None:
 
     import torch  # noqa: PLC0415
 
-    from pd_transfer import staging, worker  # noqa: PLC0415
+    from pd_transfer.kv import staging  # noqa: PLC0415
+    from pd_transfer.rank import worker  # noqa: PLC0415
 
     # label -> [(enqueue start, enqueue end, start event, end event, finished)]
     calls: dict[str, list[list[Any]]] = {}

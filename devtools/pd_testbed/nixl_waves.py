@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pd_transfer.paths import PathMode
+from pd_transfer.common.paths import PathMode
 from pd_transfer.reference.selftest import SelftestConfig, SelftestGroup
 
 __all__ = ["assert_waves_bit_exact"]

@@ -15,20 +15,12 @@ from typing import Any
 
 import torch
 
-from pd_transfer.auth import PeerAuth, Purpose, outgoing_body
-from pd_transfer.bootstrap import (
-    DTYPES,
-    GeometryDoc,
-    PackingName,
-    PageFormatName,
-    bound_agent_name,
-)
+from pd_transfer.common.paths import PathMode
 from pd_transfer.decode import PREGRANT_SHARE, DecodeReceiver
 from pd_transfer.endpoint import Endpoint, RankIdentity, Timeouts
-from pd_transfer.layout import KVLayout, KVPacking, PageFormat
-from pd_transfer.paths import PathMode
-from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.layout import KVLayout, KVPacking, PageFormat
+from pd_transfer.kv.plan import Parallelism, RankCoord, compute_local_heads
+from pd_transfer.kv.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import FailureReason, RequestStatus, State
 from pd_transfer.protocol.messages import (
@@ -40,6 +32,14 @@ from pd_transfer.protocol.messages import (
 )
 from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool
 from pd_transfer.transport import Envelope, LoopbackFabric, ManualClock
+from pd_transfer.trust.auth import PeerAuth, Purpose, outgoing_body
+from pd_transfer.trust.bootstrap import (
+    DTYPES,
+    GeometryDoc,
+    PackingName,
+    PageFormatName,
+    bound_agent_name,
+)
 
 __all__ = ["FAST", "TEST_AUTH", "Cluster", "Request", "message_type", "of_type", "seal_as"]
 

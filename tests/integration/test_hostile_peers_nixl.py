@@ -31,14 +31,6 @@ from typing import Any
 import pytest
 
 from pd_testbed.transfer_harness import seal_as
-from pd_transfer.auth import SECRET_MAGIC, PeerAuth, Purpose, outgoing_body
-from pd_transfer.bootstrap import (
-    DOCUMENT_VERSION,
-    BootstrapServer,
-    RankDocument,
-    bound_agent_name,
-    fetch_document,
-)
 from pd_transfer.protocol.messages import (
     PROTOCOL_VERSION,
     Message,
@@ -47,6 +39,14 @@ from pd_transfer.protocol.messages import (
 )
 from pd_transfer.reference.selftest import RequestSpec, SelftestConfig, SelftestGroup
 from pd_transfer.transport.nixl import NixlTransport
+from pd_transfer.trust.auth import SECRET_MAGIC, PeerAuth, Purpose, outgoing_body
+from pd_transfer.trust.bootstrap import (
+    DOCUMENT_VERSION,
+    BootstrapServer,
+    RankDocument,
+    bound_agent_name,
+    fetch_document,
+)
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(300)]
 

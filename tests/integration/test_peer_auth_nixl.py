@@ -24,23 +24,23 @@ import pytest
 import torch
 
 from pd_testbed.transfer_harness import seal_as
-from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import (
+from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import RankIdentity
+from pd_transfer.kv.layout import KVLayout
+from pd_transfer.kv.plan import Parallelism, RankCoord
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.protocol.messages import RingUpdate, encode_message
+from pd_transfer.reference.selftest import SelftestConfig, SelftestGroup
+from pd_transfer.transport.base import RegisteredRegion
+from pd_transfer.transport.nixl import NixlTransport
+from pd_transfer.trust.auth import PeerAuth
+from pd_transfer.trust.bootstrap import (
     DTYPES,
     BootstrapServer,
     RankDocument,
     bound_agent_name,
     fetch_document,
 )
-from pd_transfer.decode import DecodeReceiver
-from pd_transfer.endpoint import RankIdentity
-from pd_transfer.layout import KVLayout
-from pd_transfer.plan import Parallelism, RankCoord
-from pd_transfer.pool import KVPool
-from pd_transfer.protocol.messages import RingUpdate, encode_message
-from pd_transfer.reference.selftest import SelftestConfig, SelftestGroup
-from pd_transfer.transport.base import RegisteredRegion
-from pd_transfer.transport.nixl import NixlTransport
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(300)]
 

@@ -23,8 +23,8 @@ import torch
 
 from pd_contract.config import LayerPipelineConfig
 from pd_transfer.bench.peers import DecodeProcess, DecodeSpec, PrefillPeer, kv_digest
-from pd_transfer.pipeline import LayerPipeline, compute_chunk_plan
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.pipeline import LayerPipeline, compute_chunk_plan
+from pd_transfer.kv.pool import KVPool
 from pd_transfer.reference.model import ChunkForward, ModelConfig, ReferenceModel
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]

@@ -45,7 +45,7 @@ from pd_transfer.agent.transport_probe import (
     configure_environment,
     normalise_transport,
 )
-from pd_transfer.metrics import RecentFailure, RingWatermark, TransferSnapshot
+from pd_transfer.common.metrics import RecentFailure, RingWatermark, TransferSnapshot
 
 DATA = Path(__file__).parent / "data"
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

@@ -17,21 +17,6 @@ import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pd_testbed.transfer_harness import TEST_AUTH, Cluster, Request, seal_as
-from pd_transfer.auth import (
-    FRAME_MAGIC,
-    SECRET_MAGIC,
-    AuthKeyError,
-    PeerAuth,
-    Purpose,
-    Unauthenticated,
-)
-from pd_transfer.bootstrap import (
-    DOCUMENT_VERSION,
-    agent_host,
-    bound_agent_name,
-    open_document,
-    seal_document,
-)
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.errors import BootstrapError, TransportError
 from pd_transfer.protocol.lifecycle import State
@@ -40,6 +25,21 @@ from pd_transfer.reference.engine.errors import EngineConfigError
 from pd_transfer.reference.engine.main import load_auth
 from pd_transfer.transport import LoopbackTransport, Transport
 from pd_transfer.transport.nixl_metadata import parse_nixl_metadata
+from pd_transfer.trust.auth import (
+    FRAME_MAGIC,
+    SECRET_MAGIC,
+    AuthKeyError,
+    PeerAuth,
+    Purpose,
+    Unauthenticated,
+)
+from pd_transfer.trust.bootstrap import (
+    DOCUMENT_VERSION,
+    agent_host,
+    bound_agent_name,
+    open_document,
+    seal_document,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,7 +20,7 @@ from pd_operator.api import parse_pdd
 from pd_operator.build import Capabilities, build_children
 from pd_testbed.checkout import EXAMPLES_DIR
 from pd_testbed.factories import example_pdd
-from pd_transfer.metrics import PendingKV, TransferMetrics
+from pd_transfer.common.metrics import PendingKV, TransferMetrics
 from pd_transfer.protocol.lifecycle import Role as TransferRole
 from pd_transfer.router.endpoints import Endpoint, EndpointTable
 from pd_transfer.router.inflight import InFlight

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pd_transfer.backoff import Backoff
+from pd_transfer.common.backoff import Backoff
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -15,7 +15,6 @@ import json
 import pytest
 
 from pd_testbed.transfer_harness import Cluster, Request
-from pd_transfer.auth import Purpose
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.protocol.coverage import Coverage, CoverageError
 from pd_transfer.protocol.lifecycle import FailureReason, State
@@ -27,6 +26,7 @@ from pd_transfer.protocol.messages import (
     StagedPart,
     encode_message,
 )
+from pd_transfer.trust.auth import Purpose
 
 pytestmark = pytest.mark.timeout(60)
 

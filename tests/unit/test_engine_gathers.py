@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 
 from pd_testbed.transfer_harness import Cluster, Request
+from pd_transfer.kv.staging import PreparedMove
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import FailureReason, State
-from pd_transfer.staging import PreparedMove
 
 pytestmark = pytest.mark.timeout(60)
 

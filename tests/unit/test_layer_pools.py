@@ -17,24 +17,24 @@ import torch
 from pydantic import ValidationError
 
 from pd_testbed.transfer_harness import TEST_AUTH, Cluster
-from pd_transfer.bootstrap import (
-    MAX_KV_REGIONS,
-    BootstrapServer,
-    RankDocument,
-    check_compatible,
-)
-from pd_transfer.errors import GeometryMismatch
-from pd_transfer.layout import ByteRange, KVLayout, KVPacking, KVPart, PageFormat, PageRun
-from pd_transfer.paths import (
+from pd_transfer.common.paths import (
     choose_path,
     compute_contiguous_spans,
     compute_layout,
     compute_sliced_spans,
 )
-from pd_transfer.plan import HeadSlice, LayerRange, RankCoord, TransferPlan
-from pd_transfer.pool import KVPool
+from pd_transfer.errors import GeometryMismatch
+from pd_transfer.kv.layout import ByteRange, KVLayout, KVPacking, KVPart, PageFormat, PageRun
+from pd_transfer.kv.plan import HeadSlice, LayerRange, RankCoord, TransferPlan
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.kv.staging import gather, scatter, staged_chunk_bytes
 from pd_transfer.protocol.lifecycle import State
-from pd_transfer.staging import gather, scatter, staged_chunk_bytes
+from pd_transfer.trust.bootstrap import (
+    MAX_KV_REGIONS,
+    BootstrapServer,
+    RankDocument,
+    check_compatible,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd_transfer.layout import ByteRange, KVLayout, KVPart, PageRun, compute_page_runs
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.layout import ByteRange, KVLayout, KVPart, PageRun, compute_page_runs
+from pd_transfer.kv.pool import KVPool
 
 
 def small_layout(dtype: torch.dtype = torch.bfloat16) -> KVLayout:

@@ -14,16 +14,16 @@ import pytest
 
 from pd_contract.transferagent import Role
 from pd_testbed.transfer_harness import TEST_AUTH
-from pd_transfer.bootstrap import DTYPES, GeometryDoc, fetch_document
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity
 from pd_transfer.errors import TransportError
-from pd_transfer.layout import KVLayout
-from pd_transfer.plan import Parallelism, RankCoord
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.layout import KVLayout
+from pd_transfer.kv.plan import Parallelism, RankCoord
+from pd_transfer.kv.pool import KVPool
 from pd_transfer.prefill import PrefillSender
-from pd_transfer.rank import RankOptions, open_rank
+from pd_transfer.rank.opening import RankOptions, open_rank
 from pd_transfer.transport import LoopbackFabric
+from pd_transfer.trust.bootstrap import DTYPES, GeometryDoc, fetch_document
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,9 +13,9 @@ import pytest
 
 from pd_testbed.transfer_harness import Cluster
 from pd_transfer.bench.phases import STAGED_PHASES, compute_phases
-from pd_transfer.phases import PartTimes, PhaseLog, RequestTimes, Stamp
+from pd_transfer.common.phases import PartTimes, PhaseLog, RequestTimes, Stamp
+from pd_transfer.kv.staging import staged_chunk_bytes
 from pd_transfer.protocol.lifecycle import State
-from pd_transfer.staging import staged_chunk_bytes
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,6 +1,6 @@
 """Layer-group scheduling, chunk plans and the pipeline driver (no NIXL, no GPU needed).
 
-Expected groups are derived by hand from the formulas in ``pd_transfer.pipeline``'s
+Expected groups are derived by hand from the formulas in ``pd_transfer.kv.pipeline``'s
 docstring; the working is written next to each row.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pd_contract.config import LayerPipelineConfig
-from pd_transfer.pipeline import (
+from pd_transfer.kv.pipeline import (
     ChunkPlan,
     LayerPipeline,
     compute_chunk_plan,

@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from pd_transfer.errors import PlanError
-from pd_transfer.plan import (
+from pd_transfer.kv.plan import (
     Attention,
     HeadRange,
     HeadSlice,

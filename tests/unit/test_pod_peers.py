@@ -10,12 +10,12 @@ from collections.abc import Iterator
 import pytest
 
 from pd_testbed.transfer_harness import TEST_AUTH, Cluster
-from pd_transfer.bootstrap import BootstrapServer, RankDocument
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity
-from pd_transfer.plan import RankCoord
-from pd_transfer.pod_peers import RECHECK_S, PodConnections
-from pd_transfer.worker import Worker
+from pd_transfer.kv.plan import RankCoord
+from pd_transfer.rank.pod_peers import RECHECK_S, PodConnections
+from pd_transfer.rank.worker import Worker
+from pd_transfer.trust.bootstrap import BootstrapServer, RankDocument
 
 
 class Restartable:

@@ -10,8 +10,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pd_testbed.transfer_harness import Cluster
+from pd_transfer.common.metrics import TransferMetrics
 from pd_transfer.errors import LocalProtocolError
-from pd_transfer.metrics import TransferMetrics
+from pd_transfer.kv.ring import Region
 from pd_transfer.protocol.lifecycle import Role, State
 from pd_transfer.protocol.parts import (
     INITIAL,
@@ -23,7 +24,6 @@ from pd_transfer.protocol.parts import (
     PartState,
     Quarantined,
 )
-from pd_transfer.ring import Region
 
 pytestmark = pytest.mark.timeout(30)
 

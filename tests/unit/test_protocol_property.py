@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pd_testbed.transfer_harness import TEST_AUTH, Cluster, Request, seal_as
-from pd_transfer.auth import Purpose
+from pd_transfer.kv.ring import Region
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.protocol.messages import (
     PROTOCOL_VERSION,
@@ -41,8 +41,8 @@ from pd_transfer.protocol.messages import (
     RequestKV,
     StagedPart,
 )
-from pd_transfer.ring import Region
 from pd_transfer.transport import Envelope, FaultAction, FaultRule
+from pd_transfer.trust.auth import Purpose
 
 pytestmark = pytest.mark.timeout(120)
 

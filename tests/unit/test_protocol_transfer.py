@@ -15,9 +15,9 @@ import torch
 from prometheus_client import generate_latest
 
 from pd_testbed.transfer_harness import FAST, Cluster, Request, message_type, of_type, seal_as
+from pd_transfer.common.metrics import PendingKV
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import Endpoint
-from pd_transfer.metrics import PendingKV
 from pd_transfer.protocol.lifecycle import FailureReason, State
 from pd_transfer.protocol.messages import (
     AllocRequest,

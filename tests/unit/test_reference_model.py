@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd_transfer.layout import KVPart
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.layout import KVPart
+from pd_transfer.kv.pool import KVPool
 from pd_transfer.reference.model import (
     ChunkForward,
     GraphedChunkForward,

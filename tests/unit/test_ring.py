@@ -13,7 +13,7 @@ import random
 import pytest
 
 from pd_transfer.errors import OversizedAllocation, RingError
-from pd_transfer.ring import Region, StagingRing
+from pd_transfer.kv.ring import Region, StagingRing
 
 MiB = 1 << 20
 

@@ -14,8 +14,8 @@ import torch
 
 from pd_transfer.decode import ReceiveTransfer, RingGrants
 from pd_transfer.errors import OversizedAllocation
-from pd_transfer.layout import KVLayout
-from pd_transfer.plan import KVGeometry, Parallelism, RankCoord, compute_transfer_topology
+from pd_transfer.kv.layout import KVLayout
+from pd_transfer.kv.plan import KVGeometry, Parallelism, RankCoord, compute_transfer_topology
 from pd_transfer.protocol.parts import PartEvent, PartMachine, PartState
 
 _PLAN = compute_transfer_topology(

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pd_transfer import staging
-from pd_transfer.layout import KVLayout, KVPacking, PageFormat
-from pd_transfer.pool import KVPool
-from pd_transfer.staging import gather, scatter, staged_chunk_bytes
+from pd_transfer.kv import staging
+from pd_transfer.kv.layout import KVLayout, KVPacking, PageFormat
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.kv.staging import gather, scatter, staged_chunk_bytes
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
 
@@ -338,7 +338,7 @@ def test_repeated_cuda_launches_stay_bit_exact() -> None:
     launcher (no Triton binding per call): later chunks of the same shape, on other pages and
     at other buffer offsets, must still move exactly the CPU path's bytes."""
     pytest.importorskip("triton")
-    from pd_transfer import staging_kernel  # noqa: PLC0415 - needs Triton
+    from pd_transfer.kv import staging_kernel  # noqa: PLC0415 - needs Triton
 
     rng = random.Random(11)
     layout = KVLayout(num_layers=4, num_pages=64, page_size=16, kv_heads=4, head_dim=128,

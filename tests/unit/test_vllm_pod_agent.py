@@ -23,10 +23,11 @@ from pd_testbed.agent_fakes import POD_ENV, FakeAgentAPI
 from pd_testbed.transfer_harness import TEST_AUTH, Cluster
 from pd_transfer.agent.identity import read_identity
 from pd_transfer.agent.report import RequestCounts, build_status
-from pd_transfer.auth import PeerAuth, Purpose
-from pd_transfer.bootstrap import BootstrapServer, fetch_document, open_document
+from pd_transfer.common.metrics import PendingKV, RecentFailure, RingWatermark, TransferSnapshot
 from pd_transfer.errors import BootstrapError
-from pd_transfer.metrics import PendingKV, RecentFailure, RingWatermark, TransferSnapshot
+from pd_transfer.rank.worker import Worker
+from pd_transfer.trust.auth import PeerAuth, Purpose
+from pd_transfer.trust.bootstrap import BootstrapServer, fetch_document, open_document
 from pd_transfer.vllm.pod_agent import (
     LIVE_REQUESTS,
     RANK_REACHABLE,
@@ -50,7 +51,6 @@ from pd_transfer.vllm.rank_control import (
     post_staging,
     seal_control,
 )
-from pd_transfer.worker import Worker
 
 MIB = 1 << 20
 CONFIG = TransferConfig.model_validate({

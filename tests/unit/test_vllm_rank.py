@@ -10,7 +10,7 @@ import torch
 
 from pd_contract.config import LayerPipelineConfig
 from pd_testbed.transfer_harness import TEST_AUTH, Cluster
-from pd_transfer.pod_peers import PodConnections
+from pd_transfer.rank.pod_peers import PodConnections
 from pd_transfer.vllm.rank import IDLE_WAIT_S, RankSide
 from pd_transfer.vllm.steps import DecodeLoad, StepPlan
 

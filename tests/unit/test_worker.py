@@ -15,7 +15,7 @@ import pytest
 from pd_testbed.transfer_harness import Cluster
 from pd_transfer.endpoint import CUDA_POLL, PollIntervals
 from pd_transfer.protocol.lifecycle import State
-from pd_transfer.worker import Worker
+from pd_transfer.rank.worker import Worker
 
 pytestmark = pytest.mark.timeout(60)
 PR_GET_TIMERSLACK = 30  # <linux/prctl.h>

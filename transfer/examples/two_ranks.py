@@ -16,16 +16,16 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import BootstrapServer, GeometryDoc
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity
-from pd_transfer.layout import KVLayout
-from pd_transfer.plan import Parallelism, RankCoord
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.layout import KVLayout
+from pd_transfer.kv.plan import Parallelism, RankCoord
+from pd_transfer.kv.pool import KVPool
 from pd_transfer.prefill import PrefillSender
+from pd_transfer.rank.worker import Worker
 from pd_transfer.transport.nixl import NixlTransport
-from pd_transfer.worker import Worker
+from pd_transfer.trust.auth import PeerAuth
+from pd_transfer.trust.bootstrap import BootstrapServer, GeometryDoc
 
 GEOMETRY = GeometryDoc(num_layers=4, total_kv_heads=2, head_dim=64, dtype="bfloat16",
                        page_size=16)

@@ -50,7 +50,7 @@ from pd_contract.transferagent import (
     WindowCounts,
 )
 from pd_transfer.agent.identity import PodIdentity
-from pd_transfer.metrics import TransferSnapshot
+from pd_transfer.common.metrics import TransferSnapshot
 
 __all__ = [
     "RECENT_FAILURES",

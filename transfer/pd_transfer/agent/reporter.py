@@ -73,8 +73,8 @@ from pd_transfer.agent.report import (
     sample_of,
     trim_samples,
 )
-from pd_transfer.backoff import Backoff
-from pd_transfer.metrics import TransferSnapshot
+from pd_transfer.common.backoff import Backoff
+from pd_transfer.common.metrics import TransferSnapshot
 
 __all__ = [
     "ReportSource",

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pd_transfer.agent.errors import AgentAPIError
-from pd_transfer.backoff import Backoff
+from pd_transfer.common.backoff import Backoff
 
 __all__ = ["SpecStream", "SpecWatch"]
 

@@ -31,14 +31,12 @@ from typing import Any
 import torch
 
 from pd_contract.transferagent import Role
-from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import DTYPES, DtypeName, GeometryDoc, bound_agent_name
+from pd_transfer.common.phases import PhaseLog, RequestTimes
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import PollIntervals, RankIdentity, Timeouts
-from pd_transfer.layout import KVLayout, KVPart
-from pd_transfer.phases import PhaseLog, RequestTimes
-from pd_transfer.pipeline import record_ready_event
-from pd_transfer.plan import (
+from pd_transfer.kv.layout import KVLayout, KVPart
+from pd_transfer.kv.pipeline import record_ready_event
+from pd_transfer.kv.plan import (
     HeadRange,
     KVGeometry,
     Parallelism,
@@ -47,12 +45,14 @@ from pd_transfer.plan import (
     compute_local_heads,
     compute_transfer_topology,
 )
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.kv.staging import staged_chunk_bytes
 from pd_transfer.prefill import PrefillSender
-from pd_transfer.rank import RankOptions, open_rank
-from pd_transfer.staging import staged_chunk_bytes
+from pd_transfer.rank.opening import RankOptions, open_rank
 from pd_transfer.transport.base import TransferState
 from pd_transfer.transport.nixl import NixlConfig, NixlTransport
+from pd_transfer.trust.auth import PeerAuth
+from pd_transfer.trust.bootstrap import DTYPES, DtypeName, GeometryDoc, bound_agent_name
 
 __all__ = ["BenchGroup", "GroupSpec", "compute_pair_bytes"]
 

@@ -27,16 +27,15 @@ from typing import Any, Literal
 
 import torch
 
-from pd_transfer.auth import PeerAuth, outgoing_body
-from pd_transfer.bootstrap import GeometryDoc, RankDocument
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity, Timeouts
-from pd_transfer.layout import KVLayout, compute_page_runs
-from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.layout import KVLayout, compute_page_runs
+from pd_transfer.kv.plan import Parallelism, RankCoord, compute_local_heads
+from pd_transfer.kv.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import State
 from pd_transfer.protocol.messages import PartDone, StagedPart, decode_message
+from pd_transfer.rank.worker import Worker
 from pd_transfer.reference.model import ModelConfig, ReferenceModel
 from pd_transfer.transport.base import (
     PreparedWrite,
@@ -48,7 +47,8 @@ from pd_transfer.transport.base import (
 )
 from pd_transfer.transport.delegating import DelegatingTransport
 from pd_transfer.transport.nixl import NixlTransport
-from pd_transfer.worker import Worker
+from pd_transfer.trust.auth import PeerAuth, outgoing_body
+from pd_transfer.trust.bootstrap import GeometryDoc, RankDocument
 
 __all__ = [
     "DecodeProcess",

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pd_transfer.phases import Stamp
+from pd_transfer.common.phases import Stamp
 
 __all__ = ["DIRECT_PHASES", "STAGED_PHASES", "compute_phases", "write_phase_chart"]
 

@@ -45,8 +45,8 @@ from pd_transfer.bench.peers import (
     PrefillPeer,
     kv_digest_of_heads,
 )
-from pd_transfer.pipeline import GroupForward, LayerPipeline
-from pd_transfer.plan import compute_local_heads
+from pd_transfer.kv.pipeline import GroupForward, LayerPipeline
+from pd_transfer.kv.plan import compute_local_heads
 from pd_transfer.reference.model import (
     ChunkForward,
     GraphedChunkForward,

@@ -38,11 +38,11 @@ import torch
 
 from pd_transfer.bench._ranks import BenchGroup, GroupSpec, compute_pair_bytes
 from pd_transfer.bench.phases import compute_phases
-from pd_transfer.bootstrap import DTYPES, DtypeName
-from pd_transfer.layout import KVLayout
-from pd_transfer.paths import choose_path
-from pd_transfer.plan import Parallelism, compute_local_heads, compute_transfer_topology
+from pd_transfer.common.paths import choose_path
+from pd_transfer.kv.layout import KVLayout
+from pd_transfer.kv.plan import Parallelism, compute_local_heads, compute_transfer_topology
 from pd_transfer.transport.nixl import NixlTransport
+from pd_transfer.trust.bootstrap import DTYPES, DtypeName
 
 __all__ = ["Combo", "TransferBenchSettings", "run_transfer_bench", "write_json"]
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pd_transfer.common.phases import Stamp
 from pd_transfer.decode.transfer import ReceiveTransfer, _InPart, _Writer
-from pd_transfer.phases import Stamp
+from pd_transfer.kv.staging import staged_chunk_bytes
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.coverage import CoverageError
 from pd_transfer.protocol.lifecycle import Event, State
 from pd_transfer.protocol.parts import PartEvent, PartState
-from pd_transfer.staging import staged_chunk_bytes
 
 if TYPE_CHECKING:
     from pd_transfer.decode.receiver import DecodeReceiver

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 from pd_transfer.decode.transfer import ReceiveTransfer, _InPart, _Writer
 from pd_transfer.errors import OversizedAllocation
+from pd_transfer.kv.ring import Region, StagingRing
 from pd_transfer.protocol.parts import PartEvent, PartMachine, PartState, Quarantined
-from pd_transfer.ring import Region, StagingRing
 
 __all__ = ["RingGrants"]
 

@@ -16,8 +16,9 @@ from concurrent.futures import Future
 
 import torch
 
-from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import RankDocument
+from pd_transfer.common.metrics import TransferMetrics
+from pd_transfer.common.paths import PathMode, choose_path, compute_layout
+from pd_transfer.common.phases import PhaseLog
 from pd_transfer.decode.allocations import _Allocations
 from pd_transfer.decode.arrivals import _Arrivals
 from pd_transfer.decode.grants import RingGrants
@@ -32,16 +33,15 @@ from pd_transfer.endpoint import (
     StagingSide,
     Timeouts,
 )
-from pd_transfer.metrics import TransferMetrics
-from pd_transfer.paths import PathMode, choose_path, compute_layout
-from pd_transfer.phases import PhaseLog
-from pd_transfer.plan import compute_transfer_topology
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.plan import compute_transfer_topology
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.kv.ring import StagingRing
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Role, State
 from pd_transfer.protocol.parts import PartState
-from pd_transfer.ring import StagingRing
 from pd_transfer.transport.base import RegisteredRegion, Transport
+from pd_transfer.trust.auth import PeerAuth
+from pd_transfer.trust.bootstrap import RankDocument
 
 __all__ = ["PREGRANT_SHARE", "DecodeReceiver"]
 

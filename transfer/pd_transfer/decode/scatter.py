@@ -12,16 +12,16 @@ from __future__ import annotations
 import torch
 
 from pd_transfer.decode.transfer import ReceiveTransfer, _InPart, _Writer
-from pd_transfer.pool import KVPool
-from pd_transfer.protocol.parts import PartState
-from pd_transfer.ring import Region
-from pd_transfer.staging import (
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.kv.ring import Region
+from pd_transfer.kv.staging import (
     PageIds,
     PreparedMove,
     StagingStream,
     prepare_pages,
     prepare_scatter,
 )
+from pd_transfer.protocol.parts import PartState
 
 __all__: list[str] = []  # package-internal: DecodeReceiver composes it
 

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pd_transfer.common.paths import PathMode
 from pd_transfer.endpoint import Transfer
-from pd_transfer.layout import KVLayout
-from pd_transfer.paths import PathMode
-from pd_transfer.plan import TransferPlan
+from pd_transfer.kv.layout import KVLayout
+from pd_transfer.kv.plan import TransferPlan
+from pd_transfer.kv.staging import PageIds, PreparedMove
 from pd_transfer.protocol.coverage import Coverage
 from pd_transfer.protocol.lifecycle import Role
 from pd_transfer.protocol.parts import Part, PartEvent, PartMachine, PartState
-from pd_transfer.staging import PageIds, PreparedMove
 
 __all__ = ["ReceiveTransfer"]
 

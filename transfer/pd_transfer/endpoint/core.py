@@ -35,14 +35,8 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
-from pd_transfer.auth import SECRET_MAGIC, PeerAuth, Purpose
-from pd_transfer.bootstrap import (
-    GeometryDoc,
-    RankDocument,
-    RegionDoc,
-    check_compatible,
-    fetch_document,
-)
+from pd_transfer.common.metrics import PendingKV, TransferMetrics
+from pd_transfer.common.phases import PartTimes, PhaseLog, RequestTimes
 from pd_transfer.endpoint.resize import StagingResizes, StagingSide
 from pd_transfer.endpoint.statuses import StatusBoard
 from pd_transfer.endpoint.transfer import Transfer
@@ -54,9 +48,8 @@ from pd_transfer.endpoint.types import (
     Timeouts,
 )
 from pd_transfer.errors import PeerUnreachable, RemoteProtocolError, TransportError
-from pd_transfer.metrics import PendingKV, TransferMetrics
-from pd_transfer.phases import PartTimes, PhaseLog, RequestTimes
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.kv.staging import StagingStream
 from pd_transfer.protocol.lifecycle import Event, FailureReason, RequestStatus, Role
 from pd_transfer.protocol.messages import (
     PROTOCOL_VERSION,
@@ -68,8 +61,15 @@ from pd_transfer.protocol.messages import (
     encode_message,
 )
 from pd_transfer.protocol.parts import PartMachine
-from pd_transfer.staging import StagingStream
 from pd_transfer.transport.base import RegisteredRegion, Transport
+from pd_transfer.trust.auth import SECRET_MAGIC, PeerAuth, Purpose
+from pd_transfer.trust.bootstrap import (
+    GeometryDoc,
+    RankDocument,
+    RegionDoc,
+    check_compatible,
+    fetch_document,
+)
 
 __all__ = ["Endpoint"]
 

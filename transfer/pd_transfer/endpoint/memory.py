@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pd_transfer.staging import StagingStream
+from pd_transfer.kv.staging import StagingStream
 from pd_transfer.transport.base import RegisteredRegion, Transport
 
 __all__ = ["StagingMemory"]

@@ -17,10 +17,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from pd_transfer.common.metrics import TransferMetrics
 from pd_transfer.endpoint.types import ResizeResult
 from pd_transfer.errors import ResizeError
-from pd_transfer.metrics import TransferMetrics
-from pd_transfer.ring import StagingRing
+from pd_transfer.kv.ring import StagingRing
 
 __all__ = ["PendingResize", "StagingResizes", "StagingSide"]
 

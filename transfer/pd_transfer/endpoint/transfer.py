@@ -9,7 +9,7 @@ import abc
 from collections.abc import Callable
 from typing import ClassVar
 
-from pd_transfer.phases import PartTimes
+from pd_transfer.common.phases import PartTimes
 from pd_transfer.protocol.lifecycle import Lifecycle, RequestStatus, Role
 
 __all__ = ["Transfer"]

@@ -14,8 +14,8 @@ from pd_contract.defaults import (
     KV_LEASE_SECONDS,
     TRANSFER_SECONDS,
 )
-from pd_transfer.bootstrap import GeometryDoc
-from pd_transfer.plan import Parallelism, RankCoord
+from pd_transfer.kv.plan import Parallelism, RankCoord
+from pd_transfer.trust.bootstrap import GeometryDoc
 
 __all__ = ["CUDA_POLL", "PollIntervals", "RankIdentity", "ResizeResult", "Timeouts"]
 

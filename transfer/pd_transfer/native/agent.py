@@ -46,7 +46,7 @@ from pd_transfer.agent.report import Connections, ReportFacts, RequestCounts
 from pd_transfer.agent.reporter import Reporter
 from pd_transfer.agent.reporting import start_reporting
 from pd_transfer.agent.spec_watch import SpecStream, SpecWatch
-from pd_transfer.metrics import TransferSnapshot
+from pd_transfer.common.metrics import TransferSnapshot
 from pd_transfer.native.errors import ScrapeError, ScrapeTimeout
 from pd_transfer.native.mapping import EngineMapping, Meaning
 from pd_transfer.native.scrape import fetch_metrics

@@ -24,9 +24,9 @@ from pd_contract.names import ENV_TRANSFER_CONFIG
 from pd_transfer.agent.errors import AgentError
 from pd_transfer.agent.identity import read_identity
 from pd_transfer.agent.kube import KubeAgentClient
-from pd_transfer.config_file import TransferConfigError, load_transfer_config
 from pd_transfer.native.agent import NativeAgent, NativeOptions
 from pd_transfer.native.versions import DEFAULT_VERSIONS, MAPPINGS, mapping_for
+from pd_transfer.rank.config_file import TransferConfigError, load_transfer_config
 
 __all__ = ["add_agent_parser", "run_agent"]
 

@@ -43,7 +43,7 @@ from pd_contract.transferagent import (
     TransferTime,
 )
 from pd_transfer.agent.report import RECENT_FAILURES, RequestCounts
-from pd_transfer.metrics import TransferSnapshot
+from pd_transfer.common.metrics import TransferSnapshot
 from pd_transfer.native.errors import MappingError
 from pd_transfer.native.exposition import Histogram, parse_exposition
 from pd_transfer.native.mapping import (

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from pd_transfer.endpoint import StagingMemory
-from pd_transfer.ring import Region, StagingRing
-from pd_transfer.staging import StagingStream
+from pd_transfer.kv.ring import Region, StagingRing
+from pd_transfer.kv.staging import StagingStream
 from pd_transfer.transport.base import RegisteredRegion, Transport
 
 __all__ = ["StagingBuffer"]

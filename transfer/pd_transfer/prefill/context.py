@@ -15,18 +15,18 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from pd_transfer.bootstrap import RankDocument
+from pd_transfer.common.metrics import TransferMetrics
 from pd_transfer.endpoint import RankIdentity, Timeouts
-from pd_transfer.metrics import TransferMetrics
-from pd_transfer.plan import LayerRange, Parallelism, TransferTopology, compute_transfer_topology
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.plan import LayerRange, Parallelism, TransferTopology, compute_transfer_topology
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.kv.staging import StagingStream
 from pd_transfer.prefill.buffer import StagingBuffer
 from pd_transfer.prefill.transfer import SendTransfer, _Stream
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.lifecycle import Event, FailureReason
 from pd_transfer.protocol.parts import PartMachine
-from pd_transfer.staging import StagingStream
 from pd_transfer.transport.base import Transport
+from pd_transfer.trust.bootstrap import RankDocument
 
 __all__ = ["SendCounts", "SenderContext"]
 

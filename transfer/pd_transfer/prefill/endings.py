@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 
+from pd_transfer.common.phases import Stamp
 from pd_transfer.errors import TransportError
-from pd_transfer.phases import Stamp
 from pd_transfer.prefill.context import SenderContext
 from pd_transfer.prefill.gathers import EngineGathers
 from pd_transfer.prefill.posting import Poster

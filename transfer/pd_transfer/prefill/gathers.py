@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from pd_transfer.errors import OversizedAllocation
-from pd_transfer.plan import LayerRange
+from pd_transfer.kv.plan import LayerRange
+from pd_transfer.kv.ring import Region
+from pd_transfer.kv.staging import PreparedMove, prepare_gather, staged_chunk_bytes
 from pd_transfer.prefill.context import SenderContext
 from pd_transfer.prefill.posting import Poster
 from pd_transfer.prefill.transfer import ReadyEvent, SendTransfer, _Gathered, _Stream
-from pd_transfer.ring import Region
-from pd_transfer.staging import PreparedMove, prepare_gather, staged_chunk_bytes
 
 __all__ = ["EngineGathers"]
 

@@ -17,9 +17,10 @@ pre-grant sends ``Withdrawn`` so decode frees it without waiting out its quarant
 
 from __future__ import annotations
 
+from pd_transfer.common.phases import Stamp
 from pd_transfer.errors import OversizedAllocation
-from pd_transfer.phases import Stamp
-from pd_transfer.plan import LayerRange
+from pd_transfer.kv.plan import LayerRange
+from pd_transfer.kv.staging import gather, staged_chunk_bytes
 from pd_transfer.prefill.context import SenderContext
 from pd_transfer.prefill.gathers import EngineGathers
 from pd_transfer.prefill.posting import Poster
@@ -27,7 +28,6 @@ from pd_transfer.prefill.transfer import SendTransfer, _Gathered, _OutPart, _Str
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.lifecycle import FailureReason
 from pd_transfer.protocol.parts import PartEvent, PartState
-from pd_transfer.staging import gather, staged_chunk_bytes
 
 __all__ = ["PartMaker"]
 

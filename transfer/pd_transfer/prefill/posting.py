@@ -17,16 +17,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pd_transfer.common.paths import compute_contiguous_spans, compute_sliced_spans
+from pd_transfer.common.phases import Stamp
 from pd_transfer.errors import DescriptorError, PeerUnreachable, TransportError
-from pd_transfer.paths import compute_contiguous_spans, compute_sliced_spans
-from pd_transfer.phases import Stamp
-from pd_transfer.plan import LayerRange
+from pd_transfer.kv.plan import LayerRange
+from pd_transfer.kv.ring import Region
 from pd_transfer.prefill.context import SenderContext
 from pd_transfer.prefill.transfer import SendTransfer, _OutPart, _Stream
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.lifecycle import FailureReason
 from pd_transfer.protocol.parts import PartEvent
-from pd_transfer.ring import Region
 from pd_transfer.transport.base import (
     PreparedWrite,
     RegisteredRegion,

@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
-from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import RankDocument, RegionDoc
+from pd_transfer.common.metrics import TransferMetrics
+from pd_transfer.common.phases import PhaseLog, Stamp
 from pd_transfer.endpoint import (
     Endpoint,
     PollIntervals,
@@ -42,10 +42,9 @@ from pd_transfer.endpoint import (
     Timeouts,
 )
 from pd_transfer.errors import TransportError
-from pd_transfer.metrics import TransferMetrics
-from pd_transfer.phases import PhaseLog, Stamp
-from pd_transfer.plan import LayerRange, compute_stage_layers
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.plan import LayerRange, compute_stage_layers
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.kv.ring import StagingRing
 from pd_transfer.prefill.buffer import StagingBuffer
 from pd_transfer.prefill.context import SenderContext
 from pd_transfer.prefill.endings import Endings
@@ -58,8 +57,9 @@ from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.coverage import CoverageError
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Role, State
 from pd_transfer.protocol.parts import PartEvent, PartState
-from pd_transfer.ring import StagingRing
 from pd_transfer.transport.base import RegisteredRegion, Transport
+from pd_transfer.trust.auth import PeerAuth
+from pd_transfer.trust.bootstrap import RankDocument, RegionDoc
 
 __all__ = ["MAX_RING_VERSION_STEP", "PrefillSender"]
 

@@ -21,16 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pd_transfer.bootstrap import RankDocument
-from pd_transfer.paths import compute_layout
-from pd_transfer.plan import TransferPlan
+from pd_transfer.common.paths import compute_layout
+from pd_transfer.kv.plan import TransferPlan
+from pd_transfer.kv.staging import staged_chunk_bytes
 from pd_transfer.prefill.context import SenderContext
 from pd_transfer.prefill.gathers import EngineGathers
 from pd_transfer.prefill.transfer import SendTransfer, _Stream
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.lifecycle import Event, FailureReason, State
 from pd_transfer.protocol.tickets import TicketState, TicketWindow
-from pd_transfer.staging import staged_chunk_bytes
+from pd_transfer.trust.bootstrap import RankDocument
 
 __all__ = ["MAX_EARLY_REQUESTS", "StreamOpener"]
 

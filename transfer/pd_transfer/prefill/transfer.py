@@ -17,18 +17,18 @@ from typing import Protocol
 
 import torch
 
-from pd_transfer.bootstrap import RankDocument
 from pd_transfer.endpoint import Transfer
-from pd_transfer.layout import KVLayout
-from pd_transfer.plan import LayerRange, TransferPlan
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.layout import KVLayout
+from pd_transfer.kv.plan import LayerRange, TransferPlan
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.kv.ring import Region
+from pd_transfer.kv.staging import PageIds, prepare_pages
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.coverage import Coverage
 from pd_transfer.protocol.lifecycle import Role, State
 from pd_transfer.protocol.parts import Part
-from pd_transfer.ring import Region
-from pd_transfer.staging import PageIds, prepare_pages
 from pd_transfer.transport.base import TransferHandle
+from pd_transfer.trust.bootstrap import RankDocument
 
 __all__ = ["ReadyEvent", "SendTransfer"]
 

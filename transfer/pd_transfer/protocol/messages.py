@@ -87,7 +87,7 @@ PROTOCOL_VERSION: Final = 6
 #   3: complete-or-fail: ``PartDone`` names the layers and pages its WRITE covered, as
 #      ``StagedPart`` does, so decode can check every part against the plan.
 #      Authenticated peers: every message and WRITE notification travels in a
-#      ``pd_transfer.auth`` frame, an HMAC-SHA256 with the deployment's transfer key over
+#      ``pd_transfer.trust.auth`` frame, an HMAC-SHA256 with the deployment's transfer key over
 #      (sender, receiver, this version, the message).
 #   4: decode-side prefix hits: ``RequestKV.first_page`` (decode holds the request's pages
 #      before it); its page runs and every part's pages count from there.

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from pd_transfer.errors import LocalProtocolError
+from pd_transfer.kv.ring import Region
 from pd_transfer.protocol.lifecycle import Role
-from pd_transfer.ring import Region
 
 __all__ = [
     "INITIAL",

@@ -14,15 +14,15 @@ from collections.abc import Sequence
 
 import torch
 
-from pd_transfer.layout import KVPart
-from pd_transfer.plan import (
+from pd_transfer.kv.layout import KVPart
+from pd_transfer.kv.plan import (
     KVGeometry,
     Parallelism,
     RankCoord,
     compute_local_heads,
     compute_stage_layers,
 )
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.pool import KVPool
 
 __all__ = ["compute_request_source", "fill_pool", "verify_pool"]
 

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 
-from pd_transfer.layout import KVLayout
-from pd_transfer.plan import HeadRange, compute_local_heads
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.layout import KVLayout
+from pd_transfer.kv.plan import HeadRange, compute_local_heads
+from pd_transfer.kv.pool import KVPool
 
 __all__ = ["ChunkForward", "GraphedChunkForward", "ModelConfig", "ReferenceModel"]
 

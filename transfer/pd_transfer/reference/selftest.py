@@ -28,31 +28,31 @@ from typing import Any
 import torch
 
 from pd_contract.transferagent import AgentStaging, Role
-from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import (
+from pd_transfer.common.paths import PathMode, choose_path
+from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import RankIdentity, Timeouts
+from pd_transfer.errors import TransferError
+from pd_transfer.kv.layout import KVLayout, KVPacking, PageFormat
+from pd_transfer.kv.plan import (
+    Parallelism,
+    RankCoord,
+    compute_local_heads,
+    compute_transfer_topology,
+)
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.prefill import PrefillSender
+from pd_transfer.rank.opening import RankOptions, open_rank
+from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool
+from pd_transfer.transport.delegating import DelegatingTransport
+from pd_transfer.transport.nixl import NixlTransport
+from pd_transfer.trust.auth import PeerAuth
+from pd_transfer.trust.bootstrap import (
     DTYPES,
     GeometryDoc,
     PackingName,
     PageFormatName,
     bound_agent_name,
 )
-from pd_transfer.decode import DecodeReceiver
-from pd_transfer.endpoint import RankIdentity, Timeouts
-from pd_transfer.errors import TransferError
-from pd_transfer.layout import KVLayout, KVPacking, PageFormat
-from pd_transfer.paths import PathMode, choose_path
-from pd_transfer.plan import (
-    Parallelism,
-    RankCoord,
-    compute_local_heads,
-    compute_transfer_topology,
-)
-from pd_transfer.pool import KVPool
-from pd_transfer.prefill import PrefillSender
-from pd_transfer.rank import RankOptions, open_rank
-from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool
-from pd_transfer.transport.delegating import DelegatingTransport
-from pd_transfer.transport.nixl import NixlTransport
 
 __all__ = [
     "RequestSpec",

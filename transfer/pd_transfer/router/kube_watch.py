@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any, Final
 
 from pd_contract.transferagent import Role
-from pd_transfer.backoff import Backoff
+from pd_transfer.common.backoff import Backoff
 from pd_transfer.router.endpoints import Endpoint, EndpointTable
 from pd_transfer.router.metrics import RouterMetrics
 from pd_transfer.router.pods import EnginePorts, pod_endpoint, pod_selector

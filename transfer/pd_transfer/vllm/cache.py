@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from pd_contract.config import ModelGeometry
-from pd_transfer.bootstrap import DTYPES, GeometryDoc
-from pd_transfer.layout import KVLayout, KVPacking, PageFormat
-from pd_transfer.plan import compute_local_heads
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.layout import KVLayout, KVPacking, PageFormat
+from pd_transfer.kv.plan import compute_local_heads
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.trust.bootstrap import DTYPES, GeometryDoc
 
 __all__ = ["CacheGeometryError", "VllmCache", "map_kv_caches"]
 

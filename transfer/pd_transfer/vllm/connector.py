@@ -32,13 +32,13 @@ from vllm.v1.request import RequestStatus
 from pd_contract.names import ENV_POD_IP, ENV_POD_NAME
 from pd_contract.transferagent import Role
 from pd_transfer.agent.transport_probe import UcxLogTail
-from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import bound_agent_name
-from pd_transfer.config_file import load_transfer_config
 from pd_transfer.endpoint import RankIdentity, Timeouts
-from pd_transfer.plan import Parallelism, RankCoord
-from pd_transfer.pod_peers import PodConnections
-from pd_transfer.rank import OpenRank, RankOptions, open_rank
+from pd_transfer.kv.plan import Parallelism, RankCoord
+from pd_transfer.rank.config_file import load_transfer_config
+from pd_transfer.rank.opening import OpenRank, RankOptions, open_rank
+from pd_transfer.rank.pod_peers import PodConnections
+from pd_transfer.trust.auth import PeerAuth
+from pd_transfer.trust.bootstrap import bound_agent_name
 from pd_transfer.vllm.cache import map_kv_caches
 from pd_transfer.vllm.params import ConnectorSettings, ParamsError
 from pd_transfer.vllm.pod_agent import PodAgent, rank_host, start_pod_agent

@@ -65,9 +65,9 @@ from pd_transfer.agent.report import Connections, ReportFacts, RequestCounts, co
 from pd_transfer.agent.reporter import Reporter, join_resizes
 from pd_transfer.agent.reporting import start_reporting
 from pd_transfer.agent.spec_watch import SpecWatch
-from pd_transfer.auth import PeerAuth
-from pd_transfer.config_file import load_transfer_config
-from pd_transfer.metrics import TransferSnapshot
+from pd_transfer.common.metrics import TransferSnapshot
+from pd_transfer.rank.config_file import load_transfer_config
+from pd_transfer.trust.auth import PeerAuth
 from pd_transfer.vllm.connector_metrics import (
     LIVE_REQUESTS,
     RANK_REACHABLE,

@@ -43,10 +43,10 @@ import torch
 
 from pd_contract.config import LayerPipelineConfig
 from pd_transfer.decode import DecodeReceiver
-from pd_transfer.pipeline import compute_layer_groups, record_ready_event
-from pd_transfer.pod_peers import PodConnections
+from pd_transfer.kv.pipeline import compute_layer_groups, record_ready_event
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import FailureReason, RequestStatus, State
+from pd_transfer.rank.pod_peers import PodConnections
 from pd_transfer.vllm.steps import DecodeLoad, PrefillChunk, StepPlan
 from pd_transfer.vllm.timeline import Timeline
 

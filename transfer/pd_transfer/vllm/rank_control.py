@@ -11,7 +11,7 @@ each rank's ``BootstrapServer`` gains (``RankControl.install``):
 - ``POST /v1/rank/reported`` (``ControlRequest``) → ``StagingReply``: the pod agent wrote a
   report; the ring's high-water mark restarts (as the reference engine does per report).
 
-Every body travels in a ``pd_transfer.auth`` frame of purpose ``control`` bound to the route
+Every body travels in a ``pd_transfer.trust.auth`` frame of purpose ``control`` bound to the route
 and the rank (a document frame, another rank's answer or another route's cannot pass as
 one); a request frame also carries its issue time and is refused ``MAX_REQUEST_AGE_S``
 later, so a captured resize cannot be replayed. Bodies are bounded both ways.
@@ -36,12 +36,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pd_contract.transferagent import AgentStaging, PeerTransport, Role
 from pd_transfer.agent.transport_probe import ProtoInfoParser, UcxLogTail, configure_environment
-from pd_transfer.auth import PeerAuth, Purpose, Unauthenticated
-from pd_transfer.bootstrap import BootstrapServer
+from pd_transfer.common.metrics import PendingKV, RecentFailure, RingWatermark, TransferSnapshot
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.errors import TransferError
-from pd_transfer.metrics import PendingKV, RecentFailure, RingWatermark, TransferSnapshot
 from pd_transfer.prefill import PrefillSender
+from pd_transfer.trust.auth import PeerAuth, Purpose, Unauthenticated
+from pd_transfer.trust.bootstrap import BootstrapServer
 
 __all__ = [
     "CONTROL_VERSION",

@@ -23,7 +23,6 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
-from pd_transfer.auth import outgoing_body
 from pd_transfer.protocol.messages import Grant, decode_message
 from pd_transfer.transport.base import (
     PreparedWrite,
@@ -32,6 +31,7 @@ from pd_transfer.transport.base import (
     Transport,
 )
 from pd_transfer.transport.delegating import DelegatingTransport
+from pd_transfer.trust.auth import outgoing_body
 
 __all__ = ["FAULT_KINDS", "FaultKind", "FaultPlan", "FaultyTransport"]
 

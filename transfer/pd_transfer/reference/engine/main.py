@@ -42,12 +42,12 @@ from pd_transfer.agent.metrics_http import serve_metrics
 from pd_transfer.agent.report import ReportFacts
 from pd_transfer.agent.reporting import Reporting, start_reporting
 from pd_transfer.agent.transport_probe import ProtoInfoParser, UcxLogTail, configure_environment
-from pd_transfer.auth import AuthKeyError, PeerAuth
-from pd_transfer.config_file import TransferConfigError, load_transfer_config
+from pd_transfer.rank.config_file import TransferConfigError, load_transfer_config
 from pd_transfer.reference.engine.errors import EngineConfigError
 from pd_transfer.reference.engine.faults import FaultKind, FaultPlan
 from pd_transfer.reference.engine.http_api import EngineHTTPServer
 from pd_transfer.reference.engine.service import EngineOptions, EngineService
+from pd_transfer.trust.auth import AuthKeyError, PeerAuth
 
 __all__ = ["EngineCollector", "load_auth", "load_config", "run_engine"]
 

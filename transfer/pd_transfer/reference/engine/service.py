@@ -43,30 +43,30 @@ from pd_contract.transferagent import AgentStaging, PeerTransport, Role
 from pd_transfer.agent.report import Connections, RequestCounts, connections_of
 from pd_transfer.agent.reporter import join_resizes
 from pd_transfer.agent.transport_probe import ProtoInfoParser
-from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import (
+from pd_transfer.common.metrics import TransferSnapshot
+from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import RankIdentity, ResizeResult, Timeouts
+from pd_transfer.kv.layout import KVLayout
+from pd_transfer.kv.pipeline import LayerPipeline, compute_chunk_plan
+from pd_transfer.kv.plan import Parallelism, RankCoord, compute_local_heads
+from pd_transfer.kv.pool import KVPool
+from pd_transfer.prefill import PrefillSender
+from pd_transfer.protocol.lifecycle import RequestStatus, State
+from pd_transfer.rank.opening import OpenRank, RankOptions, open_rank
+from pd_transfer.rank.pod_peers import PodConnections
+from pd_transfer.rank.worker import Worker
+from pd_transfer.reference.engine.errors import EngineBusy, EngineConfigError, RequestRejected
+from pd_transfer.reference.engine.faults import FaultPlan, FaultyTransport
+from pd_transfer.reference.model import ChunkForward, ModelConfig, ReferenceModel
+from pd_transfer.transport.base import Transport
+from pd_transfer.trust.auth import PeerAuth
+from pd_transfer.trust.bootstrap import (
     DTYPES,
     BootstrapServer,
     GeometryDoc,
     RankDocument,
     bound_agent_name,
 )
-from pd_transfer.decode import DecodeReceiver
-from pd_transfer.endpoint import RankIdentity, ResizeResult, Timeouts
-from pd_transfer.layout import KVLayout
-from pd_transfer.metrics import TransferSnapshot
-from pd_transfer.pipeline import LayerPipeline, compute_chunk_plan
-from pd_transfer.plan import Parallelism, RankCoord, compute_local_heads
-from pd_transfer.pod_peers import PodConnections
-from pd_transfer.pool import KVPool
-from pd_transfer.prefill import PrefillSender
-from pd_transfer.protocol.lifecycle import RequestStatus, State
-from pd_transfer.rank import OpenRank, RankOptions, open_rank
-from pd_transfer.reference.engine.errors import EngineBusy, EngineConfigError, RequestRejected
-from pd_transfer.reference.engine.faults import FaultPlan, FaultyTransport
-from pd_transfer.reference.model import ChunkForward, ModelConfig, ReferenceModel
-from pd_transfer.transport.base import Transport
-from pd_transfer.worker import Worker
 
 __all__ = ["EngineOptions", "EngineService", "RequestResult"]
 

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Final
 
-from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import GeometryDoc, RankDocument, check_compatible, fetch_document
 from pd_transfer.endpoint import Endpoint
 from pd_transfer.errors import BootstrapError
+from pd_transfer.trust.auth import PeerAuth
+from pd_transfer.trust.bootstrap import GeometryDoc, RankDocument, check_compatible, fetch_document
 
 __all__ = ["PodConnections", "fetch_pod_documents"]
 

@@ -23,11 +23,11 @@ from typing import Literal
 
 import torch
 
-from pd_transfer.bootstrap import DTYPES, RankDocument
-from pd_transfer.layout import KVLayout, KVPacking, PageFormat
-from pd_transfer.plan import Attention, TransferPlan, compute_local_heads
+from pd_transfer.kv.layout import KVLayout, KVPacking, PageFormat
+from pd_transfer.kv.plan import Attention, TransferPlan, compute_local_heads
 from pd_transfer.protocol.messages import Path
 from pd_transfer.transport.base import Span
+from pd_transfer.trust.bootstrap import DTYPES, RankDocument
 
 __all__ = [
     "BaseTable",

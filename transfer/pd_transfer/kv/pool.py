@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pd_transfer.layout import (
+from pd_transfer.kv.layout import (
     ByteRange,
     KVLayout,
     KVPacking,

@@ -15,16 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pd_contract.transferagent import Role
-from pd_transfer.auth import PeerAuth
-from pd_transfer.bootstrap import BootstrapServer
+from pd_transfer.common.paths import PathMode
+from pd_transfer.common.phases import PhaseLog
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import PollIntervals, RankIdentity, Timeouts
-from pd_transfer.paths import PathMode
-from pd_transfer.phases import PhaseLog
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.pool import KVPool
 from pd_transfer.prefill import PrefillSender
+from pd_transfer.rank.worker import Worker
 from pd_transfer.transport.base import Transport
-from pd_transfer.worker import Worker
+from pd_transfer.trust.auth import PeerAuth
+from pd_transfer.trust.bootstrap import BootstrapServer
 
 __all__ = ["OpenRank", "RankOptions", "open_rank"]
 

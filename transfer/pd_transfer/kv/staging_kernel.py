@@ -37,7 +37,7 @@ import torch
 import triton  # type: ignore[import-not-found,unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
 
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.pool import KVPool
 
 __all__ = ["Launch", "plan"]
 

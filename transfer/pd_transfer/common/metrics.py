@@ -21,9 +21,9 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pd_transfer.kv.ring import StagingRing
 from pd_transfer.protocol.lifecycle import FailureReason, Role
 from pd_transfer.protocol.parts import PartEvent, PartState
-from pd_transfer.ring import StagingRing
 
 __all__ = ["PendingKV", "RecentFailure", "RingWatermark", "TransferMetrics", "TransferSnapshot"]
 

@@ -51,8 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pd_transfer.layout import KVLayout
-from pd_transfer.pool import KVPool
+from pd_transfer.kv.layout import KVLayout
+from pd_transfer.kv.pool import KVPool
 
 __all__ = [
     "TRITON_AVAILABLE",
@@ -68,8 +68,8 @@ __all__ = [
 ]
 
 try:  # Triton is optional: CPU builds and images without it take the torch path.
-    from pd_transfer import staging_kernel
-    from pd_transfer.staging_kernel import Launch as _Launch
+    from pd_transfer.kv import staging_kernel
+    from pd_transfer.kv.staging_kernel import Launch as _Launch
 
     TRITON_AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installation

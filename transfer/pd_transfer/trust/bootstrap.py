@@ -22,7 +22,7 @@ module knows nothing of senders or receivers). The document is rendered on each 
 a re-registered ring shows up at once.
 
 Encrypted (docs/failure-modes.md #26, #47): the body is the document's JSON in an encrypted
-``pd_transfer.auth`` frame under the deployment's transfer key (purpose ``document``), so
+``pd_transfer.trust.auth`` frame under the deployment's transfer key (purpose ``document``), so
 only a holder of the key learns the worker address, region addresses and remote keys; a
 frame that is only MACed is refused. ``fetch_document`` decrypts and verifies before it
 parses a byte of JSON, so transport metadata reaches ``Transport.add_peer`` only from a pod
@@ -37,7 +37,7 @@ receive that rank's WRITEs. ``add_peer`` checks the metadata embeds the document
 
 Version history of ``DOCUMENT_VERSION``:
   1: first version.
-  2: the body is sealed in a ``pd_transfer.auth`` frame (HMAC-SHA256 with the transfer key).
+  2: the body is sealed in a ``pd_transfer.trust.auth`` frame (HMAC-SHA256 with the transfer key).
   3: per-layer pools: the geometry gains ``page_format`` and ``packing``; ``kv_regions`` lists
      every registered KV range (up to ``MAX_KV_REGIONS``) and ``layer_bases`` the page-0
      address of each (part, local layer).
@@ -63,10 +63,10 @@ from typing import Annotated, Final, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pd_transfer.auth import PeerAuth, Purpose, Unauthenticated
 from pd_transfer.errors import BootstrapError, GeometryMismatch, PlanError
-from pd_transfer.plan import Attention, KVGeometry, Parallelism, RankCoord, compute_local_heads
+from pd_transfer.kv.plan import Attention, KVGeometry, Parallelism, RankCoord, compute_local_heads
 from pd_transfer.transport.base import MemoryKind, RegisteredRegion
+from pd_transfer.trust.auth import PeerAuth, Purpose, Unauthenticated
 
 __all__ = [
     "DOCUMENT_VERSION",

@@ -32,13 +32,13 @@ log=$out/${name}_gpu_$gpu.txt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
 if [ -z "${6:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu -o addopts="" \
-    tests/unit/test_staging.py tests/unit/test_pipeline.py tests/unit/test_reference_model.py \
+    tests/unit/transfer/kv/test_staging.py tests/unit/transfer/kv/test_pipeline.py tests/unit/transfer/reference/test_reference_model.py \
     tests/integration/test_pipeline_nixl.py tests/integration/test_nixl_transport.py \
-    tests/unit/test_resize.py 2>&1 \
+    tests/unit/transfer/endpoint/test_resize.py 2>&1 \
     | tail -4 | tee -a "$log"
   python3 -m pytest -q -p no:cacheprovider --noconftest -o addopts="" \
-    tests/unit/test_engine_gathers.py tests/unit/test_prepared_scatters.py \
-    tests/unit/test_ring_grants.py 2>&1 | tail -2 | tee -a "$log"
+    tests/unit/transfer/prefill/test_engine_gathers.py tests/unit/transfer/decode/test_prepared_scatters.py \
+    tests/unit/transfer/decode/test_ring_grants.py 2>&1 | tail -2 | tee -a "$log"
   staged_selftests /tmp "selftest_gpu_${gpu}_$name" "$log"
 fi
 # shellcheck disable=SC2086

@@ -31,7 +31,7 @@ python3 -c 'import torch, nixl; print("torch", torch.__version__, "gpus", torch.
 
 if [[ $steps == *" tests "* && ! -f "$state/tests-done" ]]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" \
-    tests/unit/test_reference_model.py tests/unit/test_pipeline.py 2>&1 | grep -v "^\s*$" | tail -40
+    tests/unit/transfer/reference/test_reference_model.py tests/unit/transfer/kv/test_pipeline.py 2>&1 | grep -v "^\s*$" | tail -40
   touch "$state/tests-done"
 fi
 

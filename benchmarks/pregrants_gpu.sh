@@ -23,7 +23,7 @@ bench() {  # NAME EXTRA_ARGS
     | tee -a "$log"
 }
 if [ "$which" = one ]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/unit/test_staging.py \
+  python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/unit/transfer/kv/test_staging.py \
     2>&1 | tail -2 | tee -a "$log"
   staged_selftests "$out" selftest_gpu_pregrants "$log"
   bench bench_transfer_gpu_h100_pregrants_off "--pregrant-share 0"

@@ -24,7 +24,7 @@ log=$out/staging_gpu_h100_enqueue.txt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 lscpu | grep "Model name" | tee -a "$log"
 PYTHONPATH=$base:$PWD/transfer timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
-  -o addopts="" tests/unit/test_staging.py 2>&1 | tail -3 | tee -a "$log"
+  -o addopts="" tests/unit/transfer/kv/test_staging.py 2>&1 | tail -3 | tee -a "$log"
 for round in 1 2; do
   for tree in before after; do
     echo "== $tree ($round)" | tee -a "$log"

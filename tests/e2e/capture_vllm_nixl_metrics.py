@@ -2,7 +2,7 @@
 
 Not a test: run it by hand when the supported vLLM version changes, then review the diff of
 `tests/unit/data/vllm_*_nixl_*.prom` and the expected statuses in
-`tests/unit/test_native_vllm.py`:
+`tests/unit/transfer/native/test_native_vllm.py`:
 
     PYTHONPATH=devtools python -m tests.e2e.capture_vllm_nixl_metrics [OUT_DIR]
 

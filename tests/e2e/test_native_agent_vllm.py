@@ -15,7 +15,8 @@ The agents then stop on SIGTERM with exit code 0.
 Marked `long` (`make test-long`, about 130 s on 2 cores): CI runs the same sidecars through
 the operator in `tests/e2e/test_vllm_cluster.py` (the EngineNative decode reports its
 transfers and health; a decode with other KV heads turns TransferHealthy False naming it)
-and their metric mapping on vLLM's captured metrics (`tests/unit/test_native_vllm.py`).
+and their metric mapping on vLLM's captured metrics
+(`tests/unit/transfer/native/test_native_vllm.py`).
 """
 
 from __future__ import annotations

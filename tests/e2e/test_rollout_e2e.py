@@ -215,7 +215,7 @@ def test_a_page_size_change_rolls_both_roles_surge_first_with_no_failed_request(
     seen: list[dict[str, Any]] = []
     started = time.monotonic()
     # maxSurge 1: one new pod per role at a time beside its old ones
-    # (`tests/unit/test_revision_planner.py` steps it).
+    # (`tests/unit/operator/revisions/test_revision_planner.py` steps it).
     _patch(fleet, {"prefill": {"pageSize": 32}, "decode": {"pageSize": 32},
                    "rollout": {"maxSurge": 1}})
 

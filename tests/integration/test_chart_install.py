@@ -9,7 +9,7 @@ credentials that leaked in through the kubernetes client's process-wide configur
 
 The CRDs are already installed by the `control_plane` fixture from the repository's crds/;
 Helm's crds/ install then leaves them alone. That both directories hold the same bytes is
-proven by tests/unit/test_chart.py.
+proven by tests/unit/project/test_chart.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ server").
 
 The v1.20 control plane drops `x-kubernetes-validations`, so the unit tests evaluate the rules
 with cel-python. Here the same cases (`pd_testbed.spec_cases`, the tables
-tests/unit/test_api_rules.py and test_api_naming.py judge) go to Kubernetes' own
+tests/unit/operator/api/test_api_rules.py and test_api_naming.py judge) go to Kubernetes' own
 apiextensions-apiserver, built from Debian sid: every invalid case must be refused with the
 rule's message, every valid case and example accepted.
 That server keeps its objects in its own etcd and delegates authentication, authorization and

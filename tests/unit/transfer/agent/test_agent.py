@@ -25,6 +25,7 @@ from pd_contract.transferagent import (
 )
 from pd_operator.rollout.planner import PodRollout
 from pd_testbed.agent_fakes import POD_ENV, FakeAgentAPI
+from pd_testbed.checkout import UNIT_DATA_DIR
 from pd_transfer.agent.errors import IdentityError, PermanentAPIError, RetryableAPIError
 from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.report import (
@@ -47,7 +48,7 @@ from pd_transfer.agent.transport_probe import (
 )
 from pd_transfer.common.metrics import RecentFailure, RingWatermark, TransferSnapshot
 
-DATA = Path(__file__).parent / "data"
+DATA = UNIT_DATA_DIR
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from pd_devcluster.vllm_env import KUBERNETES_REQUIREMENT, NIXL_REQUIREMENT
-from pd_testbed.checkout import EXAMPLES
+from pd_testbed.checkout import EXAMPLES, REPO_ROOT
 from pd_testbed.factories import example_pdd
 from pd_transfer.vllm.versions import SUPPORTED_VLLM_VERSIONS
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = REPO_ROOT
 DOCKERFILES = [REPO / "Dockerfile", REPO / "images" / "vllm" / "Dockerfile"]
 VLLM_DOCKERFILE = DOCKERFILES[1]
 ENGINE_IMAGE = "ghcr.io/pd-operator/vllm-pd-transfer"

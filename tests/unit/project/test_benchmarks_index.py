@@ -6,13 +6,14 @@ point at files nobody committed, or at history sections that were renamed."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
+from pd_testbed.checkout import REPO_ROOT
+
 pytestmark = pytest.mark.timeout(10)
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCHMARKS = REPO_ROOT / "benchmarks"
 INDEX = BENCHMARKS / "README.md"
 HISTORY = BENCHMARKS / "HISTORY.md"
 CITED = re.compile(r"`([A-Za-z0-9_.{},\-]+\.(?:json|txt|png))`")

@@ -12,11 +12,11 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from pd_contract.transferagent import Role
+from pd_testbed.checkout import REPO_ROOT
 from pd_transfer.cli import main
 from pd_transfer.router import (
     DiscoveryKind,
@@ -32,7 +32,7 @@ from pd_transfer.router.settings import ENVIRONMENT
 
 pytestmark = pytest.mark.timeout(30)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = REPO_ROOT
 NONE = dict.fromkeys(ENVIRONMENT)  # no flag given
 
 

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from pd_testbed.checkout import REPO_ROOT
+
 pytestmark = pytest.mark.timeout(10)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 SOURCES = ("operator", "transfer", "contract", "devtools", "tests", "benchmarks", "charts", "docs")
 DOC_REFERENCE = re.compile(r"docs/([a-z0-9-]+\.md)((?: ?#\d+,?)*)")
 ENTRY = re.compile(r"^\| (\d+) \|", re.MULTILINE)

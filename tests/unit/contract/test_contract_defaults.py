@@ -11,7 +11,6 @@ fails too.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -19,10 +18,11 @@ import yaml
 from pd_contract.config import TimeoutsConfig
 from pd_operator.api.transfer_spec import Timeouts as SpecTimeouts
 from pd_operator.build.config import build_transfer_config
+from pd_testbed.checkout import REPO_ROOT
 from pd_testbed.factories import make_pdd
 from pd_transfer.endpoint import Timeouts as PodTimeouts
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = REPO_ROOT
 
 # spec.transfer.timeouts' documented defaults, in seconds.
 DEFAULTS = {

@@ -49,7 +49,7 @@ test-long: $(STAMP)
 	PD_OPERATOR_REQUIRE_VLLM=1 $(BIN)/pytest --tb=short -m long tests
 
 integration: $(STAMP)
-	$(BIN)/pytest tests/integration tests/e2e
+	PD_OPERATOR_REQUIRE_VLLM=1 $(BIN)/pytest tests/integration tests/e2e
 
 clean-venv:
 	rm -rf $(VENV)

@@ -164,7 +164,7 @@ def main() -> int:
         peer.close()
         decode.close()
     medians = {mode: statistics.median(v) for mode, v in results.items()}
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "agent_overhead",
         "time": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": "cpu", "host": platform.node(), "cpus": os.cpu_count(),

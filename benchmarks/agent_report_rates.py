@@ -25,6 +25,7 @@ import os
 import random
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -35,7 +36,7 @@ import urllib.request
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from kubernetes import client as k8s
@@ -49,15 +50,19 @@ from pd_devcluster import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-# The checkout (benchmarks.operator_scale) and the test bed (pd_testbed).
-sys.path[:0] = [str(REPO), str(REPO / "devtools")]
-from benchmarks.operator_scale import free_port  # noqa: E402
+sys.path.insert(0, str(REPO / "devtools"))  # the test bed (pd_testbed)
 from pd_testbed.kube_factories import make_agent  # noqa: E402
 
 GROUP, VERSION = "pd.serving.dev", "v1alpha1"
 NAME, NS = "bench", "default"
 WRITE_VERBS = ("POST", "PUT", "PATCH", "DELETE")
 MIB = 1024 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def apiserver_writes(handle: ControlPlaneHandle) -> Counter[str]:
@@ -98,7 +103,8 @@ class Agent(threading.Thread):
     def __init__(self, path: Path, pod: dict[str, Any], interval_s: float, flapping: bool,
                  stop: threading.Event) -> None:
         super().__init__(daemon=True)
-        self.api = k8s_config.new_client_from_config(config_file=str(path))
+        self.api = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
+            config_file=str(path))
         self.pod, self.interval_s, self.flapping, self.stop_event = pod, interval_s, flapping, stop
         self.writes = 0
         self.errors = 0
@@ -177,6 +183,7 @@ def main() -> int:
                 time.sleep(1)
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             for pod in pods:
+                assert pod.metadata is not None and pod.metadata.name is not None
                 core.patch_namespaced_pod_status(pod.metadata.name, NS, {"status": {
                     "phase": "Running", "conditions": [
                         {"type": t, "status": "True", "lastTransitionTime": stamp}
@@ -205,8 +212,8 @@ def main() -> int:
             op1, api1 = operator_metrics(metrics_port), apiserver_writes(handle)
             agent_writes = sum(a.writes for a in agents) - agent0
             stop.set()
-            status = objects.get_namespaced_custom_object(GROUP, VERSION, NS, "pddeployments",
-                                                          NAME)["status"]
+            status = cast(dict[str, Any], objects.get_namespaced_custom_object(
+                GROUP, VERSION, NS, "pddeployments", NAME))["status"]
 
         def rate(n: float) -> float:
             return round(n / elapsed, 3)

@@ -20,7 +20,7 @@ mkdir -p "$out"
 gpu_setup "$wheels" || exit 1
 log=$out/event_times_gpu_$gpu.txt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
-python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu -o addopts="" \
+python3 -m pytest -q -p no:cacheprovider --noconftest -p pd_testbed.gpu -m gpu -o addopts="" \
   tests/unit/transfer/kv/test_staging.py tests/integration/test_pipeline_nixl.py 2>&1 | tail -4 \
   | tee -a "$log"
 staged_selftests /tmp "selftest_gpu_${gpu}_event_times" "$log"

@@ -47,23 +47,27 @@ from pd_transfer.trust.bootstrap import GeometryDoc
 RESULTS = Path(__file__).parent / "results"
 
 _ROOM = "req-7f3a9c1e-0"
+_TICKET = 1  # the request's incarnation (protocol v6): every message about it repeats it
 # Of the sizes the staged path sends for a 1K-token request over 16 layers at page 16.
 MESSAGES: dict[str, Message] = {
-    "request_kv": RequestKV(room=_ROOM, decode_pp_rank=0, decode_tp_rank=1,
+    "request_kv": RequestKV(room=_ROOM, ticket=_TICKET, decode_pp_rank=0, decode_tp_rank=1,
                             dst_page_runs=((128, 48), (512, 16)), num_tokens=1024,
                             path="staged", ring_version=1, pregrant_offset=8 << 20,
                             pregrant_bytes=32 << 20),
     # A fragmented block table: every other page free (more brackets than MAX_DEPTH).
-    "request_kv_64_runs": RequestKV(room=_ROOM, decode_pp_rank=0, decode_tp_rank=1,
+    "request_kv_64_runs": RequestKV(room=_ROOM, ticket=_TICKET, decode_pp_rank=0,
+                                    decode_tp_rank=1,
                                     dst_page_runs=compute_runs(list(range(0, 128, 2))),
                                     num_tokens=1024, path="staged", ring_version=1,
                                     pregrant_offset=8 << 20, pregrant_bytes=32 << 20),
-    "alloc_request": AllocRequest(room=_ROOM, part=1, sender_id=3, size_bytes=16 << 20),
-    "grant": Grant(room=_ROOM, part=1, sender_id=3, ring_offset=40 << 20,
+    "alloc_request": AllocRequest(room=_ROOM, ticket=_TICKET, part=1, sender_id=3,
+                                  size_bytes=16 << 20),
+    "grant": Grant(room=_ROOM, ticket=_TICKET, part=1, sender_id=3, ring_offset=40 << 20,
                    size_bytes=16 << 20, ring_version=1),
-    "staged_part": StagedPart(room=_ROOM, part=0, sender_id=3, ring_offset=8 << 20,
-                              size_bytes=32 << 20, layer_start=0, layer_stop=16,
-                              page_start=0, page_count=64, ring_version=1, final_parts=1),
+    "staged_part": StagedPart(room=_ROOM, ticket=_TICKET, part=0, sender_id=3,
+                              ring_offset=8 << 20, size_bytes=32 << 20, layer_start=0,
+                              layer_stop=16, page_start=0, page_count=64, ring_version=1,
+                              final_parts=1),
     "watermark": Watermark(used_bytes=96 << 20, capacity_bytes=256 << 20,
                            largest_free_bytes=160 << 20, pending_allocations=2),
 }

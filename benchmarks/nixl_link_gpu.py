@@ -56,8 +56,9 @@ def _landing(conn: Connection, kind: str, nbytes: int) -> None:
                              pin_memory=torch.cuda.is_available())
     transport = NixlTransport(f"link-landing-{os.getpid()}")
     region = transport.register(tensor, name="landing")
-    conn.send((transport.local_metadata(), region))
-    transport.add_peer(conn.recv())
+    conn.send((transport.local_metadata(), transport.agent_name, region))
+    metadata, name = conn.recv()
+    transport.add_peer(metadata, expected_name=name)
     while not conn.poll(0.001):
         transport.poll_messages()
     transport.close()
@@ -72,13 +73,13 @@ def measure(kind: str, nbytes: int, runs: int) -> dict[str, Any]:
     try:
         if not conn.poll(60):  # the landing agent failed (e.g. a transport UCX lacks)
             return {"error": "the landing process did not come up within 60 s"}
-        metadata, landing = conn.recv()
+        metadata, landing_name, landing = conn.recv()
         transport = NixlTransport(f"link-source-{os.getpid()}")
         device = "cuda:0" if torch.cuda.is_available() else "cpu"  # cpu: a dry run
         source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
         local = transport.register(source, name="source")
-        peer = transport.add_peer(metadata)
-        conn.send(transport.local_metadata())
+        peer = transport.add_peer(metadata, expected_name=landing_name)
+        conn.send((transport.local_metadata(), transport.agent_name))
         seconds = []
         for i in range(runs + 1):
             start = time.perf_counter()

@@ -34,8 +34,9 @@ def _target(conn: Connection) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     transport = NixlTransport("bench-decode")
     region = transport.register(torch.zeros(TOTAL, dtype=torch.uint8), name="landing")
-    conn.send((transport.local_metadata(), region))
-    transport.add_peer(conn.recv())
+    conn.send((transport.local_metadata(), transport.agent_name, region))
+    metadata, name = conn.recv()
+    transport.add_peer(metadata, expected_name=name)
     while not conn.poll(0.001):
         transport.poll_messages()
     transport.close()
@@ -79,9 +80,9 @@ def main() -> None:
     child.start()
     transport = NixlTransport("bench-prefill")
     source = transport.register(torch.ones(2 * TOTAL, dtype=torch.uint8), name="source")
-    metadata, landing = conn.recv()
-    peer = transport.add_peer(metadata)
-    conn.send(transport.local_metadata())
+    metadata, landing_name, landing = conn.recv()
+    peer = transport.add_peer(metadata, expected_name=landing_name)
+    conn.send((transport.local_metadata(), transport.agent_name))
     time.sleep(0.5)  # let the target load our metadata before the first notification
 
     contiguous = _run(

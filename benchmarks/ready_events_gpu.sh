@@ -31,8 +31,8 @@ if [ "${3:-}" = pipeline ]; then
   exit 0
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
-python3 -m pytest -q -p no:cacheprovider --noconftest -m gpu -o addopts="" tests/unit/transfer/kv/test_staging.py \
-  tests/integration/test_pipeline_nixl.py 2>&1 | tail -4 | tee -a "$log"
+python3 -m pytest -q -p no:cacheprovider --noconftest -p pd_testbed.gpu -m gpu -o addopts="" \
+  tests/unit/transfer/kv/test_staging.py tests/integration/test_pipeline_nixl.py 2>&1 | tail -4 | tee -a "$log"
 staged_selftests "$out" "selftest_gpu_${gpu}_ready_events" "$log"
 bench() {  # NAME EXTRA_ARGS
   # shellcheck disable=SC2086

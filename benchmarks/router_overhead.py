@@ -19,6 +19,7 @@ Writes `benchmarks/results/router_overhead-<time>.json` and prints both tables.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -130,8 +131,9 @@ def real_vllm(repeats: int) -> dict[str, Any]:
                 for i in range(repeats):
                     one = prompt_ids(length, seed=10_000 + 2 * i + length)
                     two = prompt_ids(length, seed=10_001 + 2 * i + length)
-                    direct_s.append(_timed(lambda one=one: direct(one)))
-                    routed_s.append(_timed(lambda two=two: complete(target, two, MAX_TOKENS)))
+                    direct_s.append(_timed(functools.partial(direct, one)))
+                    routed_s.append(_timed(functools.partial(complete, target, two,
+                                                             MAX_TOKENS)))
                 out[str(length)] = {"direct": _stats(direct_s), "router": _stats(routed_s),
                                     "overhead_p50_ms": _stats(routed_s)["p50_ms"]
                                     - _stats(direct_s)["p50_ms"]}

@@ -38,8 +38,9 @@ def _landing(conn: Connection, size: int) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     transport = NixlTransport(f"ceiling-decode-{os.getpid()}")
     region = transport.register(torch.zeros(size, dtype=torch.uint8), name="landing")
-    conn.send((transport.local_metadata(), region))
-    transport.add_peer(conn.recv())
+    conn.send((transport.local_metadata(), transport.agent_name, region))
+    metadata, name = conn.recv()
+    transport.add_peer(metadata, expected_name=name)
     while not conn.poll(0.001):
         transport.poll_messages()
     transport.close()
@@ -53,9 +54,9 @@ def measure_ceiling(size: int, runs: int) -> list[float]:
     child.start()
     transport = NixlTransport(f"ceiling-prefill-{os.getpid()}")
     source = transport.register(torch.ones(size, dtype=torch.uint8), name="source")
-    metadata, landing = conn.recv()
-    peer = transport.add_peer(metadata)
-    conn.send(transport.local_metadata())
+    metadata, landing_name, landing = conn.recv()
+    peer = transport.add_peer(metadata, expected_name=landing_name)
+    conn.send((transport.local_metadata(), transport.agent_name))
     time.sleep(0.5)
     seconds = []
     for run in range(runs + 1):

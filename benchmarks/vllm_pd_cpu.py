@@ -184,10 +184,10 @@ def _pd_transfer(ctx: SetupContext) -> Complete:
     ctx.stack.callback(pd_router.close)
     host, port = pd_router.url.removeprefix("http://").split(":")
     router = _Target("router", host, int(port))
-    complete(router, prompt_ids(32, seed=99_999), 2)  # type: ignore[arg-type]  # warm-up
+    complete(router, prompt_ids(32, seed=99_999), 2)  # warm-up
 
     def run(prompt: Sequence[int]) -> Sample:
-        result = complete(router, prompt, ctx.max_tokens, stream=True)  # type: ignore[arg-type]
+        result = complete(router, prompt, ctx.max_tokens, stream=True)
         ends = [e for e in pair.timeline("decode") if e["event"] == "end"]
         if result.ttft_s is None or not ends:
             raise RuntimeError(f"no token streamed for a {len(prompt)}-token prompt")

@@ -10,6 +10,10 @@ Any test that uses `control_plane` (directly or through the other two) is marked
 automatically. The toolchain is built once per machine; if it is missing, it is built right
 after collection, outside any test's timeout (5-9 minutes; CI runs
 `pd-dev cluster build` beforehand so that never happens there).
+
+Tests marked `gpu` are skipped where too few CUDA devices are visible by the test bed's
+plugin `pd_testbed.gpu`, registered here (`pytest_plugins`); the GPU machines' runs, which
+pass `--noconftest`, load it with `-p pd_testbed.gpu`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from pd_devcluster import (
     start_control_plane,
 )
 from pd_testbed.checkout import CRDS_DIR
+
+pytest_plugins = ["pd_testbed.gpu"]
 
 _FIXTURE = "control_plane"
 

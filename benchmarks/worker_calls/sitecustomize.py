@@ -203,7 +203,7 @@ def _install_event_times(path: str) -> None:
         ends.put(row)
         return result
 
-    staging.PreparedMove.launch = timed_launch  # type: ignore[method-assign]
+    staging.PreparedMove.launch = timed_launch  # type: ignore[method-assign, assignment]
     stop = worker.Worker.stop
 
     def stop_and_report(self: worker.Worker, *args: Any, **kwargs: Any) -> None:

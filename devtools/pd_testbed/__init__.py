@@ -18,17 +18,21 @@ Reading order, by what is driven:
 - the control plane: `cluster` (test-side reads and writes), `operator_runner` (the operator
   in-process), `operator_process` (operator processes, leader-elected replicas),
   `rollout_harness` (a live fleet under load for staging rollouts);
-- engines: `vllm` (real vLLM servers on CPU), `exposition_text` (cutting metric captures).
+- engines: `vllm` (real vLLM servers on CPU), `exposition_text` (cutting metric captures),
+  `captures` (the scripts that capture engines' metrics, run by hand);
+- GPUs: `gpu` (the pytest plugin that skips `gpu`-marked tests without enough CUDA devices).
 """
 
 __all__ = [
     "agent_fakes",
+    "captures",
     "cel_functions",
     "checkout",
     "cluster",
     "crd_schema",
     "exposition_text",
     "factories",
+    "gpu",
     "kube_factories",
     "native_harness",
     "nixl_waves",

@@ -1,5 +1,5 @@
 """Prometheus exposition text cut down to some metric families: what the engine-native
-agent's captures (`capture_vllm_nixl_metrics.py`, `capture_sglang_metrics.py`) keep."""
+agent's captures (`captures/vllm_nixl_metrics.py`, `captures/sglang_metrics.py`) keep."""
 
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ class Cluster:
         )
 
     def counts(self) -> list[dict[str, int]]:
-        return [e.debug_counts() for e in self.endpoints]  # type: ignore[attr-defined]
+        return [e.debug_counts() for e in self.endpoints]
 
     def assert_clean(self) -> None:
         """Past the quarantine grace, every endpoint's per-request structures are empty

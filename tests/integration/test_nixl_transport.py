@@ -300,7 +300,6 @@ def test_killed_peer_surfaces_as_unreachable_within_a_deadline(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_vram_write_lands_bit_exact(local: NixlTransport) -> None:
     source = (torch.arange(LANDING_BYTES, device="cuda") % 253).to(torch.uint8)
     region = local.register(source, name="vram-source")

@@ -165,7 +165,6 @@ def clone(pool: KVPool) -> KVPool:
 
 
 SRC, DST = list(SRC_PAGES[:10]), list(DST_PAGES[:10])
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @contextlib.contextmanager
@@ -235,7 +234,6 @@ def assert_decode_holds_prefill_kv(prefill: PrefillPeer, decode: DecodeProcess,
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_staged_part_is_written_while_the_engine_stream_runs_later_work(
     gpu_staged: tuple[PrefillPeer, DecodeProcess],
 ) -> None:
@@ -279,7 +277,6 @@ def test_staged_part_is_written_while_the_engine_stream_runs_later_work(
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_staged_scatter_waits_for_engine_work_queued_on_its_pages_before_the_request(
     gpu_staged: tuple[PrefillPeer, DecodeProcess],
 ) -> None:
@@ -305,7 +302,6 @@ def test_staged_scatter_waits_for_engine_work_queued_on_its_pages_before_the_req
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("decode_tp", [1, 2], ids=["contiguous", "staged"])
 def test_a_part_without_ready_event_waits_for_the_default_streams_earlier_work(
     decode_tp: int,

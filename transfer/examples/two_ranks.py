@@ -13,19 +13,18 @@ import os
 import time
 import uuid
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
-from pd_transfer.decode import DecodeReceiver
-from pd_transfer.endpoint import RankIdentity
+from pd_transfer.endpoint import Endpoint, RankIdentity
 from pd_transfer.kv.layout import KVLayout
 from pd_transfer.kv.plan import Parallelism, RankCoord
 from pd_transfer.kv.pool import KVPool
-from pd_transfer.prefill import PrefillSender
-from pd_transfer.rank.worker import Worker
+from pd_transfer.rank.opening import OpenRank, open_decode_rank, open_prefill_rank
 from pd_transfer.transport.nixl import NixlTransport
 from pd_transfer.trust.auth import PeerAuth
-from pd_transfer.trust.bootstrap import BootstrapServer, GeometryDoc
+from pd_transfer.trust.bootstrap import GeometryDoc
 
 GEOMETRY = GeometryDoc(num_layers=4, total_kv_heads=2, head_dim=64, dtype="bfloat16",
                        page_size=16)
@@ -40,32 +39,34 @@ def rank(conn: Connection, role: str, auth: PeerAuth) -> None:
     pool = KVPool.allocate(LAYOUT)
     transport = NixlTransport(f"{role}-{uuid.uuid4().hex[:8]}")  # one name per incarnation
     identity = RankIdentity(f"{role}-0", RankCoord(0, 0), Parallelism(1), GEOMETRY)
-    endpoint: PrefillSender | DecodeReceiver
+    # Each opener publishes the rank's document (its memory registered) and starts its worker.
+    rank: OpenRank[Endpoint[Any]]
     if role == "prefill":
         torch.manual_seed(0)
         for tensor in pool.tensors():
             tensor.copy_(torch.randn_like(tensor))
-        endpoint = PrefillSender(transport, pool, identity, staging_bytes=4 << 20, auth=auth)
+        prefill = open_prefill_rank(transport, pool, identity, auth=auth,
+                                    staging_bytes=4 << 20, name="prefill")
+        conn.send(prefill.bootstrap_address)
+        prefill.endpoint.add_peer(conn.recv()).result(30)
+        prefill.endpoint.register_request(ROOM, SRC_PAGES, TOKENS)
+        prefill.endpoint.send_part(ROOM, last=True)
+        rank = prefill
     else:
-        endpoint = DecodeReceiver(transport, pool, identity, ring_bytes=4 << 20, auth=auth)
-    server = BootstrapServer(endpoint.document, auth)  # memory is registered: publish
-    worker = Worker(endpoint).start()
-    conn.send(server.address)
-    endpoint.add_peer(conn.recv()).result(30)
-    if isinstance(endpoint, PrefillSender):
-        endpoint.register_request(ROOM, SRC_PAGES, TOKENS)
-        endpoint.send_part(ROOM, last=True)
-    else:
-        endpoint.expect(ROOM, DST_PAGES, TOKENS)
+        decode = open_decode_rank(transport, pool, identity, auth=auth, ring_bytes=4 << 20,
+                                  name="decode")
+        conn.send(decode.bootstrap_address)
+        decode.endpoint.add_peer(conn.recv()).result(30)
+        decode.endpoint.expect(ROOM, DST_PAGES, TOKENS)
+        rank = decode
     deadline = time.monotonic() + 30
-    while (status := endpoint.poll(ROOM)) is None or not status.finished:
+    while (status := rank.endpoint.poll(ROOM)) is None or not status.finished:
         if time.monotonic() > deadline:
             break
         time.sleep(0.001)
     conn.send((status, pool.k.clone(), pool.v.clone()))  # type: ignore[union-attr]
     conn.recv()
-    worker.stop()
-    server.close()
+    rank.close()
 
 
 def tokens_of(tensor: torch.Tensor, pages: list[int]) -> torch.Tensor:

@@ -59,3 +59,43 @@ def test_no_reference_to_design_files_outside_the_repository() -> None:
         if path != Path(__file__).resolve() and bare.search(path.read_text(encoding="utf-8"))
     ]
     assert offenders == []
+
+
+_CITED_PATH = re.compile(r"`([A-Za-z0-9_./-]+/[A-Za-z0-9_.-]+\.(?:py|md|sh|yaml|toml))`")
+
+
+def test_every_path_a_document_cites_names_a_file_of_the_checkout() -> None:
+    """A module moved or renamed (a wing of pd_transfer, a test folder) left its old path in
+    a README's file map or change map. A cited path counts when it names a file from the
+    document's folder or ends the path of a file in the checkout (`vllm/rank.py`);
+    benchmarks/HISTORY.md keeps the paths of its day."""
+    files = [path for top in SOURCES for path in sorted((ROOT / top).rglob("*.md"))
+             if ".venv" not in path.parts and path.name != "HISTORY.md"]
+    files += sorted(ROOT.glob("*.md"))
+    checkout = [str(path.relative_to(ROOT)) for top in (*SOURCES, "examples", "images", "crds")
+                for path in (ROOT / top).rglob("*") if path.is_file()]
+    checkout += [path.name for path in ROOT.iterdir() if path.is_file()]
+    missing = [
+        f"{doc.relative_to(ROOT)}: {cited}"
+        for doc in files
+        for cited in _CITED_PATH.findall(doc.read_text(encoding="utf-8"))
+        if not (doc.parent / cited).is_file()
+        and not any(path == cited or path.endswith("/" + cited) for path in checkout)
+    ]
+    assert len(files) >= 10
+    assert missing == []
+
+
+def test_the_transfer_module_map_names_every_module_and_package() -> None:
+    """transfer/pd_transfer/README.md's file map names every top-level module and package of
+    pd_transfer, and every module of its wings (kv, trust, common, rank), by its path."""
+    package = ROOT / "transfer" / "pd_transfer"
+    readme = (package / "README.md").read_text(encoding="utf-8")
+    entries = [path.name if path.is_file() else path.name + "/"
+               for path in sorted(package.iterdir())
+               if (path.suffix == ".py" and path.name != "__init__.py")
+               or (path.is_dir() and (path / "__init__.py").is_file())]
+    wings = [f"{wing}/{path.name}" for wing in ("kv", "trust", "common", "rank")
+             for path in sorted((package / wing).glob("*.py")) if path.name != "__init__.py"]
+    assert len(entries) >= 15 and len(wings) >= 16
+    assert [name for name in entries + wings if f"`{name}`" not in readme] == []

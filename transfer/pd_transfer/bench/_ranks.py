@@ -2,7 +2,8 @@
 rank, real endpoints over NIXL, driven over pipes by ``BenchGroup``.
 
 Each rank builds what an engine rank would (pool, NIXL agent, ``PrefillSender`` or
-``DecodeReceiver`` with a ``PhaseLog``, bootstrap server, worker) and serves commands:
+``DecodeReceiver`` with a ``PhaseLog``, bootstrap server, worker: ``_PrefillRank`` or
+``_DecodeRank``, each over its typed endpoint) and serves commands:
 prefill ranks fill source pages, register requests and, at a given monotonic instant,
 ``send_part`` them or post raw NIXL WRITEs; decode ranks poison and ``expect`` destination
 pages, then check them bit-exactly after the request. Raw WRITEs are posted by the prefill
@@ -19,6 +20,7 @@ cuda:0, or prefill on cuda:0 and decode on cuda:1 with ``gpus=2``.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import multiprocessing as mp
 import os
@@ -26,14 +28,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from pd_contract.transferagent import Role
 from pd_transfer.common.phases import PhaseLog, RequestTimes
 from pd_transfer.decode import DecodeReceiver
-from pd_transfer.endpoint import PollIntervals, RankIdentity, Timeouts
+from pd_transfer.endpoint import Endpoint, PollIntervals, RankIdentity, Timeouts
 from pd_transfer.kv.layout import KVLayout, KVPart
 from pd_transfer.kv.pipeline import record_ready_event
 from pd_transfer.kv.plan import (
@@ -48,7 +49,12 @@ from pd_transfer.kv.plan import (
 from pd_transfer.kv.pool import KVPool
 from pd_transfer.kv.staging import staged_chunk_bytes
 from pd_transfer.prefill import PrefillSender
-from pd_transfer.rank.opening import RankOptions, open_rank
+from pd_transfer.rank.opening import (
+    OpenRank,
+    RankOptions,
+    open_decode_rank,
+    open_prefill_rank,
+)
 from pd_transfer.transport.base import TransferState
 from pd_transfer.transport.nixl import NixlConfig, NixlTransport
 from pd_transfer.trust.auth import PeerAuth
@@ -58,6 +64,7 @@ __all__ = ["BenchGroup", "GroupSpec", "compute_pair_bytes"]
 
 START_TIMEOUT_S = 180.0
 _HASH = 0x9E3779B1  # Knuth's multiplicative hash constant (odd, ~2^32 / golden ratio)
+EndpointT = TypeVar("EndpointT", bound="Endpoint[Any]")
 
 
 @dataclass(frozen=True)
@@ -165,11 +172,15 @@ def _verify(pool: KVPool, kv: KVGeometry, heads: HeadRange, pages: list[int], *,
 # The rank process ---------------------------------------------------------------------------
 
 
-class _Rank:
-    """One rank's endpoint and the commands it serves (see module docstring)."""
+class _Rank(abc.ABC, Generic[EndpointT]):
+    """One rank's endpoint and the commands every rank serves; a role's own commands are its
+    subclass's (``_PrefillRank``, ``_DecodeRank``: see the module docstring)."""
 
-    def __init__(self, role: str, tp_rank: int, spec: GroupSpec, auth: PeerAuth) -> None:
-        self.role, self.spec = role, spec
+    role: ClassVar[str]
+
+    def __init__(self, tp_rank: int, spec: GroupSpec, auth: PeerAuth) -> None:
+        role = self.role
+        self.spec = spec
         self.device = spec.device_of(role)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -191,18 +202,17 @@ class _Rank:
         self.phases = PhaseLog()
         poll = None if spec.poll_us is None else PollIntervals(spec.poll_us[0] / 1e6,
                                                                spec.poll_us[1] / 1e6)
-        self.rank = open_rank(
-            Role(role), transport, self.pool, identity, auth=auth,
-            staging_bytes=spec.staging_bytes if role == "prefill" else spec.ring_bytes,
-            name=f"bench-{role}-{tp_rank}",
-            options=RankOptions(timeouts=timeouts, phases=self.phases, poll=poll,
-                                pregrant_share=spec.pregrant_share,
-                                timer_slack_ns=spec.timer_slack_ns))
-        self.endpoint = self.rank.endpoint
+        self.rank = self._open(transport, identity, auth=auth, name=f"bench-{role}-{tp_rank}",
+                               options=RankOptions(timeouts=timeouts, phases=self.phases,
+                                                   poll=poll,
+                                                   timer_slack_ns=spec.timer_slack_ns))
+        self.endpoint: EndpointT = self.rank.endpoint
         self.server = self.rank.server
-        # engine_busy's stand-in forward (only prefill ranks run it, and only when asked)
-        self._forward = (torch.zeros(1 << 16, device=self.device)
-                         if spec.engine_busy and role == "prefill" else None)
+
+    @abc.abstractmethod
+    def _open(self, transport: NixlTransport, identity: RankIdentity, *, auth: PeerAuth,
+              name: str, options: RankOptions) -> OpenRank[EndpointT]:
+        """Open this role's rank over ``self.pool``."""
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -212,38 +222,9 @@ class _Rank:
         endpoint = self.endpoint
         if command == "peers":
             return [endpoint.add_peer(a).result(START_TIMEOUT_S) for a in args[0]]
-        if command == "fill":  # prefill: (pages, seed)
-            _fill(self.pool, self.kv, self.heads, args[0], args[1])
-            self.sync()
-            return "ok"
-        if command == "expect":  # decode: [(room, pages, num_tokens, mode)]
-            assert isinstance(endpoint, DecodeReceiver)
-            for _, pages, _, _ in args[0]:
-                _poison(self.pool, pages)
-            self.sync()
-            futures = [endpoint.expect(room, pages, n, mode=mode) for room, pages, n, mode
-                       in args[0]]
-            return [f.result(START_TIMEOUT_S) for f in futures]
-        if command == "register":  # prefill: [(room, pages, num_tokens)]
-            assert isinstance(endpoint, PrefillSender)
-            futures = [endpoint.register_request(room, pages, n) for room, pages, n in args[0]]
-            return [f.result(START_TIMEOUT_S) for f in futures]
         if command == "states":
             return [None if (s := endpoint.poll(room)) is None else s.state.value
                     for room in args[0]]
-        if command == "send":  # prefill: (start_at, rooms)
-            assert isinstance(endpoint, PrefillSender)
-            live = [r for r in args[1] if (s := endpoint.poll(r)) is not None and not s.finished]
-            self._engine_until(args[0])
-            for room in live:
-                event = record_ready_event(self.device) if self.spec.ready_events else None
-                endpoint.send_part(room, last=True, ready_event=event)
-            return len(live)
-        if command == "raw":  # prefill: (start_at, num_tokens, count)
-            assert isinstance(endpoint, PrefillSender)
-            raw = endpoint.submit(lambda: self._raw_writes(*args))
-            self._engine_until(args[0])
-            return raw.result(START_TIMEOUT_S)
         if command == "wait":  # (rooms, verify: [(pages, num_tokens, seed)] | None)
             return self._wait(args[0], args[1])
         if command == "stats":
@@ -252,18 +233,11 @@ class _Rank:
                     "descriptors": stats.descriptors_posted,
                     "rejected": endpoint.metrics.snapshot().rejected_by_reason,
                     "debug_counts": endpoint.debug_counts()}
-        raise ValueError(f"unknown command {command!r}")
+        return self._handle_own(command, args)
 
-    def _engine_until(self, instant: float) -> None:
-        """The engine's thread up to the common start: idle (a spin), or with
-        ``engine_busy`` launching a stand-in of its forward pass, a small kernel back to
-        back on its stream, as an engine's thread does until it calls ``send_part``."""
-        forward = self._forward
-        if forward is None:
-            _spin_until(instant)
-            return
-        while time.monotonic() < instant:
-            forward.add_(1)
+    def _handle_own(self, command: str, args: list[Any]) -> Any:
+        """A command of this role only (the subclass's); any other is refused."""
+        raise ValueError(f"unknown command {command!r} for a {self.role} rank")
 
     def _wait(self, rooms: list[str], verify: list[tuple[list[int], int, int]] | None
               ) -> list[dict[str, Any]]:
@@ -292,11 +266,85 @@ class _Rank:
             endpoint.forget(room)
         return results
 
+    def close(self) -> None:
+        self.rank.close()
+
+
+class _DecodeRank(_Rank[DecodeReceiver]):
+    """A decode rank: poisons and ``expect``s destination pages."""
+
+    role = "decode"
+
+    def _open(self, transport: NixlTransport, identity: RankIdentity, *, auth: PeerAuth,
+              name: str, options: RankOptions) -> OpenRank[DecodeReceiver]:
+        return open_decode_rank(transport, self.pool, identity, auth=auth,
+                                ring_bytes=self.spec.ring_bytes, name=name, options=options,
+                                pregrant_share=self.spec.pregrant_share)
+
+    def _handle_own(self, command: str, args: list[Any]) -> Any:
+        if command == "expect":  # [(room, pages, num_tokens, mode)]
+            for _, pages, _, _ in args[0]:
+                _poison(self.pool, pages)
+            self.sync()
+            futures = [self.endpoint.expect(room, pages, n, mode=mode)
+                       for room, pages, n, mode in args[0]]
+            return [f.result(START_TIMEOUT_S) for f in futures]
+        return super()._handle_own(command, args)
+
+
+class _PrefillRank(_Rank[PrefillSender]):
+    """A prefill rank: fills and registers source pages, sends them or posts raw WRITEs."""
+
+    role = "prefill"
+
+    def __init__(self, tp_rank: int, spec: GroupSpec, auth: PeerAuth) -> None:
+        super().__init__(tp_rank, spec, auth)
+        # engine_busy's stand-in forward (run only when asked)
+        self._forward = torch.zeros(1 << 16, device=self.device) if spec.engine_busy else None
+
+    def _open(self, transport: NixlTransport, identity: RankIdentity, *, auth: PeerAuth,
+              name: str, options: RankOptions) -> OpenRank[PrefillSender]:
+        return open_prefill_rank(transport, self.pool, identity, auth=auth,
+                                 staging_bytes=self.spec.staging_bytes, name=name,
+                                 options=options)
+
+    def _handle_own(self, command: str, args: list[Any]) -> Any:
+        endpoint = self.endpoint
+        if command == "fill":  # (pages, seed)
+            _fill(self.pool, self.kv, self.heads, args[0], args[1])
+            self.sync()
+            return "ok"
+        if command == "register":  # [(room, pages, num_tokens)]
+            futures = [endpoint.register_request(room, pages, n) for room, pages, n in args[0]]
+            return [f.result(START_TIMEOUT_S) for f in futures]
+        if command == "send":  # (start_at, rooms)
+            live = [r for r in args[1] if (s := endpoint.poll(r)) is not None and not s.finished]
+            self._engine_until(args[0])
+            for room in live:
+                event = record_ready_event(self.device) if self.spec.ready_events else None
+                endpoint.send_part(room, last=True, ready_event=event)
+            return len(live)
+        if command == "raw":  # (start_at, num_tokens, count)
+            raw = endpoint.submit(lambda: self._raw_writes(*args))
+            self._engine_until(args[0])
+            return raw.result(START_TIMEOUT_S)
+        return super()._handle_own(command, args)
+
+    def _engine_until(self, instant: float) -> None:
+        """The engine's thread up to the common start: idle (a spin), or with
+        ``engine_busy`` launching a stand-in of its forward pass, a small kernel back to
+        back on its stream, as an engine's thread does until it calls ``send_part``."""
+        forward = self._forward
+        if forward is None:
+            _spin_until(instant)
+            return
+        while time.monotonic() < instant:
+            forward.add_(1)
+
     def _raw_writes(self, start_at: float, num_tokens: int, count: int) -> dict[str, Any]:
         """On the worker thread: ``count`` one-descriptor WRITEs per decode rank served,
         each the pair's bytes, posted at ``start_at``; every WRITE's DONE time."""
         endpoint = self.endpoint
-        assert isinstance(endpoint, PrefillSender)
         transport = endpoint.transport
         topology = compute_transfer_topology(self.kv, self.spec.parallelism("prefill"),
                                              self.spec.parallelism("decode"))
@@ -327,9 +375,6 @@ class _Rank:
         return {"posted": [t for _, t in posted], "done": done,
                 "bytes": count * sum(size for _, _, size in targets)}
 
-    def close(self) -> None:
-        self.rank.close()
-
 
 def _spin_until(instant: float) -> None:
     """Busy-wait to a monotonic instant (a sleep would wake up to ~0.1 ms late)."""
@@ -348,7 +393,7 @@ def _times_dict(times: RequestTimes) -> dict[str, Any]:
 def _rank_main(conn: Connection, role: str, tp_rank: int, spec: GroupSpec,
                auth: PeerAuth) -> None:
     torch.set_num_threads(1)
-    rank = _Rank(role, tp_rank, spec, auth)
+    rank: _Rank[Any] = (_PrefillRank if role == "prefill" else _DecodeRank)(tp_rank, spec, auth)
     conn.send((rank.server.address, rank.endpoint.transport.agent_name))
     while True:
         command, *args = conn.recv()

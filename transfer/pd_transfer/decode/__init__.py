@@ -6,8 +6,10 @@ until ``finished``; ``abort(room)``. The pages may be read once the status is Su
 
 Files, in reading order: ``receiver.py`` (``DecodeReceiver``: the engine API, asking the
 prefill ranks, message dispatch, deadlines, endings, the ring's resize), ``transfer.py``
-(``ReceiveTransfer``: one request's writers and parts), ``grants.py`` (``RingGrants``: the
-ring's bookkeeping, pure), ``allocations.py`` (AllocRequest, pre-grants, Withdraw),
+(``ReceiveTransfer``: one request's writers and parts), ``context.py``
+(``ReceiverContext``: what the collaborators, allocations.py and arrivals.py, use of the
+endpoint: they never import the receiver), ``grants.py`` (``RingGrants``: the ring's
+bookkeeping, pure), ``allocations.py`` (AllocRequest, pre-grants, Withdraw),
 ``arrivals.py`` (StagedPart, PartDone, completion), ``scatter.py`` (the scatters on the
 device).
 
@@ -49,15 +51,16 @@ layer ids on the device, the arguments checked, the kernel bound
 other part's scatter is prepared when its StagedPart arrives
 (``pd_transfer_scatters_total{prepared=grant|notification}``).
 
-Hot resize (``resize_ring(new_bytes, deadline_s)``): no new region is granted (new
-AllocRequests queue FIFO, answered with a Watermark, bounded by their own deadlines);
-granted regions finish (written, scattered, freed) until the deadline; a request still
-holding a granted region then fails ResizeDeadline and the region is quarantined. The old
-buffer is deregistered (and kept allocated while a quarantined region of it may still be
-written), the new one allocated and registered, ``ring_version`` bumped and announced to
-every prefill peer (``RingUpdate``); then the queue is served against the new ring. Grants
-carry the version; a StagedPart of another version is a protocol violation (its request).
-No pre-grant is given while a resize is under way.
+Hot resize (``Endpoint.resize(staging, deadline_s)``, to the ``AgentStaging``'s decode pool
+size): no new region is granted (new AllocRequests queue FIFO, answered with a Watermark,
+bounded by their own deadlines); granted regions finish (written, scattered, freed) until
+the deadline; a request still holding a granted region then fails ResizeDeadline and the
+region is quarantined. The old buffer is deregistered (and kept allocated while a
+quarantined region of it may still be written), the new one allocated and registered,
+``ring_version`` bumped and announced to every prefill peer (``RingUpdate``); then the
+queue is served against the new ring. Grants carry the version; a StagedPart of another
+version is a protocol violation (its request). No pre-grant is given while a resize is
+under way.
 """
 
 from pd_transfer.decode.grants import RingGrants

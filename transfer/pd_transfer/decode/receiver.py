@@ -2,8 +2,9 @@
 
 It asks the prefill ranks for a request's KV (``RequestKV``, with a pre-grant where the ring
 allows), hands each message to the collaborator that acts on it (``_Allocations``:
-AllocRequest, Withdrawn; ``_Arrivals``: StagedPart, PartDone, final counts), runs the
-deadlines and endings, and swaps the ring in a resize. The rules are in decode/__init__.py.
+AllocRequest, Withdrawn; ``_Arrivals``: StagedPart, PartDone, final counts; each given the
+endpoint's services as one ``ReceiverContext``, context.py), runs the deadlines and endings,
+and swaps the ring in a resize. The rules are in decode/__init__.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pd_transfer.common.paths import PathMode, choose_path, compute_layout
 from pd_transfer.common.phases import PhaseLog
 from pd_transfer.decode.allocations import _Allocations
 from pd_transfer.decode.arrivals import _Arrivals
+from pd_transfer.decode.context import ReceiverContext
 from pd_transfer.decode.grants import RingGrants
 from pd_transfer.decode.scatter import _Scatters
 from pd_transfer.decode.transfer import ReceiveTransfer, _Writer
@@ -28,7 +30,6 @@ from pd_transfer.endpoint import (
     Endpoint,
     PollIntervals,
     RankIdentity,
-    ResizeResult,
     StagingMemory,
     StagingSide,
     Timeouts,
@@ -90,8 +91,17 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         self._tickets = itertools.count(1)
         self._retired: dict[int, torch.Tensor] = {}  # old ring buffers quarantine still pins
         self._scatters = _Scatters(pool, self._stream)
-        self._allocations = _Allocations(self)
-        self._arrivals = _Arrivals(self)
+        ctx = ReceiverContext(
+            pool=pool, metrics=self.metrics, clock=self.clock, part_machine=self.part_machine,
+            grants=self.grants, scatters=self._scatters, transfers=self._transfers,
+            resizing=lambda: self.resizing, ring=lambda: self.ring,
+            ring_version=lambda: self.ring_version, ring_buffer=lambda: self.ring_buffer,
+            ring_update=self._ring_update, send=self.send, reject=self.reject,
+            guard=lambda t: self.guard(self._failer(t)), fail=self._fail,
+            violation=self._violation, apply=self._apply, part_finished=self._part_finished)
+        self._ctx = ctx
+        self._allocations = _Allocations(ctx)
+        self._arrivals = _Arrivals(ctx)
 
     @property
     def ring(self) -> StagingRing:
@@ -136,18 +146,6 @@ class DecodeReceiver(Endpoint[ReceiveTransfer]):
         pages = [int(p) for p in page_ids]
         return self.submit(lambda: self._expect(room, pages, num_tokens, prefill_instance,
                                                 mode or self.mode, first_page=first_page))
-
-    def abort(self, room: str, detail: str = "aborted by the engine") -> Future[None]:
-        return self.submit(lambda: self._abort(room, detail))
-
-    def resize_ring(self, new_bytes: int, deadline_s: float) -> Future[ResizeResult]:
-        """Re-size the staging ring to ``new_bytes`` without restarting (decode/__init__.py).
-
-        The Future yields a ``ResizeResult`` once the new ring serves, or raises
-        ``ResizeError`` (one already under way, bad size, registration failed: the old ring
-        stays in force). Requests whose regions are still live after ``deadline_s`` fail
-        ResizeDeadline; no other request fails because of the resize."""
-        return self._request_resize(new_bytes, deadline_s)
 
     def debug_counts(self) -> dict[str, int]:
         """Sizes of every per-request structure (docs/failure-modes.md #11 tests compare to

@@ -17,9 +17,10 @@ A request on either side is a ``Transfer`` (room, lifecycle, bytes, status); adm
 (``_check_new``, ``_admit``) and ending one (``_fail`` tells its peers first, ``_violation``,
 ``_failer``, ``_abort``, ``_apply``) is done here for both. Its parts change state only
 through ``part_machine`` (protocol/parts.py), whose refusals go to the metrics. Staging
-resizes run through ``StagingResizes`` (``resize.py``) with the ``StagingSide`` each side
-gives; what is left to a side is its protocol: ``_on_message``, ``_progress``,
-``_check_deadlines``, ``_on_peer_lost`` and ``_moving``.
+resizes (``resize``: the size an ``AgentStaging`` gives this role) run through
+``StagingResizes`` (``resize.py``) with the ``StagingSide`` each side gives; what is left to
+a side is its protocol: ``_on_message``, ``_progress``, ``_check_deadlines``,
+``_on_peer_lost``, ``_moving``, and its ``debug_counts``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
+from pd_contract import transferagent
+from pd_contract.transferagent import AgentStaging
 from pd_transfer.common.metrics import PendingKV, TransferMetrics
 from pd_transfer.common.phases import PartTimes, PhaseLog, RequestTimes
 from pd_transfer.endpoint.resize import StagingResizes, StagingSide
@@ -64,7 +67,6 @@ from pd_transfer.protocol.parts import PartMachine
 from pd_transfer.transport.base import RegisteredRegion, Transport
 from pd_transfer.trust.auth import SECRET_MAGIC, PeerAuth, Purpose
 from pd_transfer.trust.bootstrap import (
-    GeometryDoc,
     RankDocument,
     RegionDoc,
     check_compatible,
@@ -128,7 +130,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         # CUDA: the stream this endpoint's gathers or scatters run on (bound to the worker's
         # thread by ``thread_started``); None on CPU, where they run in place.
         self._stream = StagingStream(pool.device) if pool.device.type == "cuda" else None
-        _check_pool_format(pool, identity.geometry)
+        identity.check_pool(pool)
         self.kv_regions = tuple(
             transport.register(tensor, name=f"{transport.agent_name}/kv-{index}")
             for index, tensor in enumerate(pool.registration_tensors())
@@ -178,6 +180,10 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         transfer = self._transfers.get(room)
         return transfer.bound_peers() if transfer is not None else {}
 
+    def abort(self, room: str, detail: str = "aborted by the engine") -> Future[None]:
+        """Fail live request ``room`` Aborted (its peers are told); nothing if not live."""
+        return self.submit(lambda: self._abort(room, detail))
+
     def forget(self, room: str) -> None:
         """Drop a finished request's status (the engine has read it)."""
         self._statuses.forget(room)
@@ -208,10 +214,26 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         """A staging resize is under way (no staging space is handed out meanwhile)."""
         return self._resizes.under_way
 
-    def _request_resize(self, new_bytes: int, deadline_s: float) -> Future[ResizeResult]:
+    def resize(self, staging: AgentStaging, deadline_s: float) -> Future[ResizeResult]:
+        """Re-size this rank's staging, without restarting, to the size ``staging`` gives
+        its role (``bytes_for``: prefill its buffer, decode its ring; the other size is not
+        read). Any thread. Nothing is handed out while it drains; requests holding space at
+        ``deadline_s`` fail ResizeDeadline. The Future yields a ``ResizeResult`` (at once if
+        that size is in force) or raises ``ResizeError``: the old memory then stays."""
+        return self.resize_bytes(staging.bytes_for(transferagent.Role(self.role.value)),
+                                 deadline_s)
+
+    def resize_bytes(self, new_bytes: int, deadline_s: float) -> Future[ResizeResult]:
+        """``resize`` to ``new_bytes``, finer than the contract's MiB (tests, benchmarks); a
+        size not positive or not aligned fails the Future with ``ResizeError``."""
         done: Future[ResizeResult] = Future()
         self.submit(lambda: self._resizes.begin(new_bytes, deadline_s, done))
         return done
+
+    def restart_staging_high_water(self) -> None:
+        """A report was written: the staging's high-water mark restarts from the bytes in use
+        (decode: the ring, which snapshots report; prefill: its buffer). Any thread."""
+        self._resizes.side.allocator().reset_high_water()
 
     def _step_resize(self) -> bool:
         """A step of the resize under way: True when it finished (either way)."""
@@ -453,6 +475,10 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         return None
 
     @abc.abstractmethod
+    def debug_counts(self) -> dict[str, int]:
+        """Sizes of every per-request structure (docs/failure-modes.md #11 tests)."""
+
+    @abc.abstractmethod
     def _moving(self) -> bool:
         """A live request has a part in flight on this side (``PollIntervals.moving_s``)."""
 
@@ -467,14 +493,3 @@ class Endpoint(abc.ABC, Generic[TransferT]):
 
     @abc.abstractmethod
     def _on_peer_lost(self, peer: str, detail: str) -> None: ...
-
-
-def _check_pool_format(pool: KVPool, geometry: GeometryDoc) -> None:
-    """The pool must be laid out as the geometry this rank publishes says."""
-    layout = pool.layout
-    if (layout.page_format.value, layout.packing.value) != (geometry.page_format,
-                                                            geometry.packing):
-        raise ValueError(
-            f"the pool has {layout.page_format.value} pages packed {layout.packing.value} but "
-            f"the rank's geometry says {geometry.page_format}/{geometry.packing}"
-        )

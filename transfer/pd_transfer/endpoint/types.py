@@ -6,6 +6,7 @@ what a finished staging resize reports (``ResizeResult``). Plain frozen data, no
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pd_contract.config import TimeoutsConfig
 from pd_contract.defaults import (
@@ -16,6 +17,9 @@ from pd_contract.defaults import (
 )
 from pd_transfer.kv.plan import Parallelism, RankCoord
 from pd_transfer.trust.bootstrap import GeometryDoc
+
+if TYPE_CHECKING:
+    from pd_transfer.kv.pool import KVPool
 
 __all__ = ["CUDA_POLL", "PollIntervals", "RankIdentity", "ResizeResult", "Timeouts"]
 
@@ -64,7 +68,7 @@ CUDA_POLL = PollIntervals(moving_s=20e-6, waiting_s=200e-6)
 
 @dataclass(frozen=True)
 class ResizeResult:
-    """A finished staging resize (``resize_ring`` / ``resize_buffer``)."""
+    """A finished staging resize (``Endpoint.resize``: decode's ring, prefill's buffer)."""
 
     side: str  # "ring" (decode) or "buffer" (prefill)
     capacity_bytes: int  # the size now in force
@@ -81,3 +85,13 @@ class RankIdentity:
     coord: RankCoord
     parallelism: Parallelism
     geometry: GeometryDoc
+
+    def check_pool(self, pool: KVPool) -> None:
+        """``pool`` must be laid out as the geometry this rank publishes says."""
+        layout = pool.layout
+        if (layout.page_format.value, layout.packing.value) != (self.geometry.page_format,
+                                                                self.geometry.packing):
+            raise ValueError(
+                f"the pool has {layout.page_format.value} pages packed "
+                f"{layout.packing.value} but the rank's geometry says "
+                f"{self.geometry.page_format}/{self.geometry.packing}")

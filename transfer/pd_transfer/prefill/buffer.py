@@ -1,6 +1,6 @@
 """A prefill rank's staging buffer: the registered memory parts are gathered into
 (``StagingMemory``) and the ``StagingRing`` that hands out its space. ``swap`` replaces
-both when ``resize_buffer`` has drained it.
+both when a resize (``Endpoint.resize``) has drained it.
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ version again is a repeat if it announces the same ring, else refused), the ring
 memory kind and device, lies outside every KV region the peer's document published and
 outside the ring in force, and the new metadata registers exactly that buffer. A grant of an
 older version than the peer's ring in force is refused; one of a newer version waits for its
-RingUpdate: nothing is ever written with an older registration. ``resize_buffer(new_bytes,
-deadline_s)`` re-sizes this rank's own staging buffer: no new gather starts, parts holding
-staging space finish until the deadline (the rest fail ResizeDeadline), the buffer is re-
-registered (``StagingBuffer.swap``), gathers resume.
+RingUpdate: nothing is ever written with an older registration. ``Endpoint.resize`` (the
+``AgentStaging``'s prefill buffer size) re-sizes this rank's own staging buffer: no new
+gather starts, parts holding staging space finish until the deadline (the rest fail
+ResizeDeadline), the buffer is re-registered (``StagingBuffer.swap``), gathers resume.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from pd_transfer.endpoint import (
     Endpoint,
     PollIntervals,
     RankIdentity,
-    ResizeResult,
     StagingSide,
     Timeouts,
 )
@@ -171,15 +170,6 @@ class PrefillSender(Endpoint[SendTransfer]):
                  if last and self._engine_gathers.any_armed else {})
         return self.submit(lambda: self._add_part(room, pages, layers, last, ready_event,
                                                   given, early))
-
-    def abort(self, room: str, detail: str = "aborted by the engine") -> Future[None]:
-        return self.submit(lambda: self._abort(room, detail))
-
-    def resize_buffer(self, new_bytes: int, deadline_s: float) -> Future[ResizeResult]:
-        """Re-size this rank's staging buffer to ``new_bytes`` without restarting (module
-        docstring). The Future yields a ``ResizeResult`` or raises ``ResizeError`` (the old
-        buffer then stays in force)."""
-        return self._request_resize(new_bytes, deadline_s)
 
     def debug_counts(self) -> dict[str, int]:
         """Sizes of every per-request structure (docs/failure-modes.md #11 tests compare to

@@ -1,6 +1,7 @@
 """The transfer protocol as data: wire messages (``messages``), request lifecycles
-(``lifecycle``) and part states of the grant/write protocol (``parts``). No I/O and no
-transport import here; ``sender``/``decode`` drive it."""
+(``lifecycle``), part states of the grant/write protocol (``parts``) and the router↔engine
+request contract (``handoff``: the ``kv_transfer_params`` the router builds and the vLLM
+connector reads). No I/O and no transport import here; ``sender``/``decode`` drive it."""
 
 from pd_transfer.protocol.lifecycle import (
     TERMINAL,

@@ -21,6 +21,8 @@ import random
 import time
 import uuid
 from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -29,8 +31,7 @@ import torch
 
 from pd_contract.transferagent import AgentStaging, Role
 from pd_transfer.common.paths import PathMode, choose_path
-from pd_transfer.decode import DecodeReceiver
-from pd_transfer.endpoint import RankIdentity, Timeouts
+from pd_transfer.endpoint import Endpoint, RankIdentity, Timeouts
 from pd_transfer.errors import TransferError
 from pd_transfer.kv.layout import KVLayout, KVPacking, PageFormat
 from pd_transfer.kv.plan import (
@@ -40,8 +41,12 @@ from pd_transfer.kv.plan import (
     compute_transfer_topology,
 )
 from pd_transfer.kv.pool import KVPool
-from pd_transfer.prefill import PrefillSender
-from pd_transfer.rank.opening import RankOptions, open_rank
+from pd_transfer.rank.opening import (
+    OpenRank,
+    RankOptions,
+    open_decode_rank,
+    open_prefill_rank,
+)
 from pd_transfer.reference.kvdata import compute_request_source, fill_pool, verify_pool
 from pd_transfer.transport.delegating import DelegatingTransport
 from pd_transfer.transport.nixl import NixlTransport
@@ -109,11 +114,21 @@ class RequestSpec:
     mode: PathMode
 
 
+@dataclass(frozen=True)
+class _RoleCommands:
+    """What a rank process does by its role; every other command is its endpoint's."""
+
+    register: Callable[[RequestSpec], Future[None]]  # "register": one request
+    send: Callable[[str], bool]  # "send": one room's last part (prefill)
+    verify: Callable[[RequestSpec], bool] | None  # a succeeded request's bytes (decode)
+    counters: Callable[[], dict[str, int]]  # "stats": the role's own counters
+
+
 def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional args
     conn: Connection, role: str, pp_rank: int, tp_rank: int, config: SelftestConfig,
     auth: PeerAuth,
 ) -> None:
-    """One rank's process: build the endpoint, serve the parent's commands."""
+    """One rank's process: open the rank of ``role``, serve the parent's commands."""
     torch.set_num_threads(1)
     geometry = _geometry(config)
     kv = geometry.kv_geometry()
@@ -142,10 +157,50 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
                         quarantine_grace_s=config.timeout_s)
     sizes = AgentStaging(decode_pool_mib=config.decode_pool_mib,
                          prefill_buffer_mib=config.prefill_buffer_mib)
-    rank = open_rank(Role(role), transport, pool, identity, auth=auth,
-                     staging_bytes=sizes.bytes_for(Role(role)),
-                     name=f"pd-transfer-{role}-{pp_rank}-{tp_rank}",
-                     options=RankOptions(timeouts=timeouts, mode=config.mode))
+    name, options = f"pd-transfer-{role}-{pp_rank}-{tp_rank}", RankOptions(timeouts=timeouts)
+    rank: OpenRank[Endpoint[Any]]
+    if role == "prefill":
+        sender = open_prefill_rank(transport, pool, identity, auth=auth, name=name,
+                                   staging_bytes=sizes.bytes_for(Role.PREFILL), options=options)
+        rank = sender
+
+        def register(spec: RequestSpec) -> Future[None]:
+            source = compute_request_source(spec.seed, kv, len(spec.src_pages) * config.page_size)
+            fill_pool(pool, geometry=kv, parallelism=parallelism, coord=coord,
+                      pages=spec.src_pages, source=source)
+            return sender.endpoint.register_request(spec.room, spec.src_pages, spec.num_tokens)
+
+        commands = _RoleCommands(
+            register=register, verify=None,
+            send=lambda room: sender.endpoint.send_part(room, last=True) is not None,
+            counters=lambda: {"alloc_requests": sender.endpoint.alloc_requests_sent,
+                              "pregrants_taken": sender.endpoint.pregrants_taken})
+    else:
+        receiver = open_decode_rank(transport, pool, identity, auth=auth, name=name,
+                                    ring_bytes=sizes.bytes_for(Role.DECODE), options=options,
+                                    mode=config.mode)
+        rank = receiver
+
+        def verify(spec: RequestSpec) -> bool:
+            source = compute_request_source(spec.seed, kv, len(spec.dst_pages) * config.page_size)
+            return verify_pool(pool, geometry=kv, parallelism=parallelism, coord=coord,
+                               pages=spec.dst_pages, source=source, num_tokens=spec.num_tokens)
+
+        commands = _RoleCommands(
+            register=lambda spec: receiver.endpoint.expect(
+                spec.room, spec.dst_pages, spec.num_tokens, mode=spec.mode),
+            send=_prefill_only, verify=verify,
+            counters=lambda: {"alloc_requests": 0, "pregrants_taken": 0})
+    _serve(conn, rank, transport, commands, device)
+
+
+def _prefill_only(room: str) -> bool:
+    raise ValueError(f"room {room}: only a prefill rank sends")
+
+
+def _serve(conn: Connection, rank: OpenRank[Endpoint[Any]], transport: NixlTransport | _Tap,
+           commands: _RoleCommands, device: torch.device) -> None:
+    """Serve the parent's commands until "exit" (then close the rank)."""
     endpoint, server = rank.endpoint, rank.server
     conn.send(("ready", server.address))
     specs: dict[str, RequestSpec] = {}
@@ -160,22 +215,12 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
             futures = []
             for spec in args[0]:
                 specs[spec.room] = spec
-                if isinstance(endpoint, PrefillSender):
-                    source = compute_request_source(spec.seed, kv,
-                                                    len(spec.src_pages) * config.page_size)
-                    fill_pool(pool, geometry=kv, parallelism=parallelism, coord=coord,
-                              pages=spec.src_pages, source=source)
-                    futures.append(endpoint.register_request(spec.room, spec.src_pages,
-                                                             spec.num_tokens))
-                else:
-                    futures.append(endpoint.expect(spec.room, spec.dst_pages, spec.num_tokens,
-                                                   mode=spec.mode))
+                futures.append(commands.register(spec))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             conn.send([f.result(READY_TIMEOUT_S) for f in futures])
         elif command == "send":
-            assert isinstance(endpoint, PrefillSender)
-            conn.send([endpoint.send_part(room, last=True) is not None for room in args[0]])
+            conn.send([commands.send(room) for room in args[0]])
         elif command == "states":
             conn.send({room: s.state.value if (s := endpoint.poll(room)) is not None else None
                        for room in args[0]})
@@ -192,14 +237,9 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
             for room in rooms:
                 status = endpoint.poll(room)
                 verified = None
-                if isinstance(endpoint, DecodeReceiver) and status is not None and (
+                if commands.verify is not None and status is not None and (
                         status.state.value == "Succeeded"):
-                    spec = specs[room]
-                    source = compute_request_source(spec.seed, kv,
-                                                    len(spec.dst_pages) * config.page_size)
-                    verified = verify_pool(pool, geometry=kv, parallelism=parallelism,
-                                           coord=coord, pages=spec.dst_pages, source=source,
-                                           num_tokens=spec.num_tokens)
+                    verified = commands.verify(specs[room])
                 results.append({
                     "room": room, "done_at": done.get(room),
                     "state": status.state.value if status is not None else None,
@@ -219,8 +259,7 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
                 "writes_posted": stats.transfers_posted,
                 "descriptors": stats.descriptors_posted,
                 "bytes_posted": stats.bytes_posted,
-                "alloc_requests": getattr(endpoint, "alloc_requests_sent", 0),
-                "pregrants_taken": getattr(endpoint, "pregrants_taken", 0),
+                **commands.counters(),
                 "rejected": snapshot.rejected_by_reason,
                 "debug_counts": endpoint.debug_counts(),
             })

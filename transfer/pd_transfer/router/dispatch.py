@@ -29,6 +29,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, Final, TypeVar, assert_never
 
 from pd_contract.transferagent import Role
+from pd_transfer.protocol.handoff import ParamsError
 from pd_transfer.router import protocols
 from pd_transfer.router.endpoints import Endpoint, EndpointTable
 from pd_transfer.router.errors import (
@@ -124,8 +125,11 @@ class Dispatcher:
                      key: str | None) -> RelayResult:
         prefill, decode = self._pick_pair(key)
         room = uuid.uuid4().hex
-        prefill_body = protocols.pd_transfer_prefill(request.body, room, _bootstrap(decode))
-        decode_body = protocols.pd_transfer_decode(request.body, room, _bootstrap(prefill))
+        try:
+            prefill_body = protocols.pd_transfer_prefill(request.body, room, _bootstrap(decode))
+            decode_body = protocols.pd_transfer_decode(request.body, room, _bootstrap(prefill))
+        except ParamsError as exc:  # an address the connector would refuse (over 262 chars)
+            raise MisconfiguredEndpoint(str(exc)) from exc
         with self._inflight.track(decode):
             # Connected to decode first: a decode that is down costs no prefill (whose KV
             # would wait for it until the lease ends). Then both requests go out at once.

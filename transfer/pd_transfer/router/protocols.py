@@ -1,7 +1,8 @@
 """What the router sends to prefill and decode, per P/D protocol (pure: bodies in, bodies
 out; ``dispatch`` does the sending).
 
-``pd-transfer`` (our ``PDTransferConnector``, ``pd_transfer.vllm.params``): both requests
+``pd-transfer`` (our ``PDTransferConnector``; the params are built by
+``pd_transfer.protocol.handoff``, the module the connector reads them with): both requests
 at once, sharing a fresh ``room``; prefill is told decode's bootstrap address, decode
 prefill's. Sending both at once lets prefill's first layer groups be on the wire while
 later layers compute::
@@ -31,7 +32,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Final
 
-from pd_transfer.vllm.params import PARAMS_KEY
+from pd_transfer.protocol import handoff
 
 __all__ = [
     "NIXL_PREFILL_PARAMS",
@@ -70,13 +71,14 @@ def prefill_only(body: Mapping[str, Any]) -> Body:
 
 
 def pd_transfer_prefill(body: Mapping[str, Any], room: str, decode_bootstrap: str) -> Body:
+    """ParamsError (``handoff``) when the connector would refuse the room or address."""
     return {**prefill_only(body),
-            "kv_transfer_params": {PARAMS_KEY: {"room": room, "decode": decode_bootstrap}}}
+            "kv_transfer_params": handoff.send_params(room, decode_bootstrap)}
 
 
 def pd_transfer_decode(body: Mapping[str, Any], room: str, prefill_bootstrap: str) -> Body:
-    return {**body,
-            "kv_transfer_params": {PARAMS_KEY: {"room": room, "prefill": prefill_bootstrap}}}
+    """ParamsError (``handoff``) when the connector would refuse the room or address."""
+    return {**body, "kv_transfer_params": handoff.load_params(room, prefill_bootstrap)}
 
 
 def nixl_prefill(body: Mapping[str, Any]) -> Body:

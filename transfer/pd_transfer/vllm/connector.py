@@ -1,8 +1,10 @@
 """``PDTransferConnector``: vLLM's KV connector API (``KVConnectorBase_V1``) over pd_transfer.
 
 The only module that imports vLLM. Each hook converts vLLM's objects into plain ids and
-counts and hands them to ``scheduler.SchedulerSide`` (scheduler process) or
-``rank.RankSide`` (each TP worker process); see those modules for the request flow.
+counts and hands them to ``scheduler.SchedulerSide`` (scheduler process) or a
+``rank.RankSide`` (each TP worker process: ``prefill_rank.PrefillRankSide`` or
+``decode_rank.DecodeRankSide``, opened for the engine's role, then called alike); see those
+modules for the request flow.
 
 Per worker process (one per TP rank): the rank's KV caches wrapped in place
 (``cache.map_kv_caches``), a NIXL agent, a ``PrefillSender`` (``kv_producer``) or
@@ -32,16 +34,24 @@ from vllm.v1.request import RequestStatus
 from pd_contract.names import ENV_POD_IP, ENV_POD_NAME
 from pd_contract.transferagent import Role
 from pd_transfer.agent.transport_probe import UcxLogTail
-from pd_transfer.endpoint import RankIdentity, Timeouts
+from pd_transfer.endpoint import Endpoint, RankIdentity, Timeouts
 from pd_transfer.kv.plan import Parallelism, RankCoord
+from pd_transfer.protocol.handoff import ParamsError
 from pd_transfer.rank.config_file import load_transfer_config
-from pd_transfer.rank.opening import OpenRank, RankOptions, open_rank
+from pd_transfer.rank.opening import (
+    OpenRank,
+    RankOptions,
+    open_decode_rank,
+    open_prefill_rank,
+)
 from pd_transfer.rank.pod_peers import PodConnections
 from pd_transfer.trust.auth import PeerAuth
 from pd_transfer.trust.bootstrap import bound_agent_name
 from pd_transfer.vllm.cache import map_kv_caches
-from pd_transfer.vllm.params import ConnectorSettings, ParamsError
+from pd_transfer.vllm.decode_rank import DecodeRankSide
+from pd_transfer.vllm.params import ConnectorSettings
 from pd_transfer.vllm.pod_agent import PodAgent, rank_host, start_pod_agent
+from pd_transfer.vllm.prefill_rank import PrefillRankSide
 from pd_transfer.vllm.rank import RankSide
 from pd_transfer.vllm.rank_control import RankControl, start_transport_probe
 from pd_transfer.vllm.scheduler import ScheduledPrompt, SchedulerSide
@@ -99,8 +109,8 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._block_size: int = vllm_config.cache_config.block_size
         self._scheduler = (SchedulerSide(self._engine_role, self._block_size)  # type: ignore[arg-type]
                            if role == KVConnectorRole.SCHEDULER else None)
-        self._rank: RankSide | None = None
-        self._opened: OpenRank | None = None
+        self._rank: RankSide[Any] | None = None
+        self._opened: OpenRank[Endpoint[Any]] | None = None
         self._timeline: Timeline | None = None
         self._ucx_tail: UcxLogTail | None = None
         self._agent: PodAgent | None = None
@@ -178,23 +188,37 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         transport = NixlTransport(agent)
         identity = RankIdentity(self._instance, RankCoord(0, tp_rank),
                                 Parallelism(self._tp_size), cache.geometry)
-        role = Role(self._engine_role)
-        self._opened = open_rank(
-            role, transport, cache.pool, identity, auth=auth,
-            staging_bytes=config.staging.sizes.bytes_for(role),
-            name=f"pd-transfer-{self._engine_role}-{tp_rank}",
-            options=RankOptions(timeouts=timeouts, mode=settings.path, host=settings.bind_host,
-                                port=(settings.bootstrap_port or config.network.bootstrap_port)
-                                + tp_rank))
-        endpoint, server = self._opened.endpoint, self._opened.server
+        name, sizes = f"pd-transfer-{self._engine_role}-{tp_rank}", config.staging.sizes
+        options = RankOptions(timeouts=timeouts, host=settings.bind_host,
+                              port=(settings.bootstrap_port or config.network.bootstrap_port)
+                              + tp_rank)
         if settings.timeline_file is not None:
             path = settings.timeline_file
             self._timeline = Timeline(path.with_name(f"{path.stem}-r{tp_rank}{path.suffix}"),
                                       tp_rank)
-        connections = PodConnections([endpoint], auth, cache.geometry, timeouts.bootstrap_s)
-        self._rank = RankSide(endpoint, connections, cache.layer_names, config.layer_pipeline,
-                              device=cache.pool.device, timeline=self._timeline)
-        RankControl(endpoint, auth, live_requests=self._rank.live_requests, probe=probe,
+
+        def connections(endpoint: Endpoint[Any]) -> PodConnections:
+            return PodConnections([endpoint], auth, cache.geometry, timeouts.bootstrap_s)
+
+        # The half of this engine's role, over its typed endpoint; from here on both alike.
+        rank: RankSide[Any]
+        if self._engine_role == "prefill":
+            prefill = open_prefill_rank(transport, cache.pool, identity, auth=auth,
+                                        staging_bytes=sizes.bytes_for(Role.PREFILL), name=name,
+                                        options=options)
+            self._opened = prefill
+            rank = PrefillRankSide(prefill.endpoint, connections(prefill.endpoint),
+                                   cache.layer_names, config.layer_pipeline,
+                                   device=cache.pool.device, timeline=self._timeline)
+        else:
+            decode = open_decode_rank(transport, cache.pool, identity, auth=auth,
+                                      ring_bytes=sizes.bytes_for(Role.DECODE), name=name,
+                                      options=options, mode=settings.path)
+            self._opened = decode
+            rank = DecodeRankSide(decode.endpoint, connections(decode.endpoint),
+                                  timeline=self._timeline)
+        self._rank, server = rank, self._opened.server
+        RankControl(self._opened.endpoint, auth, live_requests=rank.live_requests, probe=probe,
                     transfer_timeout_s=timeouts.transfer_s).install(server)
         log.info("PDTransferConnector %s rank %d: %d layers, %s pages of %d tokens, bootstrap "
                  "on %s", self._engine_role, tp_rank, cache.layout.num_layers,

@@ -1,26 +1,27 @@
-"""The connector's worker side on one TP rank: its sender or receiver, peers, layer groups
-and completions.
+"""The connector's worker side on one TP rank, what its two halves share: the requests it
+tracks, its peers, its completions. ``prefill_rank.PrefillRankSide`` (over a
+``PrefillSender``) and ``decode_rank.DecodeRankSide`` (over a ``DecodeReceiver``) each own
+their typed endpoint and do their role's share of a step; the connector opens the half of
+its ``kv_role`` and then calls every hook on ``RankSide`` alone.
 
 Per engine step, in vLLM's order:
 
-1. ``begin_step`` (``bind_connector_metadata``, before the forward): aborts; on prefill,
-   register the request (first chunk) or append the blocks it gained, and lay the chunk's
-   pages out over layer groups (``pipeline.compute_layer_groups``: one group for short
-   chunks, the plain path);
-2. ``layer_saved`` (``save_kv_layer``, after each attention layer): the groups ending at
-   that layer are handed to the sender, which posts them off the forward thread while
-   the next layers compute (on CUDA behind an event recorded on the current stream);
-3. ``start_loads`` (``start_load_kv``, after the forward for asynchronous loads): on
-   decode, ``expect`` the pages each new load lacks;
-4. ``end_step`` (``wait_for_save``): posts any group whose last layer did not report
-   (a layer skipped by the engine must not leave a request without its final part);
+1. ``begin_step`` (``bind_connector_metadata``, before the forward): aborts, then the
+   half's share of the plan (prefill: register the request or append the blocks it
+   gained, and lay the chunk's pages out over layer groups; decode: the loads to start);
+2. ``layer_saved`` (``save_kv_layer``, after each attention layer): prefill posts the
+   groups ending at that layer off the forward thread while the next layers compute;
+3. ``start_loads`` (``start_load_kv``, after the forward for asynchronous loads): decode
+   ``expect``s the pages each new load lacks;
+4. ``end_step`` (``wait_for_save``): prefill posts any group whose last layer did not
+   report (a layer skipped by the engine must not leave a request without its final part);
 5. ``results`` (``get_transfer_results``): requests whose transfer ended.
 
-Nothing here blocks the forward: sender/receiver calls return at once (a Future on the
-transfer worker thread), and connecting to a peer pod the first time (an HTTP fetch of
-its rank documents, then NIXL metadata) runs on a small thread pool; a request whose peer
-cannot be reached fails alone. No exception of one request escapes into vLLM, whose
-engine would die of it.
+A hook that is not its half's business does nothing. Nothing here blocks the forward:
+sender/receiver calls return at once (a Future on the transfer worker thread), and
+connecting to a peer pod the first time (an HTTP fetch of its rank documents, then NIXL
+metadata) runs on a small thread pool; a request whose peer cannot be reached fails alone.
+No exception of one request escapes into vLLM, whose engine would die of it.
 
 Empty steps: while requests only wait for transfers, vLLM steps without a forward as fast
 as it can, and its processes' busy polling then starves every other process on the host
@@ -31,32 +32,30 @@ before returning, so a waiting engine sleeps instead of spinning.
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Final
+from typing import Any, Final, Generic, TypeVar
 
-import torch
-
-from pd_contract.config import LayerPipelineConfig
-from pd_transfer.decode import DecodeReceiver
-from pd_transfer.kv.pipeline import compute_layer_groups, record_ready_event
-from pd_transfer.prefill import PrefillSender
-from pd_transfer.protocol.lifecycle import FailureReason, RequestStatus, State
+from pd_transfer.endpoint import Endpoint
+from pd_transfer.protocol.lifecycle import FailureReason, RequestStatus
 from pd_transfer.rank.pod_peers import PodConnections
-from pd_transfer.vllm.steps import DecodeLoad, PrefillChunk, StepPlan
+from pd_transfer.vllm.steps import StepPlan
 from pd_transfer.vllm.timeline import Timeline
 
-__all__ = ["IDLE_WAIT_S", "RankSide", "TransferResults"]
+__all__ = ["IDLE_WAIT_S", "RankSide", "Tracked", "TransferResults"]
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S: Final = 0.02
 _IDLE_POLL_S: Final = 0.001
 _CONNECT_THREADS: Final = 4
+
+EndpointT = TypeVar("EndpointT", bound="Endpoint[Any]")
 
 
 @dataclass
@@ -68,155 +67,59 @@ class TransferResults:
     failed_recving: set[str] = field(default_factory=set)
 
 
-@dataclass(frozen=True)
-class _Part:
-    room: str
-    pages: range
-    layers: range | None  # None: every layer (the plain path)
-    last: bool
-
-
 @dataclass
-class _Tracked:
+class Tracked:
     """A request this rank sends or receives for, until vLLM has been told it ended."""
 
     room: str
     pages: tuple[int, ...] = ()
-    aborted: bool = False
+    aborted: bool = False  # reported as a send (its blocks freed) once vLLM finished it
     failure: str | None = None  # failed before the endpoint knew it (peer unreachable)
     failure_reason: FailureReason | None = None  # why, as the endpoint would have said
 
 
-class RankSide:
-    """One TP rank's transfer state; its step methods run on vLLM's worker thread."""
+class RankSide(abc.ABC, Generic[EndpointT]):
+    """One TP rank's transfer state over its typed endpoint; its step methods run on vLLM's
+    worker thread (the module docstring). A half implements ``_plan`` (its share of a step
+    plan), ``_report`` (how an ended request is reported) and ``_abort_frees`` (whether an
+    abort reports a request as a send)."""
 
-    def __init__(
-        self,
-        endpoint: PrefillSender | DecodeReceiver,
-        connections: PodConnections,
-        layer_names: Iterable[str],
-        pipeline: LayerPipelineConfig,
-        *,
-        device: torch.device,
-        clock: Callable[[], float] = time.monotonic,
-        timeline: Timeline | None = None,
-    ) -> None:
+    def __init__(self, endpoint: EndpointT, connections: PodConnections, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 timeline: Timeline | None = None) -> None:
         self.endpoint = endpoint
         self.connections = connections
-        self.layer_index = {name: i for i, name in enumerate(layer_names)}
-        self.num_layers = len(self.layer_index)
-        self.pipeline = pipeline
-        self.device = device
         self.clock = clock
         self.timeline = timeline
         self._connect_pool = ThreadPoolExecutor(_CONNECT_THREADS, "pd-transfer-connect")
-        self._tracked: dict[str, _Tracked] = {}  # by vLLM request id
+        self._tracked: dict[str, Tracked] = {}  # by vLLM request id
         self._by_room: dict[str, str] = {}
-        self._step_parts: dict[int, list[_Part]] = {}  # last layer of a group -> parts
-        self._step_rooms: list[str] = []
-        self._loads: list[DecodeLoad] = []
         self._forward = True
         self._finished: set[str] = set()  # vLLM finished these (their blocks are held)
-        self._load_errors: set[int] = set()
-
-    @property
-    def is_prefill(self) -> bool:
-        return isinstance(self.endpoint, PrefillSender)
 
     # Steps ---------------------------------------------------------------------------------
 
     def begin_step(self, plan: StepPlan) -> None:
+        """``bind_connector_metadata``: the step's aborts, then this half's share of it."""
         self._forward = plan.forward
         for room in plan.aborts:
             self._abort(room, "the engine ended the request")
-        if self.is_prefill:
-            for chunk in plan.chunks:
-                self._contained(chunk.room, partial(self._begin_chunk, chunk))
-            self._step_rooms = [chunk.room for chunk in plan.chunks]
-        self._loads.extend(plan.loads)
-
-    def _begin_chunk(self, chunk: PrefillChunk) -> None:
-        sender = self.endpoint
-        assert isinstance(sender, PrefillSender)
-        if chunk.req_id not in self._tracked:
-            self._track(chunk.req_id, chunk.room)
-            self._watch(sender.register_request(chunk.room, chunk.new_pages,
-                                                chunk.num_prompt_tokens), chunk.room)
-            # Decode's RequestKV is refused until this rank knows decode; decode re-sends it.
-            self._connect(chunk.decode, "decode", chunk.room, None)
-        elif chunk.new_pages:
-            self._watch(sender.extend_request(chunk.room, chunk.new_pages), chunk.room)
-        if chunk.page_stop <= chunk.page_start:
-            return  # a partial page waits for the chunk that completes it
-        pages = range(chunk.page_start, chunk.page_stop)
-        groups = compute_layer_groups(self.num_layers, chunk.num_tokens, self.pipeline)
-        plain = len(groups) == 1
-        for index, group in enumerate(groups):
-            part = _Part(chunk.room, pages, None if plain else group,
-                         chunk.last and index == len(groups) - 1)
-            self._step_parts.setdefault(group.stop - 1, []).append(part)
+        self._plan(plan)
 
     def layer_saved(self, layer_name: str) -> None:
-        """``save_kv_layer``: post the groups that end at this layer."""
-        if not self._step_parts:
-            return
-        layer = self.layer_index.get(layer_name)
-        parts = self._step_parts.pop(layer, None) if layer is not None else None
-        if parts:
-            self._post(parts)
+        """``save_kv_layer``: nothing, unless the half posts per layer (prefill)."""
 
     def end_step(self) -> None:
-        """``wait_for_save``: post what no layer hook posted (in layer order)."""
-        for layer in sorted(self._step_parts):
-            self._post(self._step_parts.pop(layer))
-        if self.timeline is not None and self._step_rooms:
-            self.timeline.record("forward_end", *self._step_rooms, t=self.clock())
-        self._step_rooms = []
-
-    def _post(self, parts: list[_Part]) -> None:
-        sender = self.endpoint
-        assert isinstance(sender, PrefillSender)
-        event = record_ready_event(self.device)
-        now = self.clock()
-        for part in parts:
-            tracked = self._tracked.get(self._by_room.get(part.room, ""))
-            if tracked is None or tracked.aborted:
-                continue
-            if self.timeline is not None:
-                self.timeline.record(
-                    "post", part.room, t=now, pages=[part.pages.start, part.pages.stop],
-                    layers=None if part.layers is None else [part.layers.start,
-                                                             part.layers.stop],
-                    last=part.last)
-            self._watch(sender.send_part(part.room, part.pages, part.layers, last=part.last,
-                                         ready_event=event), part.room)
+        """``wait_for_save``: nothing, unless the half posts what is left (prefill)."""
 
     def start_loads(self) -> None:
-        """``start_load_kv``: ask prefill for every load planned this step."""
-        loads, self._loads = self._loads, []
-        for load in loads:
-            tracked = self._track(load.req_id, load.room)
-            tracked.pages = load.page_ids
-            if load.error is not None:
-                tracked.failure, tracked.failure_reason = load.error, FailureReason.INTERNAL_ERROR
-                continue
-            if self.timeline is not None:
-                self.timeline.record("load_start", load.room, t=self.clock(),
-                                     pages=len(load.page_ids), first_page=load.first_page)
-            self._connect(load.prefill, "prefill", load.room, partial(self._expect, load))
-
-    def _expect(self, load: DecodeLoad, instance: str) -> None:
-        receiver = self.endpoint
-        assert isinstance(receiver, DecodeReceiver)
-        self._watch(receiver.expect(load.room, load.page_ids, load.num_prompt_tokens,
-                                    first_page=load.first_page, prefill_instance=instance),
-                    load.room)
+        """``start_load_kv``: nothing, unless the half loads (decode)."""
 
     # Completions ---------------------------------------------------------------------------
 
     def results(self, finished_req_ids: Iterable[str]) -> TransferResults:
-        """Requests whose transfer ended. Prefill reports a request only once vLLM finished
-        it (its blocks are held until then); an aborted decode load frees like a send."""
+        """Requests whose transfer ended. A send is reported only once vLLM finished it (its
+        blocks are held until then); an aborted decode load frees like a send."""
         self._finished.update(finished_req_ids)
         out = self._collect()
         if not self._forward and self._tracked and not _any(out):
@@ -233,17 +136,8 @@ class RankSide:
             failed = tracked.failure is not None
             if not failed and (status is None or not status.finished):
                 continue
-            if self.is_prefill or tracked.aborted:
-                if req_id not in self._finished:
-                    continue
-                out.finished_sending.add(req_id)
-            else:
-                out.finished_recving.add(req_id)
-                if failed or (status is not None and status.state is State.FAILED):
-                    out.failed_recving.add(req_id)
-                    self._load_errors.update(tracked.pages)
-                    log.warning("room %s: KV load failed: %s", tracked.room,
-                                tracked.failure or _describe(status))
+            if not self._report(req_id, tracked, status, out):
+                continue
             if self.timeline is not None:
                 # The rank's own cause first: the endpoint only saw the abort it led to.
                 reason = tracked.failure_reason or (
@@ -257,10 +151,17 @@ class RankSide:
             self._forget(req_id, tracked)
         return out
 
+    def _report_sent(self, req_id: str, out: TransferResults) -> bool:
+        """Report ``req_id`` in ``finished_sending`` once vLLM finished it; False: not yet."""
+        if req_id not in self._finished:
+            return False
+        out.finished_sending.add(req_id)
+        return True
+
     def load_errors(self) -> set[int]:
-        """Blocks whose load failed since the last call (``get_block_ids_with_load_errors``)."""
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        """Blocks whose load failed since the last call (``get_block_ids_with_load_errors``);
+        none unless the half loads (decode)."""
+        return set()
 
     def live_requests(self) -> int:
         return len(self._tracked)
@@ -271,15 +172,30 @@ class RankSide:
     def close(self) -> None:
         self._connect_pool.shutdown(wait=False, cancel_futures=True)
 
+    # The halves' share -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _plan(self, plan: StepPlan) -> None:
+        """This half's share of a step plan (after its aborts)."""
+
+    @abc.abstractmethod
+    def _report(self, req_id: str, tracked: Tracked, status: RequestStatus | None,
+                out: TransferResults) -> bool:
+        """Add ended request ``req_id`` to ``out``; False: not yet (it stays tracked)."""
+
+    @abc.abstractmethod
+    def _abort_frees(self, tracked: Tracked) -> bool:
+        """Whether aborting ``tracked`` reports it as a send (``Tracked.aborted``)."""
+
     # Internals -----------------------------------------------------------------------------
 
-    def _track(self, req_id: str, room: str) -> _Tracked:
-        tracked = _Tracked(room)
+    def _track(self, req_id: str, room: str) -> Tracked:
+        tracked = Tracked(room)
         self._tracked[req_id] = tracked
         self._by_room[room] = req_id
         return tracked
 
-    def _forget(self, req_id: str, tracked: _Tracked) -> None:
+    def _forget(self, req_id: str, tracked: Tracked) -> None:
         del self._tracked[req_id]
         self._by_room.pop(tracked.room, None)
         self._finished.discard(req_id)
@@ -297,8 +213,7 @@ class RankSide:
     def _abort(self, room: str, detail: str) -> None:
         req_id = self._by_room.get(room)
         if req_id is not None:
-            self._tracked[req_id].aborted = self.is_prefill or (
-                self._tracked[req_id].failure is None)
+            self._tracked[req_id].aborted = self._abort_frees(self._tracked[req_id])
         self._watch(self.endpoint.abort(room, detail), room)
 
     def _connect(self, address: str, role: str, room: str,
@@ -336,10 +251,3 @@ class RankSide:
 
 def _any(results: TransferResults) -> bool:
     return bool(results.finished_sending or results.finished_recving)
-
-
-def _describe(status: RequestStatus | None) -> str:
-    if status is None:
-        return "no status"
-    reason = status.reason.value if status.reason is not None else status.state.value
-    return f"{reason}: {status.detail}"

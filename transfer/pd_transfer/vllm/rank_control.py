@@ -9,7 +9,8 @@ each rank's ``BootstrapServer`` gains (``RankControl.install``):
 - ``POST /v1/rank/staging`` (``StagingRequest``) → ``StagingReply``: resize this rank's
   staging (decode: the ring; prefill: the buffer), waiting up to the transfer timeout;
 - ``POST /v1/rank/reported`` (``ControlRequest``) → ``StagingReply``: the pod agent wrote a
-  report; the ring's high-water mark restarts (as the reference engine does per report).
+  report; the staging's high-water mark restarts (``Endpoint.restart_staging_high_water``,
+  as the reference engine does per report).
 
 Every body travels in a ``pd_transfer.trust.auth`` frame of purpose ``control`` bound to the route
 and the rank (a document frame, another rank's answer or another route's cannot pass as
@@ -29,17 +30,16 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Final, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pd_contract.transferagent import AgentStaging, PeerTransport, Role
+from pd_contract.transferagent import AgentStaging, PeerTransport
 from pd_transfer.agent.transport_probe import ProtoInfoParser, UcxLogTail, configure_environment
 from pd_transfer.common.metrics import PendingKV, RecentFailure, RingWatermark, TransferSnapshot
-from pd_transfer.decode import DecodeReceiver
+from pd_transfer.endpoint import Endpoint
 from pd_transfer.errors import TransferError
-from pd_transfer.prefill import PrefillSender
 from pd_transfer.trust.auth import PeerAuth, Purpose, Unauthenticated
 from pd_transfer.trust.bootstrap import BootstrapServer
 
@@ -222,10 +222,11 @@ def start_transport_probe() -> tuple[ProtoInfoParser, UcxLogTail | None]:
 
 
 class RankControl:
-    """The control routes of one rank, over its endpoint (read on the server's threads:
-    every read here is a snapshot or an atomic copy, as the reference engine's agent does)."""
+    """The control routes of one rank of either role, over what every endpoint has (read on
+    the server's threads: every read here is a snapshot or an atomic copy, as the reference
+    engine's agent does)."""
 
-    def __init__(self, endpoint: PrefillSender | DecodeReceiver, auth: PeerAuth, *,
+    def __init__(self, endpoint: Endpoint[Any], auth: PeerAuth, *,
                  live_requests: Callable[[], int], probe: ProtoInfoParser | None,
                  transfer_timeout_s: float, clock: Callable[[], float] = time.time) -> None:
         self.endpoint = endpoint
@@ -271,17 +272,14 @@ class RankControl:
         request = self._open(body, ControlRequest, REPORTED_ROUTE)
         if isinstance(request, tuple):
             return request
-        if isinstance(self.endpoint, DecodeReceiver):
-            self.endpoint.ring.reset_high_water()
+        self.endpoint.restart_staging_high_water()
         return 200, self._seal(StagingReply(), REPORTED_ROUTE)
 
     def resize(self, staging: AgentStaging) -> StagingReply:
-        """Resize this rank as ``EngineService.resize_staging`` does one of its ranks."""
-        endpoint, deadline = self.endpoint, self.transfer_timeout_s
-        if isinstance(endpoint, DecodeReceiver):
-            future = endpoint.resize_ring(staging.bytes_for(Role.DECODE), deadline)
-        else:
-            future = endpoint.resize_buffer(staging.bytes_for(Role.PREFILL), deadline)
+        """Resize this rank to its role's size in ``staging`` (``Endpoint.resize``), as
+        ``EngineService.resize_staging`` does one of its ranks."""
+        deadline = self.transfer_timeout_s
+        future = self.endpoint.resize(staging, deadline)
         try:
             result = future.result(deadline + _RESIZE_MARGIN_S)
         except FutureTimeout:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pd_transfer.agent.report import RequestCounts
-from pd_transfer.vllm.params import read_load_params, read_send_params
+from pd_transfer.protocol.handoff import read_load_params, read_send_params
 from pd_transfer.vllm.steps import DecodeLoad, PrefillChunk, StepPlan
 
 __all__ = ["ScheduledPrompt", "SchedulerSide"]

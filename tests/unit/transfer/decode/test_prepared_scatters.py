@@ -87,7 +87,7 @@ def test_a_pre_grant_withdrawn_by_a_resize_is_not_scattered_as_prepared() -> Non
     request = cluster.new_request(num_tokens=8)
     cluster.start(request, send=False)
     cluster.run(lambda: sender.debug_counts()["transfers"] == 1)
-    future = receiver.resize_ring(16384, deadline_s=30.0)
+    future = receiver.resize_bytes(16384, deadline_s=30.0)
     cluster.run(future.done)
     assert future.result().failed_requests == 0 and receiver.ring_version == 2
     sender.send_part(request.room, last=True)

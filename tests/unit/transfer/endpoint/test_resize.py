@@ -11,8 +11,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 import pytest
-import torch
 
+from pd_contract.transferagent import AgentStaging
 from pd_testbed.transfer_harness import Cluster, Request, message_type, seal_as
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import ResizeResult
@@ -62,7 +62,6 @@ def test_resize_under_a_steady_stream_fails_nothing(new_bytes: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("new_bytes", [4096, 32768], ids=["shrink", "grow"])
 def test_resize_of_cuda_staging_under_a_steady_stream_fails_nothing(new_bytes: int) -> None:
     """The same on CUDA pools: gathers and scatters on the endpoints' staging streams, whose
@@ -82,7 +81,7 @@ def _resize_under_a_steady_stream(new_bytes: int, device: str) -> None:
     cluster.step()
     cluster.step()
     assert any(r.ring.live_regions for r in cluster.receivers)  # regions granted, in flight
-    futures = [r.resize_ring(new_bytes, deadline_s=5.0) for r in cluster.receivers]
+    futures = [r.resize_bytes(new_bytes, deadline_s=5.0) for r in cluster.receivers]
     cluster.step()
     assert all(r.resizing for r in cluster.receivers)
     during = [cluster.new_request(num_tokens=16) for _ in range(8)]
@@ -129,7 +128,7 @@ def test_a_writer_silent_past_the_deadline_fails_only_its_request() -> None:
     cluster.start(silent)
     cluster.run(lambda: _posted(cluster) == 1)  # its WRITE is on its way: the region is held
     receiver = cluster.receivers[0]
-    future = receiver.resize_ring(16384, deadline_s=0.2)
+    future = receiver.resize_bytes(16384, deadline_s=0.2)
     others = [cluster.new_request(num_tokens=8) for _ in range(3)]
     for request in others:
         cluster.start(request)
@@ -149,7 +148,7 @@ def test_a_writer_silent_past_the_deadline_fails_only_its_request() -> None:
 def test_a_staged_part_of_a_stale_registration_is_rejected_for_its_request_only() -> None:
     cluster = Cluster(mode="staged")
     receiver, sender = cluster.receivers[0], cluster.senders[0]
-    future = receiver.resize_ring(16384, deadline_s=1.0)
+    future = receiver.resize_bytes(16384, deadline_s=1.0)
     cluster.run(future.done)
     victim = cluster.new_request(num_tokens=8)
     cluster.start(victim, send=False)
@@ -201,7 +200,7 @@ def test_a_ring_announcement_is_checked_against_what_the_rank_registered() -> No
     assert sender.metrics.snapshot().rejected_by_reason == {
         "invalid_ring_update": 4, "unregistered_ring": 1, "conflicting_registration": 1}
     assert sender.peers[name].ring_version == version
-    future = receiver.resize_ring(16384, deadline_s=1.0)
+    future = receiver.resize_bytes(16384, deadline_s=1.0)
     cluster.run(future.done)
     cluster.step()
     assert sender.peers[name].ring_version == version + 1
@@ -219,7 +218,7 @@ def test_a_lost_ring_update_is_sent_again_and_the_next_request_succeeds() -> Non
     cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2)
     lost = cluster.fabric.inject(FaultRule(FaultAction.DROP, lambda e: message_type(e)
                                            == "ring_update", remaining=4))  # every one of them
-    futures = [r.resize_ring(16384, deadline_s=1.0) for r in cluster.receivers]
+    futures = [r.resize_bytes(16384, deadline_s=1.0) for r in cluster.receivers]
     cluster.run(lambda: all(f.done() for f in futures))
     assert lost.applied == 4
     assert all(d.ring_version == 1 for s in cluster.senders for d in s.peers.values())
@@ -242,9 +241,9 @@ def test_a_second_resize_while_one_runs_is_refused_and_bad_sizes_too() -> None:
                                     == "staged_part", delay_s=0.3))
     cluster.start(hold)
     cluster.run(lambda: _posted(cluster) == 1)
-    first = receiver.resize_ring(16384, deadline_s=5.0)
-    second = receiver.resize_ring(32768, deadline_s=5.0)
-    bad = receiver.resize_ring(1000, deadline_s=5.0)  # not a multiple of the alignment
+    first = receiver.resize_bytes(16384, deadline_s=5.0)
+    second = receiver.resize_bytes(32768, deadline_s=5.0)
+    bad = receiver.resize_bytes(1000, deadline_s=5.0)  # not a multiple of the alignment
     cluster.step()
     with pytest.raises(ResizeError, match="under way"):
         second.result(0)
@@ -253,11 +252,14 @@ def test_a_second_resize_while_one_runs_is_refused_and_bad_sizes_too() -> None:
     cluster.run(lambda: first.done() and cluster.finished(hold.room))
     assert first.result().capacity_bytes == 16384
     assert cluster.states(hold.room) == SUCCEEDED
+    bad = receiver.resize_bytes(1000, deadline_s=5.0)  # alone: refused for its size
+    cluster.step()
+    with pytest.raises(ResizeError, match=r"multiple of the alignment \(256\), got 1000"):
+        bad.result(0)
+    assert receiver.ring.capacity_bytes == 16384 and not receiver.resizing
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_prefill_buffer_resize_under_a_stream(device: str) -> None:
     cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2,
                       staging_bytes=8192, device=device)
@@ -265,7 +267,7 @@ def test_prefill_buffer_resize_under_a_stream(device: str) -> None:
     for request in before:
         _start_multipart(cluster, request)
     cluster.step()
-    futures = [s.resize_buffer(4096, deadline_s=5.0) for s in cluster.senders]
+    futures = [s.resize_bytes(4096, deadline_s=5.0) for s in cluster.senders]
     during = [cluster.new_request(num_tokens=16) for _ in range(6)]
     for request in during:
         _start_multipart(cluster, request)
@@ -282,8 +284,8 @@ def test_100_requests_after_resizes_leave_every_map_at_baseline() -> None:
     cluster = Cluster(mode="staged", prefill_tp=2, decode_tp=2, kv_heads=2, ring_bytes=8192)
     baseline = cluster.counts()
     for size in (4096, 16384):
-        futures = [r.resize_ring(size, deadline_s=1.0) for r in cluster.receivers]
-        futures += [s.resize_buffer(size, deadline_s=1.0) for s in cluster.senders]
+        futures = [r.resize_bytes(size, deadline_s=1.0) for r in cluster.receivers]
+        futures += [s.resize_bytes(size, deadline_s=1.0) for s in cluster.senders]
         cluster.run(lambda f=futures: all(x.done() for x in f))  # type: ignore[misc]
         assert all(f.result().failed_requests == 0 for f in futures)
     for _ in range(10):
@@ -304,8 +306,8 @@ def test_a_resize_to_the_size_in_force_changes_nothing() -> None:
     cluster = Cluster(mode="staged")
     receiver, sender = cluster.receivers[0], cluster.senders[0]
     ring_before, buffer_before = receiver.ring_region, sender.staging_region
-    futures = [receiver.resize_ring(receiver.ring.capacity_bytes, deadline_s=1.0),
-               sender.resize_buffer(sender.staging.capacity_bytes, deadline_s=1.0)]
+    futures = [receiver.resize_bytes(receiver.ring.capacity_bytes, deadline_s=1.0),
+               sender.resize_bytes(sender.staging.capacity_bytes, deadline_s=1.0)]
     cluster.step()
     assert [f.result(0) for f in futures] == [
         ResizeResult("ring", receiver.ring.capacity_bytes, 1, 0.0, 0),
@@ -318,6 +320,31 @@ def test_a_resize_to_the_size_in_force_changes_nothing() -> None:
     _succeeded_and_exact(cluster, [request])
 
 
+def test_one_agent_staging_resizes_each_side_to_its_own_size() -> None:
+    """``Endpoint.resize`` takes the size of the endpoint's own role from the contract's
+    ``AgentStaging``: the same sizes given to both sides resize decode's ring to
+    decodePoolMiB and prefill's buffer to prefillBufferMiB; given again (a rollout writes every
+    pod), each size is in force and nothing changes."""
+    cluster = Cluster(mode="staged")
+    receiver, sender = cluster.receivers[0], cluster.senders[0]
+    staging = AgentStaging(decode_pool_mib=1, prefill_buffer_mib=2)
+    futures = [receiver.resize(staging, deadline_s=1.0), sender.resize(staging, deadline_s=1.0)]
+    cluster.run(lambda: all(f.done() for f in futures))
+    assert [(r.side, r.capacity_bytes, r.registration_version, r.failed_requests)
+            for r in (f.result(0) for f in futures)] == [("ring", 1 << 20, 2, 0),
+                                                        ("buffer", 2 << 20, 2, 0)]
+    assert (receiver.ring.capacity_bytes, sender.staging.capacity_bytes) == (1 << 20, 2 << 20)
+    again = [receiver.resize(staging, deadline_s=1.0), sender.resize(staging, deadline_s=1.0)]
+    cluster.step()
+    assert [f.result(0) for f in again] == [ResizeResult("ring", 1 << 20, 2, 0.0, 0),
+                                            ResizeResult("buffer", 2 << 20, 2, 0.0, 0)]
+    request = cluster.new_request(num_tokens=8)
+    cluster.start(request)
+    cluster.run(lambda: cluster.finished(request.room))
+    _succeeded_and_exact(cluster, [request])
+    cluster.assert_clean()
+
+
 def test_a_resize_takes_back_a_pre_grant_whose_writer_has_not_written() -> None:
     """A writer still computing its KV holds a pre-grant (protocol v5): the resize asks for
     it back (Withdraw), the writer gives it (Withdrawn) and the resize ends at once, not at
@@ -328,7 +355,7 @@ def test_a_resize_takes_back_a_pre_grant_whose_writer_has_not_written() -> None:
     cluster.start(computing, send=False)  # registered, asked, no part given yet
     cluster.run(lambda: computing.room in {r for r, _ in _pregrants(cluster)})
     assert receiver.ring.live_regions == 1 and sender.pregrants_taken == 0
-    future = receiver.resize_ring(16384, deadline_s=30.0)
+    future = receiver.resize_bytes(16384, deadline_s=30.0)
     rounds = cluster.run(future.done)
     assert rounds * cluster.tick_s < 1.0  # not the 30 s deadline
     assert future.result().failed_requests == 0 and receiver.ring_version == 2
@@ -350,7 +377,7 @@ def test_a_lost_withdraw_is_sent_again() -> None:
     computing = cluster.new_request(num_tokens=8)
     cluster.start(computing, send=False)
     cluster.run(lambda: receiver.ring.live_regions == 1)
-    future = receiver.resize_ring(16384, deadline_s=30.0)
+    future = receiver.resize_bytes(16384, deadline_s=30.0)
     rounds = cluster.run(future.done)
     assert lost.applied == 1
     assert cluster.timeouts.grant_s <= rounds * cluster.tick_s < cluster.timeouts.grant_s + 1

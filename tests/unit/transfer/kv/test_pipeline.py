@@ -303,7 +303,6 @@ def test_last_chunk_without_pages_is_refused_before_any_work() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.usefixtures("no_device_sync")
 def test_cuda_records_one_event_per_part_and_never_syncs() -> None:
     """On GPU the plain path records exactly one event (what compute-then-transfer needs

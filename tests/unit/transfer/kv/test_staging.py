@@ -192,11 +192,7 @@ def test_bad_arguments_are_rejected_with_the_reason() -> None:
         gather(pool, [0], [0], head_start=0, num_heads=1, out=big.view(torch.float32))
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("has_v", [True, False], ids=["mha", "mla"])
 def test_cuda_paths_match_cpu_bit_exactly(dtype: torch.dtype, has_v: bool) -> None:
@@ -232,7 +228,6 @@ def test_cuda_paths_match_cpu_bit_exactly(dtype: torch.dtype, has_v: bool) -> No
 
 
 @pytest.mark.gpu
-@cuda
 def test_triton_is_used_on_cuda_when_available() -> None:
     """Guards against silently benchmarking the torch fallback on the GPU machine."""
     pytest.importorskip("triton")
@@ -240,7 +235,6 @@ def test_triton_is_used_on_cuda_when_available() -> None:
 
 
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize(("page_format", "packing"),
                          [(PageFormat.HND, KVPacking.PER_HEAD), (PageFormat.NHD,
                                                                  KVPacking.SEPARATE),
@@ -332,7 +326,6 @@ def test_prepared_page_ids_are_checked_once_against_their_pool() -> None:
 
 
 @pytest.mark.gpu
-@cuda
 def test_repeated_cuda_launches_stay_bit_exact() -> None:
     """After its first launch a specialisation is launched through the compiled kernel's own
     launcher (no Triton binding per call): later chunks of the same shape, on other pages and
@@ -365,8 +358,7 @@ def test_repeated_cuda_launches_stay_bit_exact() -> None:
     assert len(staging_kernel._COMPILED) - before <= 2  # one gather, one scatter key
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.gpu(devices=2)
 def test_a_pool_on_another_device_than_the_current_one() -> None:
     """A decode rank's pool on cuda:1 while the calling thread's current device is cuda:0
     (a worker thread never set one): repeated launches must still reach the pool's device

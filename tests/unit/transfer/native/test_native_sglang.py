@@ -5,7 +5,7 @@ SGLang cannot run on these machines: PyPI `sglang` has no CPU build (its kernels
 only) and there is no GPU here. So `tests/unit/data/sglang_0.5.23_*.prom` were produced by
 SGLang 0.5.23's own `SchedulerMetricsCollector`, fed the calls its disaggregation code makes
 and exposed the way its HTTP server does (prometheus_client multiprocess mode):
-`tests/e2e/capture_sglang_metrics.py` says how. Expected statuses are worked out by hand.
+`devtools/pd_testbed/captures/sglang_metrics.py` says how. Expected statuses are worked out by hand.
 No engine, no network, no NIXL.
 """
 

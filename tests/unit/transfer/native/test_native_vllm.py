@@ -1,7 +1,7 @@
 """The engine-native agent's vLLM 0.32.0 NixlConnector mapping, against real `/metrics` text.
 
 The captures in `tests/unit/data/vllm_0.32.0_nixl_*.prom` come from real vLLM CPU servers
-(`python -m tests.e2e.capture_vllm_nixl_metrics`; each file's header says how). Expected
+(`python -m pd_testbed.captures.vllm_nixl_metrics`; each file's header says how). Expected
 statuses are worked out by hand from the samples quoted next to each assert. No engine, no
 network, no NIXL: the agent reads the files through a fake fetch and writes to an in-memory
 API server (`pd_testbed.native_harness`).

@@ -137,7 +137,7 @@ def test_a_withdraw_before_the_part_takes_back_the_set_aside_space() -> None:
     request = cluster.new_request(num_tokens=8)
     cluster.start(request, send=False)
     cluster.run(lambda: _armed(cluster) == [1])
-    future = receiver.resize_ring(16384, deadline_s=30.0)
+    future = receiver.resize_bytes(16384, deadline_s=30.0)
     cluster.run(future.done)
     assert future.result().failed_requests == 0
     assert (_armed(cluster), sender.staging.live_regions) == ([0], 0)
@@ -160,7 +160,7 @@ def test_a_withdraw_between_the_engines_gathers_and_its_part_makes_part_0_ask() 
     cluster.run(lambda: _armed(cluster) == [1])
     early = sender._engine_gathers.launch(request.room, None, None, None)
     assert list(early) == [receiver.transport.agent_name]
-    future = receiver.resize_ring(16384, deadline_s=30.0)
+    future = receiver.resize_bytes(16384, deadline_s=30.0)
     cluster.run(future.done)
     assert future.result().failed_requests == 0
     assert sender.staging.live_regions == 1  # the gathered share, held for its part
@@ -204,7 +204,7 @@ def test_an_own_buffer_resize_takes_back_the_set_aside_space_at_once() -> None:
     request = cluster.new_request(num_tokens=8)
     cluster.start(request, send=False)
     cluster.run(lambda: _armed(cluster) == [1])
-    future = sender.resize_buffer(32 * 1024, deadline_s=30.0)
+    future = sender.resize_bytes(32 * 1024, deadline_s=30.0)
     rounds = cluster.run(future.done)
     assert rounds * cluster.tick_s < 1.0  # not the deadline: nothing waited for the part
     assert future.result().failed_requests == 0 and sender.staging_version == 2

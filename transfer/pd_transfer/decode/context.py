@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -20,28 +19,13 @@ from pd_transfer.common.metrics import TransferMetrics
 from pd_transfer.decode.grants import RingGrants
 from pd_transfer.decode.scatter import _Scatters
 from pd_transfer.decode.transfer import ReceiveTransfer
+from pd_transfer.endpoint.types import ApplyEvent, FailRequest, PartFinished
 from pd_transfer.kv.pool import KVPool
 from pd_transfer.kv.ring import StagingRing
 from pd_transfer.protocol import messages as wire
-from pd_transfer.protocol.lifecycle import Event, FailureReason
 from pd_transfer.protocol.parts import PartMachine
 
 __all__ = ["ReceiverContext"]
-
-
-class _Fail(Protocol):
-    def __call__(self, transfer: ReceiveTransfer, reason: FailureReason, detail: str, *,
-                 skip_peer: str | None = None, notify: bool = True) -> None: ...
-
-
-class _Apply(Protocol):
-    def __call__(self, transfer: ReceiveTransfer, event: Event,
-                 reason: FailureReason | None = None, detail: str = "") -> None: ...
-
-
-class _PartFinished(Protocol):
-    def __call__(self, transfer: ReceiveTransfer, peer: str, sender_id: int,  # noqa: PLR0917
-                 part: int, path: str, size_bytes: int, stamps: dict[str, float]) -> None: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,7 +48,7 @@ class ReceiverContext:
     send: Callable[[str, wire.Message], bool]
     reject: Callable[[str, str], None]
     guard: Callable[[ReceiveTransfer], AbstractContextManager[None]]  # fails only that request
-    fail: _Fail
+    fail: FailRequest[ReceiveTransfer]
     violation: Callable[[ReceiveTransfer, str, str], None]
-    apply: _Apply
-    part_finished: _PartFinished
+    apply: ApplyEvent[ReceiveTransfer]
+    part_finished: PartFinished[ReceiveTransfer]

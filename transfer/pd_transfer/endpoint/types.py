@@ -6,7 +6,7 @@ what a finished staging resize reports (``ResizeResult``). Plain frozen data, no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from pd_contract.config import TimeoutsConfig
 from pd_contract.defaults import (
@@ -16,12 +16,33 @@ from pd_contract.defaults import (
     TRANSFER_SECONDS,
 )
 from pd_transfer.kv.plan import Parallelism, RankCoord
+from pd_transfer.protocol.lifecycle import Event, FailureReason
 from pd_transfer.trust.bootstrap import GeometryDoc
 
 if TYPE_CHECKING:
     from pd_transfer.kv.pool import KVPool
 
-__all__ = ["CUDA_POLL", "PollIntervals", "RankIdentity", "ResizeResult", "Timeouts"]
+__all__ = ["CUDA_POLL", "ApplyEvent", "FailRequest", "PartFinished", "PollIntervals",
+           "RankIdentity", "ResizeResult", "Timeouts"]
+
+TransferT_contra = TypeVar("TransferT_contra", contravariant=True)
+
+
+# How a side's collaborators see the endpoint's request endings (``prefill.context``,
+# ``decode.context``): ``Endpoint._fail``, ``_apply`` and ``_part_finished``, bound.
+class FailRequest(Protocol[TransferT_contra]):
+    def __call__(self, transfer: TransferT_contra, reason: FailureReason, detail: str, *,
+                 skip_peer: str | None = None, notify: bool = True) -> None: ...
+
+
+class ApplyEvent(Protocol[TransferT_contra]):
+    def __call__(self, transfer: TransferT_contra, event: Event,
+                 reason: FailureReason | None = None, detail: str = "") -> None: ...
+
+
+class PartFinished(Protocol[TransferT_contra]):
+    def __call__(self, transfer: TransferT_contra, peer: str, sender_id: int,  # noqa: PLR0917
+                 part: int, path: str, size_bytes: int, stamps: dict[str, float]) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ from typing import Protocol
 
 from pd_transfer.common.metrics import TransferMetrics
 from pd_transfer.endpoint import RankIdentity, Timeouts
+from pd_transfer.endpoint.types import ApplyEvent, FailRequest, PartFinished
 from pd_transfer.kv.plan import LayerRange, Parallelism, TransferTopology, compute_transfer_topology
 from pd_transfer.kv.pool import KVPool
 from pd_transfer.kv.staging import StagingStream
 from pd_transfer.prefill.buffer import StagingBuffer
 from pd_transfer.prefill.transfer import SendTransfer, _Stream
 from pd_transfer.protocol import messages as wire
-from pd_transfer.protocol.lifecycle import Event, FailureReason
 from pd_transfer.protocol.parts import PartMachine
 from pd_transfer.transport.base import Transport
 from pd_transfer.trust.bootstrap import RankDocument
@@ -37,21 +37,6 @@ class SendCounts(Protocol):
     alloc_requests_sent: int  # first sends only (docs/failure-modes.md #1 counts these)
     pregrants_taken: int  # parts 0 written into their RequestKV's pre-grant instead
     prepared_writes_posted: int  # parts 0 posted with the WRITE prepared at arming
-
-
-class _Fail(Protocol):
-    def __call__(self, transfer: SendTransfer, reason: FailureReason, detail: str, *,
-                 skip_peer: str | None = None, notify: bool = True) -> None: ...
-
-
-class _Apply(Protocol):
-    def __call__(self, transfer: SendTransfer, event: Event,
-                 reason: FailureReason | None = None, detail: str = "") -> None: ...
-
-
-class _PartFinished(Protocol):
-    def __call__(self, transfer: SendTransfer, peer: str, sender_id: int, part: int,  # noqa: PLR0917
-                 path: str, size_bytes: int, stamps: dict[str, float]) -> None: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,10 +63,10 @@ class SenderContext:
     reject: Callable[[str, str], None]
     prune_peer: Callable[[str, str], None]
     guard: Callable[[SendTransfer], AbstractContextManager[None]]  # fails only that request
-    fail: _Fail
+    fail: FailRequest[SendTransfer]
     violation: Callable[[SendTransfer, str, str], None]
-    apply: _Apply
-    part_finished: _PartFinished
+    apply: ApplyEvent[SendTransfer]
+    part_finished: PartFinished[SendTransfer]
 
     def peer_document(self, stream: _Stream) -> RankDocument:
         """The peer's document in force (its ring may have been re-registered since the

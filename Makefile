@@ -8,10 +8,15 @@ STAMP := $(VENV)/.installed
 
 # The project and its development tooling (devtools/: the `pd-dev` command, the test bed), a
 # distribution of its own so that no image ships it; one pip call resolves both together.
+# setuptools announces every editable install of a multi-root layout ("Editable
+# installation ... folders in your working directory"): an information-only note, filtered by
+# its text so that a newcomer's first command shows the project's own output and any real
+# build warning still prints.
 $(STAMP): pyproject.toml devtools/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[transfer,dev]' -e ./devtools
+	PYTHONWARNINGS="ignore:Editable installation" \
+	  $(BIN)/pip install --quiet -e '.[transfer,dev]' -e ./devtools
 	touch $(STAMP)
 
 # Builds (once, cached outside the repository) and starts a local control plane, runs the

@@ -189,12 +189,21 @@ class OperatorReplicas:
             lambda: next((p for p in self.live if p.leads()), None), timeout_s, 0.05)
         return leading
 
-    def kill_leader(self) -> OperatorProcess:
-        """SIGKILL the leader (once there is one) and start its replacement; the killed."""
+    def kill_leader(self, *, replace: bool = True) -> OperatorProcess:
+        """SIGKILL the leader (once there is one) and start its replacement; the killed.
+        Starting one takes seconds (it serves once it has imported and logged in), longer
+        than a takeover on a busy machine: a test that looks at what happens while no
+        replica leads passes `replace=False` and calls `add_replica()` after looking."""
         leader = self.leader()
         leader.kill()
-        self._start()
+        if replace:
+            self.add_replica()
         return leader
+
+    def add_replica(self) -> OperatorProcess:
+        """Start one more replica, as the Deployment replaces a lost pod: it joins as a
+        standby (or leads, once the Lease is free)."""
+        return self._start()
 
     def stop(self) -> str:
         """SIGTERM every replica still running (SIGKILL after 10 s); their logs, for a

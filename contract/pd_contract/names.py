@@ -28,6 +28,7 @@ __all__ = [
     "ENV_TRANSFER_CONFIG",
     "ENV_TRANSFER_METRICS_PORT",
     "LABEL_DEPLOYMENT",
+    "LABEL_ENGINE_INSTANCE",
     "LABEL_KV_COMPAT",
     "LABEL_MANAGED_BY",
     "LABEL_ROLE",
@@ -43,6 +44,9 @@ __all__ = [
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_DEPLOYMENT: Final = "pd.serving.dev/deployment"
 LABEL_ROLE: Final = "pd.serving.dev/role"
+# The engine instance a pod belongs to: its identity, the same across the pod's replacements
+# (operator/pd_operator/engine_rollout/pods.py names it).
+LABEL_ENGINE_INSTANCE: Final = "pd.serving.dev/instance"
 # An engine pod's KV-compatibility key: a router pairs a prefill only with a decode whose
 # key is the same (the operator's build/compat.py derives it).
 LABEL_KV_COMPAT: Final = "pd.serving.dev/kv-compat"

@@ -228,6 +228,10 @@ class TransferAgentStatus(APIModel):
         default_factory=RingWatermark, description="Staging ring occupancy."
     )
     live_requests: int = Field(default=0, ge=0, description="Requests in flight.")
+    engine_requests: int | None = Field(
+        default=None, ge=0, description="Requests the engine is running or holding waiting "
+        "at the last reading (summed over its queues); absent where the engine's metrics "
+        "cannot be read (see status.unknown).")
     pending_kv: PendingKV = Field(
         default_factory=PendingKV, alias="pendingKV",
         description="The KV of the requests live now (prefill: not pulled by decode yet).")

@@ -13,18 +13,21 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
+from pd_contract.transferagent import Role
 from pd_devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.api import parse_pdd
 from pd_operator.build import Capabilities, build_children, child_key
-from pd_operator.build.names import agent_service_account
-from pd_operator.kube import CHILD_KINDS, PDB, PODS, KubeClient
+from pd_operator.build.instances import build_instance_pod
+from pd_operator.build.names import LABEL_TEMPLATE_HASH, agent_service_account
+from pd_operator.build.pod import build_pod_template
+from pd_operator.kube import CHILD_KINDS, CONTROLLER_REVISIONS, PDB, PODS, KubeClient
 from pd_operator.reconcile import first_difference
 from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
 from pd_testbed.checkout import EXAMPLES_DIR
 from pd_testbed.polling import wait_for
 
 __all__ = ["CAPS", "GROUP", "KINDS", "NAME", "PLURAL", "STALE_AFTER_S", "VERSION", "Cluster",
-           "agent_api_client", "example_body", "reference_body"]
+           "agent_api_client", "example_body", "instance_names", "reference_body"]
 
 GROUP, VERSION, PLURAL = "pd.serving.dev", "v1alpha1", "pddeployments"
 CAPS = Capabilities(pod_disruption_budgets=False)  # v1.20 serves no policy/v1
@@ -33,6 +36,14 @@ NAME = "llama-70b"
 STALE_AFTER_S = 10  # the smallest staleAfterSeconds the API allows
 
 Obj = dict[str, Any]
+
+
+def instance_names(pods: list[Obj]) -> list[str]:
+    """The names of the engine instances among `pods` that are not being deleted, by the
+    index their name ends with (`<name>-<role>-<revision token>-<index>`)."""
+    live = [str(p["metadata"]["name"]) for p in pods
+            if not p["metadata"].get("deletionTimestamp")]
+    return sorted(live, key=lambda n: (int(n.rsplit("-", 1)[-1]), n))
 
 
 def example_body(namespace: str) -> Obj:
@@ -91,17 +102,38 @@ class Cluster:
         return [secret, *build_children(pdd, CAPS)]
 
     def live(self, name: str = NAME) -> dict[tuple[str, str, str, str], Obj]:
+        """The PDDeployment's children of every applied kind (`records` has the templates
+        its instances' revisions keep)."""
         selector = f"pd.serving.dev/deployment={name}"
-        return {child_key(o): o for o in self.kube.list_children(self.ns, selector, KINDS)}
+        kinds = [k for k in KINDS if k is not CONTROLLER_REVISIONS]
+        return {child_key(o): o for o in self.kube.list_children(self.ns, selector, kinds)}
+
+    def records(self, name: str = NAME) -> list[Obj]:
+        """The ControllerRevisions keeping each role's pod template per revision."""
+        return self.kube.list_objects(CONTROLLER_REVISIONS, self.ns,
+                                      f"pd.serving.dev/deployment={name}")
 
     def children_match(self, name: str = NAME) -> list[str]:
         """Problems: children missing, differing from the builder's manifests, or extra (a
-        child of the PDDeployment that the builders do not make: an orphan)."""
+        child of the PDDeployment that the builders do not make: an orphan); an engine pod
+        that is not its instance as the spec builds it, or whose revision has no record."""
         live = self.live(name)
+        records = {o["metadata"]["labels"].get(LABEL_TEMPLATE_HASH) for o in self.records(name)}
         problems = []
         desired = self.desired(name)
         problems += [f"extra {kind}/{child}" for _, kind, _, child in
                      sorted(live.keys() - {child_key(want) for want in desired})]
+        pdd = parse_pdd(self.pdd(name))
+        templates = {role: build_pod_template(pdd, role, CAPS.agent_image) for role in Role}
+        for pod in self.pods(name=name):
+            meta = pod["metadata"]
+            role = Role(meta["labels"]["pd.serving.dev/role"])
+            if meta["labels"].get(LABEL_TEMPLATE_HASH) not in records:
+                problems.append(f"Pod/{meta['name']}: no ControllerRevision of its revision")
+            want = build_instance_pod(pdd, role, templates[role], meta["name"])
+            diff = first_difference(want, pod)
+            if diff is not None:
+                problems.append(f"Pod/{meta['name']} differs at {diff}")
         for want in desired:
             have = live.get(child_key(want))
             if have is None:
@@ -123,11 +155,21 @@ class Cluster:
                 return dict(c)
         return {}
 
-    def pods(self, role: str | None = None) -> list[Obj]:
+    def pods(self, role: str | None = None, *, name: str = NAME) -> list[Obj]:
         """Engine pods (the router's pods carry no role label)."""
-        selector = f"pd.serving.dev/deployment={NAME},pd.serving.dev/role" + \
+        selector = f"pd.serving.dev/deployment={name},pd.serving.dev/role" + \
             (f"={role}" if role else "")
         return self.kube.list_objects(PODS, self.ns, selector)
+
+    def instances(self, role: str, *, name: str = NAME) -> list[str]:
+        """The names of a role's engine instances that are not being deleted, by index."""
+        return instance_names(self.pods(role, name=name))
+
+    def instance(self, role: str, index: int, *, name: str = NAME) -> str:
+        """The name of the role's engine instance of `index`, once its pod exists."""
+        return str(wait_for(f"{role} instance {index}", lambda: next(
+            (n for n in self.instances(role, name=name)
+             if n.rsplit("-", 1)[-1] == str(index)), None), 60))
 
     def mark_all_ready(self) -> None:
         """Every pod of the PDDeployment, the router's included, becomes Running and Ready.

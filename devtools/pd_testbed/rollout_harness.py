@@ -44,6 +44,7 @@ from kubernetes import client as k8s
 from pd_devcluster import ControlPlaneHandle
 from pd_devcluster.kubelet import FakeKubelet
 from pd_testbed.checkout import EXAMPLES_DIR
+from pd_testbed.cluster import instance_names
 from pd_testbed.operator_process import QUICK_TAKEOVER, OperatorReplicas
 from pd_testbed.polling import wait_for, wait_for_events
 from pd_transfer.reference.load import Engines, LoadConfig, engines_from_pods, run_one
@@ -185,6 +186,16 @@ class LiveFleet:
         since = self.no_pair_since
         spans = [*self.no_pair, *([(since, end)] if since is not None else [])]
         return round(sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans), 1)
+
+    def instances(self, role: str | None = None) -> list[str]:
+        """Engine instances (of `role`, or both roles by role) whose pod is not being
+        deleted, by index."""
+        roles = [role] if role else ["decode", "prefill"]
+        return [name for r in roles for name in instance_names([
+            self.core.api_client.sanitize_for_serialization(p)
+            for p in self.core.list_namespaced_pod(
+                self.ns, label_selector=f"pd.serving.dev/deployment={NAME},"
+                                        f"pd.serving.dev/role={r}").items])]
 
     def pids(self) -> dict[str, int]:
         pods = self.core.list_namespaced_pod(

@@ -28,6 +28,7 @@ from kubernetes import client as k8s
 from pd_devcluster import ControlPlaneHandle
 from pd_devcluster.kubelet import FakeKubelet
 from pd_testbed.checkout import EXAMPLES_DIR
+from pd_testbed.cluster import instance_names
 from pd_testbed.operator_process import OperatorReplicas
 from pd_testbed.polling import wait_for
 from pd_testbed.rollout_harness import FLEET_OPERATOR
@@ -42,7 +43,7 @@ from pd_testbed.vllm import (
     vllm_env_or_skip,
 )
 
-__all__ = ["DECODES", "GROUP", "MAX_TOKENS", "NAME", "NATIVE", "PROMPTS", "STALE_S",
+__all__ = ["DECODE_REPLICAS", "GROUP", "MAX_TOKENS", "NAME", "NATIVE", "PROMPTS", "STALE_S",
            "VERSION", "Cluster", "Outcome", "condition_of", "engine_native", "exists",
            "first_native_request", "manifests", "router_of", "running_cluster",
            "wait_serving"]
@@ -54,7 +55,7 @@ GROUP, VERSION = "pd.serving.dev", "v1alpha1"
 MAX_TOKENS = 6
 # Short, one chunk with layer groups (≥ minTokens 128), and longer than the 256-token chunk.
 PROMPTS = [prompt_ids(n, seed=4000 + n) for n in (7, 150, 300, 700)]
-DECODES = [f"{NAME}-decode-0", f"{NAME}-decode-1"]
+DECODE_REPLICAS = 2
 STALE_S = 10
 
 Obj = dict[str, Any]
@@ -99,6 +100,14 @@ class Cluster:
         listed = cast(Obj, self.objects.list_namespaced_custom_object(
             GROUP, VERSION, self.namespace, "transferagents"))
         return list(listed["items"])
+
+    def instances(self, role: str, deployment: str = NAME) -> list[str]:
+        """A role's engine instances whose pod is not being deleted, by index."""
+        pods = self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"pd.serving.dev/deployment={deployment},"
+                                           f"pd.serving.dev/role={role}").items
+        return instance_names([self.api.sanitize_for_serialization(p)  # type: ignore[no-untyped-call]
+                               for p in pods])
 
     def pod(self, name: str) -> Obj:
         """The pod (an empty object while it does not exist)."""
@@ -174,7 +183,7 @@ def manifests(namespace: str) -> tuple[Obj, Obj]:
     for obj in (config_map, pdd):
         obj["metadata"]["namespace"] = namespace
     spec = pdd["spec"]
-    spec["decode"]["replicas"] = len(DECODES)
+    spec["decode"]["replicas"] = DECODE_REPLICAS
     spec["transfer"]["health"] = {"windowSeconds": 10, "maxFailureRatio": 0.05,
                                   "reportIntervalSeconds": 5, "staleAfterSeconds": STALE_S}
     spec["transfer"]["staging"]["rollout"] = {"maxUnavailable": 1, "analysisSeconds": 5,

@@ -33,6 +33,7 @@ __all__ = [
     "NamespaceTerminating",
     "OperatorError",
     "PermanentError",
+    "QuotaExceededError",
     "RetryableError",
     "TransientAPIError",
 ]
@@ -74,6 +75,11 @@ class PermanentError(OperatorError):
 
 class ForbiddenError(PermanentError):
     """HTTP 403: the operator's ServiceAccount lacks a permission; the message names it."""
+
+
+class QuotaExceededError(PermanentError):
+    """HTTP 403 from a ResourceQuota (admission): the namespace's quota leaves no room for
+    the object; the message names the quota and what it limits."""
 
 
 class InvalidObjectError(PermanentError):

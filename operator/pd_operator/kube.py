@@ -39,19 +39,21 @@ from pd_operator.errors import (
     InvalidObjectError,
     NamespaceTerminating,
     OperatorError,
+    QuotaExceededError,
     TransientAPIError,
 )
 from pd_operator.metrics import API_WRITES
 
 __all__ = [
     "CHILD_KINDS",
+    "CONTROLLER_REVISIONS",
     "EVENT_COMPONENT",
-    "FAILED_CREATE_SELECTOR",
     "LEASES",
     "PDDEPLOYMENTS",
     "PDROLES",
     "PODS",
     "SECRETS",
+    "STATEFULSETS",
     "TRANSFERAGENTS",
     "KindRef",
     "KubeClient",
@@ -68,8 +70,6 @@ Obj = dict[str, Any]
 # (connect, read) seconds: a hung API server must fail a reconcile, not wedge a worker.
 REQUEST_TIMEOUT_S: Final = (5.0, 30.0)
 EVENT_COMPONENT: Final = "pd-operator"
-# The StatefulSet controller reports a pod it cannot create only as such an Event.
-FAILED_CREATE_SELECTOR: Final = "involvedObject.kind=StatefulSet,reason=FailedCreate,type=Warning"
 _METADATA_LIST: Final = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 
 
@@ -97,6 +97,10 @@ PODS: Final = KindRef("v1", "Pod", "pods")
 EVENTS: Final = KindRef("v1", "Event", "events")
 PDDEPLOYMENTS: Final = KindRef(API_VERSION, PDDeployment.kind_name, PDDeployment.plural)
 PDB: Final = KindRef("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+# The previous release's role workloads: retired on upgrade (`engine_rollout.executor`).
+STATEFULSETS: Final = KindRef("apps/v1", "StatefulSet", "statefulsets")
+# Each role's pod template per revision, kept for a rollback.
+CONTROLLER_REVISIONS: Final = KindRef("apps/v1", "ControllerRevision", "controllerrevisions")
 # The transfer key Secret: a child, and read by name when its labels were edited away.
 SECRETS: Final = KindRef("v1", "Secret", "secrets")
 # Created by the pods' agents, not by the operator: listed by the deployment label and read.
@@ -116,10 +120,11 @@ CHILD_KINDS: Final = (
     KindRef("v1", "ConfigMap", "configmaps"),
     SECRETS,
     KindRef("v1", "Service", "services"),
-    KindRef("apps/v1", "StatefulSet", "statefulsets"),
+    STATEFULSETS,
     KindRef("apps/v1", "Deployment", "deployments"),
     KindRef("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     PDB,
+    CONTROLLER_REVISIONS,
 )
 _BY_KIND: Final = {
     (k.api_version, k.kind): k
@@ -180,6 +185,10 @@ def _translate(exc: ApiException, method: str, path: str) -> OperatorError:
         return ConflictError(f"{where}: conflict ({detail}); the object changed, re-reading")
     if status == 403 and _is_namespace_terminating(exc):
         return NamespaceTerminating(f"{where}: the namespace is being deleted ({detail})")
+    if status == 403 and "exceeded quota" in detail:
+        return QuotaExceededError(
+            f"{where} was refused by the namespace's ResourceQuota ({detail}). Raise the "
+            "quota, or lower the replicas.")
     if status == 403:
         return ForbiddenError(
             f"{where} is forbidden: the operator's RBAC lacks `{_VERBS.get(method, method)}` "
@@ -342,15 +351,6 @@ class KubeClient:
         # List items lack apiVersion/kind; children are keyed by them.
         return [{**item, "apiVersion": ref.api_version, "kind": ref.kind} for item in items]
 
-    def list_failed_creates(self, namespace: str) -> list[Obj]:
-        """Warning `FailedCreate` Events about StatefulSets in `namespace` (every
-        StatefulSet's: the caller matches them by `involvedObject.uid`)."""
-        listed = self._request(
-            "GET", EVENTS.collection_path(namespace), kind=EVENTS.kind,
-            query={"fieldSelector": FAILED_CREATE_SELECTOR},
-        )
-        return list((listed or {}).get("items") or [])
-
     def list_children(
         self, namespace: str, label_selector: str, kinds: Sequence[KindRef]
     ) -> list[Obj]:
@@ -414,14 +414,15 @@ class KubeClient:
             query={"fieldManager": FIELD_MANAGER},
         ))
 
-    def delete(self, obj: Mapping[str, Any]) -> None:
-        """Delete an object if it still has the same uid (a recreated namesake is spared)."""
+    def delete(self, obj: Mapping[str, Any], *, propagation: str = "Background") -> None:
+        """Delete an object if it still has the same uid (a recreated namesake is spared).
+        `propagation` "Orphan" leaves its dependents (a StatefulSet's pods) running."""
         ref = kind_ref(obj["apiVersion"], obj["kind"])
         meta = obj["metadata"]
         self._write(ref, meta["namespace"], meta["name"], lambda: self._request(
             "DELETE", ref.item_path(meta["namespace"], meta["name"]), kind=ref.kind,
             body={"apiVersion": "v1", "kind": "DeleteOptions",
-                  "preconditions": {"uid": meta["uid"]}, "propagationPolicy": "Background"},
+                  "preconditions": {"uid": meta["uid"]}, "propagationPolicy": propagation},
         ))
 
     def replace_status(self, obj: Mapping[str, Any], status: Mapping[str, Any]) -> Obj | None:

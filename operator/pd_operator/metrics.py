@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_se
 
 __all__ = [
     "API_WRITES",
+    "ENGINE_INSTANCES_CREATED",
     "ENGINE_ROLLOUTS",
     "ENGINE_ROLLOUT_DELETIONS",
     "ENGINE_ROLLOUT_PHASE",
@@ -93,7 +94,13 @@ ENGINE_ROLLOUTS: Final = Counter(
 )
 ENGINE_ROLLOUT_DELETIONS: Final = Counter(
     "pd_operator_engine_rollout_pod_deletions_total",
-    "Old-revision engine pods an engine rollout deleted (each drains before it stops).",
+    "Engine instances the operator deleted: old revisions in a rollout, the cheapest on a "
+    "scale-down, failed pods (each drains before it stops).",
+    ["role"],
+)
+ENGINE_INSTANCES_CREATED: Final = Counter(
+    "pd_operator_engine_instances_created_total",
+    "Engine instances (pods) the operator created: scale-ups, rollouts, replacements.",
     ["role"],
 )
 ENGINE_ROLLOUT_PHASE: Final = Gauge(
@@ -110,6 +117,7 @@ for _result in ("complete", "failed"):
     ENGINE_ROLLOUTS.labels(result=_result)
 for _role in ("prefill", "decode"):
     ENGINE_ROLLOUT_DELETIONS.labels(role=_role)
+    ENGINE_INSTANCES_CREATED.labels(role=_role)
 
 
 def api_writes_total() -> float:

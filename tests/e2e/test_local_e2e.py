@@ -20,7 +20,9 @@ import random
 import threading
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,14 @@ from pd_operator.workqueue import QueueTuning
 from pd_testbed.operator_runner import kopf_runner
 from pd_testbed.polling import wait_for
 from pd_testbed.rollout_harness import discover_engines
-from pd_transfer.reference.load import Engine, Engines, LoadConfig, LoadReport, run_load
+from pd_transfer.reference.load import (
+    Engine,
+    Engines,
+    LoadConfig,
+    LoadReport,
+    post_json,
+    run_load,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(300)]
 
@@ -45,6 +54,7 @@ GROUP, VERSION = "pd.serving.dev", "v1alpha1"
 NAME = "local-reference"
 TCP_NAME = "tcp-only"
 WINDOW_S, STALE_S = 8, 10
+CONCURRENCY = 2  # requests the steady load keeps in flight at most
 
 Obj = dict[str, Any]
 
@@ -118,7 +128,8 @@ def deployment(control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient,
                                                     "pddeployments", body(namespace))
             load_stop, report = threading.Event(), LoadReport()
             config = LoadConfig(namespace=namespace, deployment=NAME, rate=4.0,
-                                duration_s=3600, tokens=200, concurrency=2, timeout_s=10.0,
+                                duration_s=3600, tokens=200, concurrency=CONCURRENCY,
+                                timeout_s=10.0,
                                 discover_s=2.0, progress_s=30.0)
 
             def drive() -> None:
@@ -159,6 +170,13 @@ def test_steady_load_fills_transfer_status_for_every_pod(deployment: Deployment)
         other = "decode" if agent["spec"]["role"] == "prefill" else "prefill"
         assert status["peers"] and all(f"-{other}-" in p["pod"] for p in status["peers"]), name
         assert all(set(p["agents"]) <= set(own[p["pod"]]) for p in status["peers"]), name
+    # Every engine's own requests are read (pd_reference_requests_running): never more than
+    # the load keeps in flight (2), and not listed unknown.
+    for agent in agents:
+        name, status = agent["metadata"]["name"], agent["status"]
+        assert "engineRequests" not in status.get("unknown", []), name
+        assert 0 <= status["engineRequests"] <= CONCURRENCY, (name, status["engineRequests"])
+    _held_prefill_is_reported(deployment)
     transfer = wait_for("status.transfer with a watermark per pod and TransferHealthy=True",
                         lambda: _healthy_transfer(deployment), 60)
     assert transfer["totals"]["bytes"] > 0
@@ -166,6 +184,36 @@ def test_steady_load_fills_transfer_status_for_every_pod(deployment: Deployment)
     decode_pools = [w for w in transfer["watermarks"] if w["role"] == "decode"]
     assert decode_pools and all(w["poolMiB"] > 0 for w in decode_pools)
     assert deployment.load_report.succeeded > 0 or deployment.load_report.requests == 0
+
+
+def _held_prefill_is_reported(deployment: Deployment) -> None:
+    """A prefill request the test holds (the reference answers a prefill once its decode
+    pulled the KV, and the test sends that decode only later) is in its pod's
+    engineRequests at the next report, load or no load; then it completes."""
+    statuses = {a["metadata"]["name"]: a["status"] for a in deployment.agents()}
+    prefill, decode = statuses[f"{NAME}-prefill-0"], statuses[f"{NAME}-decode-0"]
+    room, timeout_s = f"held-{random.getrandbits(48):012x}", 60.0
+    with ThreadPoolExecutor(max_workers=1) as side:
+        sent = side.submit(post_json, prefill["endpoints"]["engine"], "/v1/prefill",
+                           {"room": room, "num_tokens": 64,
+                            "decode": [decode["endpoints"]["bootstrap"]],
+                            "timeout_seconds": timeout_s}, timeout_s + 10)
+        held_from = datetime.now(UTC)
+
+        def held_report() -> Obj | None:
+            status = next(a["status"] for a in deployment.agents()
+                          if a["metadata"]["name"] == f"{NAME}-prefill-0")
+            written = datetime.fromisoformat(status["reportTime"].replace("Z", "+00:00"))
+            return status if written > held_from + timedelta(seconds=1) else None
+
+        status = wait_for(f"{NAME}-prefill-0 reporting after the request was held",
+                          held_report, 30)
+        got = post_json(decode["endpoints"]["engine"], "/v1/decode",
+                        {"room": room, "num_tokens": 64,
+                         "prefill": [prefill["endpoints"]["bootstrap"]],
+                         "timeout_seconds": timeout_s}, timeout_s + 10)
+        assert (got["state"], sent.result()["state"]) == ("Succeeded", "Succeeded"), got
+    assert 1 <= status["engineRequests"] <= 1 + CONCURRENCY, status["engineRequests"]
 
 
 def _healthy_transfer(deployment: Deployment) -> Obj | None:

@@ -74,7 +74,7 @@ LEASE = {"kv_lease_duration": 90}
 def reconcile_example(control_plane: ControlPlaneHandle, kube_client: k8s.ApiClient,
                       namespace: str) -> None:
     """The example PDDeployment, reconciled once as the operator would: its agent
-    ServiceAccount, Role and RoleBinding, and StatefulSets whose pods the agents pose as."""
+    ServiceAccount, Role and RoleBinding, and the instances' pods the agents pose as."""
     k8s.CustomObjectsApi(kube_client).create_namespaced_custom_object(
         GROUP, VERSION, namespace, "pddeployments", example_body(namespace))
     kube = KubeClient(control_plane.api_client())
@@ -84,15 +84,16 @@ def reconcile_example(control_plane: ControlPlaneHandle, kube_client: k8s.ApiCli
         kube.close()
 
 
-def pod_uid(core: k8s.CoreV1Api, namespace: str, name: str) -> str:
-    def read() -> str | None:
-        try:
-            return str(core.read_namespaced_pod(name, namespace).metadata.uid)
-        except ApiException:
-            return None
+def instance_pod(core: k8s.CoreV1Api, namespace: str, role: str) -> tuple[str, str]:
+    """The name and uid of the role's first engine instance's pod, once it exists."""
+    def read() -> tuple[str, str] | None:
+        pods = core.list_namespaced_pod(namespace, label_selector=(
+            f"pd.serving.dev/deployment={NAME},pd.serving.dev/role={role}")).items
+        first = sorted(pods, key=lambda p: int(p.metadata.name.rsplit("-", 1)[-1]))[:1]
+        return (str(first[0].metadata.name), str(first[0].metadata.uid)) if first else None
 
-    uid: str = wait_for(f"pod {name} (created by its StatefulSet)", read, timeout_s=60)
-    return uid
+    found: tuple[str, str] = wait_for(f"the {role} instance's pod", read, timeout_s=60)
+    return found
 
 
 @contextmanager
@@ -104,8 +105,7 @@ def agent_process(role: str, env: dict[str, str], engine: VllmServer, metrics_po
             "--engine-metrics-url", f"http://127.0.0.1:{engine.port}/metrics",
             "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)]
     with log.open("ab") as out:
-        process = subprocess.Popen(argv, env={**env, "PD_ROLE": role,
-                                              "POD_NAME": f"{NAME}-{role}-0"},
+        process = subprocess.Popen(argv, env={**env, "PD_ROLE": role},
                                    stdout=out, stderr=subprocess.STDOUT)
     try:
         yield process
@@ -143,10 +143,10 @@ def stop_all(engines: list[VllmServer]) -> None:
 
 
 def status_of(objects: k8s.CustomObjectsApi, namespace: str,
-              role: str) -> TransferAgentStatus | None:
+              pod: str) -> TransferAgentStatus | None:
     try:
         obj = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, "transferagents",
-                                                   f"{NAME}-{role}-0")
+                                                   pod)
     except ApiException:
         return None
     if not obj.get("status"):
@@ -176,7 +176,9 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
     vllm = vllm_env_or_skip()
     reconcile_example(control_plane, kube_client, namespace)
     core, objects = k8s.CoreV1Api(kube_client), k8s.CustomObjectsApi(kube_client)
-    uids = {role: pod_uid(core, namespace, f"{NAME}-{role}-0") for role in ("prefill", "decode")}
+    pods = {role: instance_pod(core, namespace, role) for role in ("prefill", "decode")}
+    names = {role: name for role, (name, _) in pods.items()}
+    uids = {role: uid for role, (_, uid) in pods.items()}
     kubeconfig = service_account_kubeconfig(control_plane, namespace,
                                             agent_service_account(NAME))
     config = pd_transfer_config(MODEL, 8998)
@@ -201,7 +203,8 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
         start_servers([prefill, decode])
         for role, engine, port in (("prefill", prefill, prefill_metrics),
                                    ("decode", decode, decode_metrics)):
-            stack.enter_context(agent_process(role, {**base_env, "POD_UID": uids[role]},
+            stack.enter_context(agent_process(role, {**base_env, "POD_UID": uids[role],
+                                                          "POD_NAME": names[role]},
                                               engine, port, tmp_path / f"agent-{role}.log"))
         # The engines stop before their sidecars, as the sidecars must exit on SIGTERM, not
         # be starved of CPU by an engine's spinning NIXL threads while they do.
@@ -211,7 +214,7 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
         # the engine takes far longer to start than its sidecar).
         for role in ("prefill", "decode"):
             wait_for(f"the {role} agent's first report",
-                     lambda role=role: status_of(objects, namespace, role), timeout_s=60)
+                     lambda role=role: status_of(objects, namespace, names[role]), timeout_s=60)
         warm_up(prefill, decode)
         # One more: NixlConnector on 2 loaded CPU cores takes seconds a request.
         nixl_pd_complete(prefill, decode, prompt_ids(96, seed=0), 4)
@@ -220,7 +223,7 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
         healthy, _ = wait_for(
             "the decode's TransferAgent to report the 2 answered transfers (status, the "
             "engine's vllm:nixl_xfer_time_seconds_count)",
-            lambda: (status_of(objects, namespace, "decode"),
+            lambda: (status_of(objects, namespace, names["decode"]),
                      scrape_sum(f"127.0.0.1:{decode.port}", "vllm:nixl_xfer_time_seconds_count")),
             timeout_s=60, interval_s=1.0,
             until=lambda seen: seen[0] is not None
@@ -248,10 +251,10 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
         try:
             on_prefill = wait_for(
                 "the prefill's TransferAgent healthy",
-                lambda: status_of(objects, namespace, "prefill"), timeout_s=120,
+                lambda: status_of(objects, namespace, names["prefill"]), timeout_s=120,
                 until=lambda s: s is not None and s.healthy is True)
         except pytest.fail.Exception:
-            last = status_of(objects, namespace, "prefill")
+            last = status_of(objects, namespace, names["prefill"])
             pytest.fail(f"the prefill's TransferAgent is not healthy: "
                         f"{last.last_error if last else 'no status'}; its log: "
                         f"{(tmp_path / 'agent-prefill.log').read_text()[-3000:]}")
@@ -273,7 +276,7 @@ def test_sidecar_reports_healthy_then_failing_vllm_nixl_decode(
         assert all("answered 500" in a for a in answers), answers
         failing = wait_for(
             "the decode's TransferAgent to report the restarted engine's failures",
-            lambda: status_of(objects, namespace, "decode"), timeout_s=WINDOW_S,
+            lambda: status_of(objects, namespace, names["decode"]), timeout_s=WINDOW_S,
             until=lambda s: s is not None and s.incarnation != healthy.incarnation
             and s.healthy is False and s.failures_total > 0)
         reported_after_s = time.monotonic() - failed_at

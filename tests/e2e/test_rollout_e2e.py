@@ -46,7 +46,11 @@ MAX_UNAVAILABLE = 1
 START, GROWN, SHRUNK = (8, 8), (16, 8), (4, 8)
 HURTING = (12, 8)
 ANALYSIS_HURTING_S = 10
-PODS = sorted(f"{NAME}-{role}-{i}" for role in ("prefill", "decode") for i in range(2))
+
+
+def pods(fleet: LiveFleet) -> list[str]:
+    """The fleet's four engine instances, sorted by name."""
+    return sorted(fleet.instances())
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +66,11 @@ def test_grow_then_shrink_under_load_without_failures_or_restarts(fleet: LiveFle
     """Guards against a resize that drops in-flight requests or restarts the engine."""
     fleet.wait_phase("Idle", to=START[0], timeout_s=30)
     pids = fleet.pids()
-    assert sorted(pids) == PODS
+    assert sorted(pids) == pods(fleet)
     # The spec watcher (a 0.2 s poll) must have seen every pod's starting size before the
     # first resize: once, the first batch's write came before its first poll.
     wait_for("the spec watcher to see every pod's starting size", lambda: all(
-        fleet.specs_seen.get(pod) == [START] for pod in PODS), 30)
+        fleet.specs_seen.get(pod) == [START] for pod in pods(fleet)), 30)
     for size in (GROWN, SHRUNK):
         started = time.monotonic()
         fleet.resize(size)
@@ -75,8 +79,8 @@ def test_grow_then_shrink_under_load_without_failures_or_restarts(fleet: LiveFle
         print(f"rollout to {size}: {time.monotonic() - started:.1f} s, load {window}, "
               f"{fleet.without_pair_s(started, time.monotonic())} s without a pair")
         assert window["served"] > 0 and window["failed"] == 0, window
-        assert fleet.in_force() == dict.fromkeys(PODS, size)
-        assert sorted(done["updatedPods"]) == PODS
+        assert fleet.in_force() == dict.fromkeys(pods(fleet), size)
+        assert sorted(done["updatedPods"]) == pods(fleet)
         assert done["summary"] == f"{size[0]}MiB"
     assert fleet.pids() == pids, "a hot resize restarted an engine"
     assert fleet.max_resizing == MAX_UNAVAILABLE
@@ -84,7 +88,8 @@ def test_grow_then_shrink_under_load_without_failures_or_restarts(fleet: LiveFle
     assert reasons.count("StagingRolloutStarted") == 2
     assert reasons.count("StagingRolloutComplete") == 2
     # Every pod's spec went START → GROWN → SHRUNK, each size exactly once.
-    assert fleet.specs_seen == {pod: [START, GROWN, SHRUNK] for pod in PODS}, fleet.specs_seen
+    assert fleet.specs_seen == {pod: [START, GROWN, SHRUNK] for pod in pods(fleet)}, \
+        fleet.specs_seen
 
 
 def test_the_leader_killed_mid_rollout_hands_it_to_the_standby_under_load(
@@ -102,7 +107,7 @@ def test_the_leader_killed_mid_rollout_hands_it_to_the_standby_under_load(
     # Its replacement starts only after the look below: starting one takes seconds, by
     # which time the standby may have taken over and written the next batch.
     killed = fleet.operator.kill_leader(replace=False)
-    assert first == [f"{NAME}-decode-0"], first  # growing: decode rings first
+    assert first == fleet.instances("decode")[:1], first  # growing: decode rings first
     time.sleep(1.5)  # the batch resizes while no operator leads (the Lease has 4 s to run)
     assert sum(seen[-1] == START for seen in fleet.specs_seen.values()) == 1, (
         "not mid-way", fleet.specs_seen)
@@ -114,8 +119,8 @@ def test_the_leader_killed_mid_rollout_hands_it_to_the_standby_under_load(
     window = fleet.log.window(started, time.monotonic())
     print(f"rollout to {START} across a leader kill: {time.monotonic() - started:.1f} s, "
           f"load {window}")
-    assert sorted(done["updatedPods"]) == PODS
-    assert fleet.in_force() == dict.fromkeys(PODS, START)
+    assert sorted(done["updatedPods"]) == pods(fleet)
+    assert fleet.in_force() == dict.fromkeys(pods(fleet), START)
     for pod, seen in fleet.specs_seen.items():
         assert seen[-2:] == [SHRUNK, START] and seen.count(START) == 2, (pod, seen)
     assert window["failed"] == 0, window
@@ -131,7 +136,7 @@ def test_a_size_that_hurts_rolls_back_and_traffic_recovers(fleet: LiveFleet) -> 
     it already resized fail their transfers."""
     fleet.wait_phase("Complete", to=START[0], timeout_s=30)
     pids = fleet.pids()
-    bad = f"{NAME}-decode-0"  # growing: the first pod resized
+    bad = fleet.instances("decode")[0]  # growing: the first pod resized
     fault = SizeFault(fleet, bad, HURTING)
     fault.start()
     try:
@@ -145,7 +150,7 @@ def test_a_size_that_hurts_rolls_back_and_traffic_recovers(fleet: LiveFleet) -> 
         assert bad in back["message"], back["message"]
         assert "rolled back to decodePoolMiB=8" in back["message"]
         assert back["summary"] == f"{START[0]}MiB RolledBack"
-        assert fleet.in_force() == dict.fromkeys(PODS, START)
+        assert fleet.in_force() == dict.fromkeys(pods(fleet), START)
         assert fleet.max_resizing == MAX_UNAVAILABLE
         assert fleet.pids() == pids
         warnings = {e["reason"]: e["message"] for e in fleet.events_with("StagingRolledBack")
@@ -211,7 +216,7 @@ def test_a_page_size_change_rolls_both_roles_surge_first_with_no_failed_request(
     the analysis rightly failed the new revision. `maxSurge: 1` starts two engines at a
     time, in three waves."""
     old = engine_pods(fleet.core, fleet.ns, NAME)
-    assert sorted(old) == PODS
+    assert sorted(old) == pods(fleet)
     ips = {pod: fleet.core.read_namespaced_pod(pod, fleet.ns).status.pod_ip for pod in old}
     # The earlier tests failed transfers on purpose: the rollout must add none.
     failed_before = {pod: failed_transfers(f"{ip}:9400") for pod, ip in ips.items()}
@@ -219,7 +224,7 @@ def test_a_page_size_change_rolls_both_roles_surge_first_with_no_failed_request(
     seen: list[dict[str, Any]] = []
     started = time.monotonic()
     # maxSurge 1: one new pod per role at a time beside its old ones
-    # (`tests/unit/operator/revisions/test_revision_planner.py` steps it).
+    # (`tests/unit/operator/engine_rollout/test_engine_rollout_planner.py` steps it).
     _patch(fleet, {"prefill": {"pageSize": 32}, "decode": {"pageSize": 32},
                    "rollout": {"maxSurge": 1}})
 
@@ -238,7 +243,9 @@ def test_a_page_size_change_rolls_both_roles_surge_first_with_no_failed_request(
     now = engine_pods(fleet.core, fleet.ns, NAME)
     print(f"page size rolled out in {time.monotonic() - started:.1f} s: load {window}")
     assert window["served"] > 0 and window["failed"] == 0, window
-    assert sorted(now) == PODS and not set(now.values()) & set(old.values())
+    # four new instances, each started once (one pod per instance), none of the old
+    assert len(now) == 4 and not set(now) & set(old) and not set(now.values()) & set(
+        old.values()), (old, now)
     assert status["prefill"]["kvCompat"] == status["decode"]["kvCompat"] != old_key
     assert any(r.get("keyChanged") for r in seen), seen[-1:]
     # Surge: each role had a new pod beside its 2 old ones, never more.

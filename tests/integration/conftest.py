@@ -6,6 +6,8 @@
   tuned for reconcile tests (`RECONCILE_TUNING`: a 1 s resync); asserts it ended cleanly.
 - `reporting_operator` (function): the same, tuned for tests of the agents' reports
   (`REPORTING_TUNING`: status-only reconciles at most once a second).
+- `kubelet` (function): a stand-in kubelet marking the engine pods Ready
+  (`pd_testbed.ready_kubelet`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pd_devcluster import ControlPlaneHandle
 from pd_operator.kube import KubeClient
 from pd_testbed.cluster import Cluster
 from pd_testbed.operator_runner import REPORTING_TUNING, run_operator
+from pd_testbed.ready_kubelet import Kubelet, ready_kubelet
 
 
 @pytest.fixture
@@ -30,6 +33,13 @@ def kube(control_plane: ControlPlaneHandle) -> Iterator[KubeClient]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture
+def kubelet(cluster: Cluster) -> Iterator[Kubelet]:
+    """A stand-in kubelet marking the engine pods Ready a moment after they appear."""
+    with ready_kubelet(cluster) as stand_in:
+        yield stand_in
 
 
 @pytest.fixture

@@ -1,22 +1,19 @@
-"""Engine rollouts (spec.rollout, pd_operator.revisions) against a real control plane: the
-real StatefulSet controller creates the pods from `OnDelete` StatefulSets and keeps the
-ControllerRevisions a rollback reads; the operator runs in-process, or as two leader-elected
-processes where its leader is killed.
+"""Engine rollouts (spec.rollout, pd_operator.engine_rollout) against a real control plane:
+the operator creates and deletes each engine instance's pod itself and keeps each revision's
+template in a ControllerRevision, which a rollback reads; it runs in-process, or as two
+leader-elected processes where its leader is killed.
 
-There is no kubelet. `Kubelet` below stands in for one: it marks a pod Running and Ready a
-moment after it appears (or, for a revision told to crash, reports its engine container
-restarting in CrashLoopBackOff). Pods have no node, so the API server removes a deleted pod
-at once: the drain itself is tested end to end with real engines
+There is no kubelet. `pd_testbed.ready_kubelet.Kubelet` stands in for one: it marks a pod
+Running and Ready a moment after it appears (or, for a revision told to crash, reports its
+engine container restarting in CrashLoopBackOff). Pods have no node, so the API server
+removes a deleted pod at once: the drain itself is tested end to end with real engines
 (tests/e2e/test_vllm_cluster.py). While the rollout runs, the stand-in also samples each
 role's Ready pods, so a pod deleted before its replacement served shows as a dip.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,86 +22,16 @@ from kopf.testing import KopfRunner
 
 from pd_devcluster import ControlPlaneHandle
 from pd_operator.build.names import LABEL_TEMPLATE_HASH
-from pd_operator.kube import EVENTS, KindRef
-from pd_operator.reconcile import is_subset
+from pd_operator.kube import CONTROLLER_REVISIONS, EVENTS, STATEFULSETS
 from pd_testbed.cluster import NAME, Cluster, example_body
 from pd_testbed.operator_process import OperatorReplicas
 from pd_testbed.polling import wait_for
+from pd_testbed.ready_kubelet import Kubelet
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 
 Obj = dict[str, Any]
 PREFILL, DECODE = 1, 2
-START_S = 1.0  # a new pod is Ready this long after it appears
-STATEFULSETS = KindRef("apps/v1", "StatefulSet", "statefulsets")
-
-
-def is_ready(pod: Obj) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
-
-
-class Kubelet(threading.Thread):
-    """Marks each new pod Ready after START_S, or crash-looping when `only` is set and its
-    revision is not in it; samples the fewest Ready pods each role had."""
-
-    def __init__(self, cluster: Cluster) -> None:
-        super().__init__(daemon=True)
-        self.cluster = cluster
-        self.only: set[str] | None = None
-        self.held = False  # no pod turns Ready while set (engines still starting)
-        self.uids: set[str] = set()  # every pod seen
-        self.crashed: dict[str, set[str]] = {}  # role -> revisions whose pods it crashed
-        self.seen: dict[str, float] = {}
-        self.least_ready: Counter[str] = Counter({"prefill": 99, "decode": 99})
-        self.most_pods: Counter[str] = Counter()
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            ready: Counter[str] = Counter()
-            pods: Counter[str] = Counter()
-            for pod in self.cluster.pods():
-                meta = pod["metadata"]
-                role = meta["labels"]["pd.serving.dev/role"]
-                pods[role] += 1
-                first = self.seen.setdefault(meta["uid"], time.monotonic())
-                self.uids.add(meta["uid"])
-                if is_ready(pod):
-                    ready[role] += 1
-                elif self.only is not None and \
-                        meta["labels"].get(LABEL_TEMPLATE_HASH) not in self.only:
-                    self.crashed.setdefault(role, set()).add(meta["labels"][LABEL_TEMPLATE_HASH])
-                    self._crash(pod)
-                elif not self.held and time.monotonic() - first >= START_S:
-                    self.cluster.mark_ready(pod)
-            for role in ("prefill", "decode"):
-                self.least_ready[role] = min(self.least_ready[role], ready[role])
-                self.most_pods[role] = max(self.most_pods[role], pods[role])
-            time.sleep(0.1)
-
-    def _crash(self, pod: Obj) -> None:
-        if (pod.get("status") or {}).get("containerStatuses"):
-            return
-        statuses = [{"name": c["name"], "ready": False, "restartCount": 3, "image": c["image"],
-                     "imageID": "", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}
-                    for c in pod["spec"]["containers"]]
-        self.cluster.core.patch_namespaced_pod_status(
-            pod["metadata"]["name"], self.cluster.ns,
-            {"status": {"phase": "Running", "containerStatuses": statuses}})
-
-    def reset(self) -> None:
-        self.least_ready = Counter({"prefill": 99, "decode": 99})
-        self.most_pods = Counter()
-
-
-@pytest.fixture
-def kubelet(cluster: Cluster) -> Iterator[Kubelet]:
-    stand_in = Kubelet(cluster)
-    stand_in.start()
-    yield stand_in
-    stand_in.done.set()
-    stand_in.join(5)
 
 
 def rollout(cluster: Cluster) -> Obj:
@@ -124,10 +51,11 @@ def events(cluster: Cluster) -> list[str]:
         listed, key=lambda e: (e["metadata"]["creationTimestamp"], e["metadata"]["name"]))]
 
 
-def statefulset(cluster: Cluster, role: str) -> Obj:
-    found = cluster.kube.get(STATEFULSETS, cluster.ns, f"{NAME}-{role}")
-    assert found is not None
-    return found
+def recorded(cluster: Cluster, role: str) -> list[str]:
+    """The revisions whose template the role's ControllerRevisions keep."""
+    return sorted(r["metadata"]["labels"][LABEL_TEMPLATE_HASH] for r in cluster.kube.list_objects(
+        CONTROLLER_REVISIONS, cluster.ns,
+        f"pd.serving.dev/deployment={NAME},pd.serving.dev/role={role}"))
 
 
 def settled(cluster: Cluster, kubelet: Kubelet) -> dict[str, str]:
@@ -147,12 +75,14 @@ def settled(cluster: Cluster, kubelet: Kubelet) -> dict[str, str]:
 
 def test_an_argument_change_surges_each_role_and_never_dips(
         operator: KopfRunner, cluster: Cluster, kubelet: Kubelet) -> None:
-    """Guards against a rollout that deletes an old pod before its replacement serves, or
-    that leaves surge pods or old revisions behind."""
+    """Guards against a rollout that deletes an old instance before its replacement serves,
+    that starts a new engine twice (a surge pod and then a replacement), or that leaves surge
+    instances or old revisions behind."""
     old = settled(cluster, kubelet)
     old_uids = {p["metadata"]["uid"] for p in cluster.pods()}
-    for role in ("prefill", "decode"):
-        assert statefulset(cluster, role)["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    before = set(kubelet.uids)
+    assert cluster.kube.list_objects(STATEFULSETS, cluster.ns,
+                                     f"pd.serving.dev/deployment={NAME}") == []
     cluster.patch_spec({"engine": {"env": [{"name": "ROLLOUT_TEST", "value": "1"}]}})
     done = wait_for("the rollout to complete", lambda: rollout(cluster).get("phase")
                     == "Complete" and rollout(cluster), 90)
@@ -162,6 +92,12 @@ def test_an_argument_change_surges_each_role_and_never_dips(
     assert revisions(cluster, "prefill") == [new["prefill"]] * PREFILL
     assert revisions(cluster, "decode") == [new["decode"]] * DECODE
     assert not {p["metadata"]["uid"] for p in cluster.pods()} & old_uids
+    # each new engine started exactly once: one pod per instance, named after its revision
+    assert len(kubelet.uids - before) == PREFILL + DECODE
+    for role, count in (("prefill", PREFILL), ("decode", DECODE)):
+        assert cluster.instances(role) == [f"{NAME}-{role}-{new[role][:4]}-{i}"
+                                           for i in range(count)]
+        assert recorded(cluster, role) == sorted([old[role], new[role]])
     # never fewer Ready pods than desired; one surge pod per role at most
     assert dict(kubelet.least_ready) == {"prefill": PREFILL, "decode": DECODE}
     assert dict(kubelet.most_pods) == {"prefill": PREFILL + 1, "decode": DECODE + 1}
@@ -173,16 +109,15 @@ def test_an_argument_change_surges_each_role_and_never_dips(
     seen = wait_for("the rollout's Events", lambda: (e := events(cluster)) and
                     "RolloutComplete" in e and e)
     assert seen.count("RolloutStarted") == 1
-    assert seen.count("DrainingOldPod") == PREFILL + DECODE
-    # the StatefulSets are back at the spec's replicas
-    for role, want in (("prefill", PREFILL), ("decode", DECODE)):
-        assert statefulset(cluster, role)["spec"]["replicas"] == want
+    assert seen.count("DrainingOldInstance") == PREFILL + DECODE
+    assert cluster.children_match() == []
 
 
 def test_a_revision_that_crashes_at_start_rolls_back_and_stays_refused(
         operator: KopfRunner, cluster: Cluster, kubelet: Kubelet) -> None:
-    """Guards against a failed revision replacing serving pods, a rollback that leaves the
-    bad template in the StatefulSet (a later pod would run it), or a retry loop."""
+    """Guards against a failed revision replacing serving instances, a rollback that starts
+    an engine of the good revision again while its instances still serve, or a retry
+    loop."""
     old = settled(cluster, kubelet)
     old_uids = sorted(p["metadata"]["uid"] for p in cluster.pods())
     kubelet.only = set(old.values())  # any other revision's engine exits at start
@@ -200,13 +135,11 @@ def test_a_revision_that_crashes_at_start_rolls_back_and_stays_refused(
     assert kubelet.crashed and all(kubelet.crashed[role] == {failed[role]}
                                    for role in kubelet.crashed), (kubelet.crashed, failed)
     assert back["stableRevisions"] == old
-    # the old pods served throughout, the StatefulSets run the old template again
+    # the old instances served throughout, and none was started again
     assert sorted(p["metadata"]["uid"] for p in cluster.pods()) == old_uids
     assert dict(kubelet.least_ready) == {"prefill": PREFILL, "decode": DECODE}
     for role in ("prefill", "decode"):
-        sts = statefulset(cluster, role)
-        assert sts["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH] == old[role]
-        assert sts["spec"]["replicas"] == (PREFILL if role == "prefill" else DECODE)
+        assert recorded(cluster, role) == sorted([old[role], failed[role]])
     progressing = cluster.condition("Progressing")
     assert (progressing["status"], progressing["reason"]) == ("False", "RolledBack")
     seen = wait_for("the Warning Events", lambda: (e := events(cluster)) and
@@ -269,26 +202,16 @@ def test_the_leader_killed_at_every_step_carries_on_without_a_step_twice(
     status = cluster.status()
     assert revisions(cluster, "prefill") == [status["prefill"]["revision"]] * PREFILL
     assert revisions(cluster, "decode") == [status["decode"]["revision"]] * DECODE
-    # new pods: one surge pod per role and one replacement per old pod, nothing twice
-    assert len(kubelet.uids - before) == (PREFILL + 1) + (DECODE + 1)
+    # new pods: one per instance, nothing twice
+    assert len(kubelet.uids - before) == PREFILL + DECODE
     assert dict(kubelet.least_ready) == {"prefill": PREFILL, "decode": DECODE}
     assert dict(kubelet.most_pods) == {"prefill": PREFILL + 1, "decode": DECODE + 1}
     # A leader killed between a status write and its Event leaves that Event unsent (Events
     # are best effort, and the step that wrote Complete may be the killed leader's): never
     # more than one per old pod, one start, one end.
-    assert settled_events.count("DrainingOldPod") <= PREFILL + DECODE
+    assert settled_events.count("DrainingOldInstance") <= PREFILL + DECODE
     assert settled_events.count("RolloutStarted") <= 1
     assert settled_events.count("RolloutComplete") <= 1
-    # The same end state as one uninterrupted run: every child as the spec builds it. The
-    # new variable sits after the ones the old template had (server-side apply keeps a keyed
-    # list's order), so the environments are compared by name.
-    desired = {c["metadata"]["name"]: c for c in cluster.desired()}
-    for role in ("prefill", "decode"):
-        have, want = env(statefulset(cluster, role)), env(desired[f"{NAME}-{role}"])
-        assert have.keys() == want.keys()
-        assert all(is_subset(want[name], have[name]) for name in want), (want, have)
-    assert [p for p in cluster.children_match() if ".env[" not in p] == []
-
-
-def env(sts: Obj) -> dict[str, Obj]:
-    return {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    # The same end state as one uninterrupted run: every child and instance as the spec
+    # builds it.
+    assert cluster.children_match() == []

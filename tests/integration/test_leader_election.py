@@ -20,7 +20,7 @@ import pytest
 from kubernetes import client as k8s
 
 from pd_devcluster import ControlPlaneHandle
-from pd_testbed.cluster import NAME, Cluster, reference_body
+from pd_testbed.cluster import Cluster, reference_body
 from pd_testbed.operator_process import LEASE, OperatorProcess
 from pd_testbed.polling import wait_for
 
@@ -59,8 +59,8 @@ def lease(cluster: Cluster) -> Any:
 
 
 def prefill_replicas(cluster: Cluster) -> int:
-    sts = cluster.apps.read_namespaced_stateful_set(f"{NAME}-prefill", cluster.ns)
-    return int(sts.spec.replicas or 0)
+    """The prefill engine instances that are not being deleted."""
+    return len(cluster.instances("prefill"))
 
 
 def converged(cluster: Cluster) -> bool:

@@ -1,9 +1,7 @@
 """The operator against a real control plane (kube-apiserver and kube-controller-manager
-v1.20): pods a StatefulSet cannot create surface as Degraded, and PDDeployment names at and
-past the longest one whose children all fit.
-
-The StatefulSet controller reports a pod it cannot create only as a Warning `FailedCreate`
-Event; a ResourceQuota of zero pods makes it do so. No kubelet runs, so pods stay Pending.
+v1.20): engine instances the API server refuses to create (a ResourceQuota of zero pods)
+surface as Degraded, and PDDeployment names at and past the longest one whose children all
+fit. No kubelet runs, so pods stay Pending.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ pytestmark = [pytest.mark.apiserver, pytest.mark.timeout(120)]
 
 Obj = dict[str, Any]
 QUOTA = "no-pods"
-REVISION_LABEL = "controller-revision-hash"
 
 
 def named(cluster: Cluster, name: str) -> Obj:
@@ -43,13 +40,13 @@ def reconciles() -> float:
 
 
 @pytest.mark.usefixtures("operator")
-def test_pods_the_statefulset_cannot_create_make_degraded_until_they_exist(
+def test_instances_the_quota_refuses_make_degraded_until_they_exist(
         cluster: Cluster) -> None:
-    """With a `pods: 0` quota the StatefulSets' pods are refused: the PDDeployment turns
-    Degraded=True/FailedCreate naming each StatefulSet and the quota refusal; once the quota
-    is deleted the pods are created and Degraded clears. Guards against a child failure the
-    operator could not see (docs/failure-modes.md #29): the PDDeployment said "Progressing:
-    Creating" forever while its StatefulSets emitted FailedCreate."""
+    """With a `pods: 0` quota the instances' pods are refused: the PDDeployment turns
+    Degraded=True naming the refused pod, the quota and what to change; once the quota is
+    deleted the pods are created and Degraded clears. Guards against a child failure the
+    user cannot see (docs/failure-modes.md #29): a PDDeployment "Progressing: Creating"
+    forever while its pods could not be created."""
     cluster.core.create_namespaced_resource_quota(cluster.ns, k8s.V1ResourceQuota(
         metadata=k8s.V1ObjectMeta(name=QUOTA), spec=k8s.V1ResourceQuotaSpec(hard={"pods": "0"})))
     # Quota admission enforces `status.hard`, which the quota controller fills in.
@@ -57,19 +54,16 @@ def test_pods_the_statefulset_cannot_create_make_degraded_until_they_exist(
         QUOTA, cluster.ns).status.hard or {}).get("pods") == "0")
     cluster.create(example_body(cluster.ns))
 
-    def degraded_naming_both() -> Obj | None:
-        c = cluster.condition("Degraded")
-        message = str(c.get("message", ""))
-        return c if c.get("status") == "True" and all(
-            f"StatefulSet {NAME}-{role}: FailedCreate: " in message
-            for role in ("prefill", "decode")) else None
-
-    condition = wait_for("Degraded=True naming both StatefulSets", degraded_naming_both)
-    assert condition["reason"] == "FailedCreate"
-    # The Events' own messages: the quota admission refusing the pod by name.
-    assert f'"{NAME}-prefill-0" is forbidden' in condition["message"] or \
-        f'"{NAME}-prefill-1" is forbidden' in condition["message"]
-    assert QUOTA in condition["message"]
+    condition = wait_for("Degraded=True", lambda: (c := cluster.condition("Degraded")).get(
+        "status") == "True" and c)
+    assert condition["reason"] == "ReconcileFailed"
+    # The API server's own message: the quota admission refusing the pod by name.
+    revision = cluster.status()["prefill"]["revision"]
+    assert f'pods "{NAME}-prefill-{revision[:4]}-0" is forbidden: exceeded quota: {QUOTA}' \
+        in condition["message"]
+    assert condition["message"].startswith(f"POST /api/v1/namespaces/{cluster.ns}/pods was "
+                                           "refused by the namespace's ResourceQuota (")
+    assert condition["message"].endswith("Raise the quota, or lower the replicas.")
     assert cluster.status()["phase"] == "Degraded"
     assert pods_of(cluster, NAME) == []
 
@@ -87,10 +81,9 @@ def test_longest_name_gets_pods_and_one_more_character_gets_nothing(
         cluster: Cluster) -> None:
     """A 45-character name is refused with SpecValid=False naming the 44 limit and the label
     that would not fit, and no child of any kind is created; a 44-character name gets its
-    StatefulSets and their pods (the controller-revision-hash label fits). Guards against
-    names that passed validation yet did not fit the API's limits (docs/failure-modes.md
-    #29): a long name half-created children, or StatefulSets whose pods could never
-    exist."""
+    instances' pods (each name 63 characters or fewer: a hostname). Guards against names
+    that passed validation yet did not fit the API's limits (docs/failure-modes.md #29): a
+    long name half-created children, or workloads whose pods could never exist."""
     assert MAX_NAME_LENGTH == 44
     too_long, longest = "llama-" + "x" * 39, "llama-" + "y" * 38
     assert (len(too_long), len(longest)) == (45, 44)
@@ -110,14 +103,14 @@ def test_longest_name_gets_pods_and_one_more_character_gets_nothing(
     names = wait_for("the 44-character name's 4 pods", lambda: sorted(
         p["metadata"]["name"] for p in pods_of(cluster, longest))
         if len(pods_of(cluster, longest)) == 4 else None, timeout_s=60)
-    assert names == [f"{longest}-decode-0", f"{longest}-decode-1", f"{longest}-prefill-0",
-                     f"{longest}-prefill-1"]
-    # <StatefulSet name>-<hash of up to 10 characters>: at most 44 + 9 + 10 = 63.
-    labels = [p["metadata"]["labels"][REVISION_LABEL] for p in pods_of(cluster, longest)]
-    assert all(label.startswith(f"{longest}-{role}-") and len(label) <= 63
-               for label, role in zip(labels, ("decode", "decode", "prefill", "prefill"),
-                                      strict=True)), labels
-    # The pods come from the StatefulSets; the status write follows the children's.
+    status = cluster.status(longest)
+    token = {role: status[role]["revision"][:4] for role in ("prefill", "decode")}
+    assert names == [f"{longest}-decode-{token['decode']}-0",
+                     f"{longest}-decode-{token['decode']}-1",
+                     f"{longest}-prefill-{token['prefill']}-0",
+                     f"{longest}-prefill-{token['prefill']}-1"]
+    # <name>-prefill-<4>-<index>: 44 + 9 + 4 + 2 = 59 here, 63 with the largest index.
+    assert all(len(n) <= 63 for n in names)
     wait_for("SpecValid=True", lambda: cluster.condition("SpecValid", longest),
              until=lambda c: c.get("status") == "True")
 

@@ -28,7 +28,7 @@ from kubernetes.client.exceptions import ApiException
 
 from pd_devcluster import ControlPlaneHandle
 from pd_operator.build.names import agent_service_account
-from pd_operator.rollout.planner import ANNOTATION_WRITTEN_AT
+from pd_operator.staging_rollout.planner import ANNOTATION_WRITTEN_AT
 from pd_testbed.cluster import NAME, Cluster, agent_api_client, reference_body
 from pd_testbed.kube_factories import make_agent
 from pd_testbed.operator_process import OperatorReplicas
@@ -289,8 +289,8 @@ def test_grow_then_shrink_rolls_out_one_pod_at_a_time(
     assert reasons.count("StagingBatchResizing") == 4
     # Only the decode pods are batches: a decodePoolMiB-only change resizes no prefill pod.
     batches = [e["message"] for e in fleet.events() if e["reason"] == "StagingBatchResizing"]
-    decode = [f"{NAME}-decode-0", f"{NAME}-decode-1"]
-    prefill = [f"{NAME}-prefill-0", f"{NAME}-prefill-1"]
+    decode = [cluster.instance("decode", 0), cluster.instance("decode", 1)]
+    prefill = [cluster.instance("prefill", 0), cluster.instance("prefill", 1)]
     assert [m.split()[1] for m in batches] == decode * 2
     assert not any(what == "begin" and pod in prefill for what, pod, _ in fleet.fleet.log)
     # A grow resizes decode rings first; a shrink, prefill chunk limits first.
@@ -318,8 +318,11 @@ def test_a_failing_first_batch_pauses_and_rolls_back(
         harness_factory: Callable[..., Harness]) -> None:
     """The first resized pod fails transfers at the new size: the rollout pauses and rolls
     back by itself, every pod ends at the old size, and status + a Warning Event say why."""
-    bad = f"{NAME}-decode-0"
-    fleet = harness_factory(failing=lambda pod, size: pod == bad and size == BIG)
+    def first_decode(pod: str) -> bool:
+        return pod.startswith(f"{NAME}-decode-") and pod.endswith("-0")
+
+    fleet = harness_factory(failing=lambda pod, size: first_decode(pod) and size == BIG)
+    bad = cluster.instance("decode", 0)
     fleet.wait_phase("Idle", to=OLD)
     fleet.resize(BIG)
     back = fleet.wait_phase("RolledBack")

@@ -128,7 +128,7 @@ def test_reports_aggregate_and_a_failing_decode_pod_turns_health_false(
              lambda: all(gate(cluster, p).get("status") == "True" for p in pods))
     wait_for("Ready=True", lambda: cluster.condition("Ready").get("status") == "True")
 
-    failing = f"{NAME}-decode-1"
+    failing = cluster.instance("decode", 1)
     agents.report(failing, window=(40, 30), healthy=False,
                   window_reasons={"GrantTimeout": 30}, last_error="no grant in 10 s")
     healthy = wait_for("TransferHealthy=False", lambda: cluster.condition("TransferHealthy")
@@ -139,7 +139,7 @@ def test_reports_aggregate_and_a_failing_decode_pod_turns_health_false(
     # Already False: the operator writes the pods' gates before the status that reports them.
     assert gate(cluster, failing)["status"] == "False"
     assert gate(cluster, failing)["reason"] == "TransferFailing"
-    assert gate(cluster, f"{NAME}-decode-0")["status"] == "True"
+    assert gate(cluster, cluster.instance("decode", 0))["status"] == "True"
     assert cluster.condition("Ready")["reason"] == "TransferUnhealthy"
     assert cluster.status()["transfer"]["summary"].startswith("Failing")
 
@@ -161,10 +161,10 @@ def test_silent_agent_turns_unknown_and_tcp_fallback_is_caught(
     agents = start_fleet(control_plane, cluster)
     wait_for("TransferHealthy=True",
              lambda: cluster.condition("TransferHealthy").get("status") == "True")
-    silent = f"{NAME}-prefill-1"
+    silent = cluster.instance("prefill", 1)
     others = tuple(p for p in sorted(agents.pods) if p != silent)
-    fallback = f"{NAME}-decode-0"
-    agents.report(fallback, transports=[(f"{NAME}-prefill-0", "tcp")])
+    fallback = cluster.instance("decode", 0)
+    agents.report(fallback, transports=[(cluster.instance("prefill", 0), "tcp")])
 
     verified = wait_for("TransportVerified=False", refreshing(agents, others, lambda: (
         cluster.condition("TransportVerified")
@@ -195,7 +195,7 @@ def test_gates_follow_reports_while_a_spec_update_is_refused(
     pods = tuple(sorted(agents.pods))
     wait_for("every pod's transfer gate True",
              lambda: all(gate(cluster, p).get("status") == "True" for p in pods))
-    recovering, breaking = f"{NAME}-decode-1", f"{NAME}-prefill-0"
+    recovering, breaking = cluster.instance("decode", 1), cluster.instance("prefill", 0)
     agents.report(recovering, window=(40, 30), healthy=False,
                   window_reasons={"GrantTimeout": 30}, last_error="no grant in 10 s")
     wait_for(f"{recovering}'s gate False", refreshing(agents, pods, lambda: gate(
@@ -218,5 +218,5 @@ def test_gates_follow_reports_while_a_spec_update_is_refused(
     assert cluster.condition("SpecValid")["status"] == "False"
     assert cluster.status()["phase"] == "Invalid"
     assert {p: gate(cluster, p)["status"] for p in pods} == {
-        f"{NAME}-decode-0": "True", f"{NAME}-decode-1": "True",
-        f"{NAME}-prefill-0": "False", f"{NAME}-prefill-1": "True"}
+        cluster.instance("decode", 0): "True", cluster.instance("decode", 1): "True",
+        cluster.instance("prefill", 0): "False", cluster.instance("prefill", 1): "True"}

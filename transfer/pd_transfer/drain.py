@@ -39,23 +39,17 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final
 
-from pd_transfer.native.errors import MappingError, ScrapeError, ScrapeTimeout
-from pd_transfer.native.exposition import Family, gauge_sum, parse_exposition, sample_sum
-from pd_transfer.native.scrape import fetch_metrics
+from pd_transfer.agent.engine_load import ENGINE_QUEUES, Engine, gauge_count
+from pd_transfer.agent.errors import MappingError, ScrapeError, ScrapeTimeout
+from pd_transfer.agent.exposition import Family, parse_exposition, sample_sum
+from pd_transfer.agent.scrape import fetch_metrics
 
 __all__ = ["ENGINE_QUEUES", "Holding", "add_drain_parser", "drain", "read_holding"]
 
-Engine = Literal["vllm", "sglang", "reference"]
-
-# Each engine's gauges of requests running and waiting (summed over their label sets); None:
-# the engine has no queue (every request it accepted runs).
-ENGINE_QUEUES: Final[Mapping[Engine, tuple[str, str | None]]] = {
-    "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"),
-    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
-    "reference": ("pd_reference_requests_running", None),
-}
+# Each engine's gauges of requests running and waiting: ENGINE_QUEUES (``agent.engine_load``),
+# whose sum every agent also reports as status.engineRequests.
 # Each engine's counter of requests it finished (the counter family's name).
 ENGINE_FINISHED: Final[Mapping[Engine, str]] = {
     "vllm": "vllm:request_success",
@@ -123,14 +117,6 @@ class Holding:
         return f"{text}; connector transfers: {succeeded} succeeded, {failed} failed"
 
 
-def _gauge(families: Mapping[str, Family], name: str,
-           labels: tuple[tuple[str, str], ...] = ()) -> int | None:
-    """The gauge's value summed over matching label sets; None when absent."""
-    family = families.get(name)
-    value = None if family is None else gauge_sum(family, labels)
-    return None if value is None or math.isnan(value) else round(value)
-
-
 def _families(text: str) -> dict[str, Family]:
     try:
         return parse_exposition(text)
@@ -159,8 +145,8 @@ def read_holding(engine_name: Engine, engine_url: str, connector_url: str | None
         gone = "Connection refused" in str(exc)
         return Holding(None, None, None, with_connector, engine_gone=gone)
     engine = _families(text)
-    waiting = 0 if waiting_name is None else _gauge(engine, waiting_name)
-    holding = Holding(_gauge(engine, running_name), waiting, None,
+    waiting = 0 if waiting_name is None else gauge_count(engine, waiting_name)
+    holding = Holding(gauge_count(engine, running_name), waiting, None,
                       with_connector, finished=_count(engine, ENGINE_FINISHED[engine_name]))
     if connector_url is None:
         return holding
@@ -170,8 +156,8 @@ def read_holding(engine_name: Engine, engine_url: str, connector_url: str | None
         return holding
     return dataclasses.replace(
         holding,
-        transfers=_gauge(families, *_LIVE[engine_name]),
-        pending_bytes=_gauge(families, CONNECTOR_PENDING_BYTES),
+        transfers=gauge_count(families, *_LIVE[engine_name]),
+        pending_bytes=gauge_count(families, CONNECTOR_PENDING_BYTES),
         succeeded=_count(families, CONNECTOR_REQUESTS, (("result", "succeeded"),)),
         failed=_count(families, CONNECTOR_REQUESTS, (("result", "failed"),)))
 

@@ -99,12 +99,14 @@ integration test tests/integration/test_chart_install.py runs the operator under
 - apiGroups: ["pd.serving.dev"]
   resources: ["transferagents/status"]
   verbs: ["get", "update", "patch"]
-# Engine pods: watched (events map to their PDDeployment) and listed for status; `pods/status`
-# to set the transfer readiness gate condition the pod template declares; deleted one at a
-# time by an engine rollout (each drains in its preStop hook first).
+# Engine pods: each engine instance's pod is created and deleted by the operator (a rollout,
+# a scale, a replacement; each drains in its preStop hook first), watched (events map to
+# their PDDeployment); `patch` gives a retired StatefulSet's pod (the previous release's
+# children) its PDDeployment as owner; `pods/status` sets the transfer readiness gate
+# condition the pod template declares.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods/status"]
   verbs: ["patch"]
@@ -114,13 +116,18 @@ integration test tests/integration/test_chart_install.py runs the operator under
   resources: ["services", "configmaps", "serviceaccounts"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
 - apiGroups: ["apps"]
-  resources: ["statefulsets", "deployments"]
+  resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
-# The StatefulSet controller's record of each pod template: a failed engine rollout puts
-# the last good one back.
+# The previous release's role StatefulSets: watched, and deleted with their pods orphaned
+# on upgrade (the engine rollout then replaces those pods under load).
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get", "list", "watch", "delete"]
+# Each role's pod template per revision, kept for a rollback: created with a revision's
+# first instance, pruned past the history limit.
 - apiGroups: ["apps"]
   resources: ["controllerrevisions"]
-  verbs: ["list"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
@@ -138,10 +145,8 @@ integration test tests/integration/test_chart_install.py runs the operator under
   resources: ["secrets"]
   verbs: ["get", "list", "watch", "create", "patch"]
 # Events about PDDeployments. Both kopf and the operator (kube.create_event) POST core/v1
-# Events and never update them, so neither `patch` nor events.k8s.io is granted. `list`
-# reads the StatefulSet controller's FailedCreate Warnings (kube.list_failed_creates), only
-# while a StatefulSet has fewer pods than it wants: it reports such failures no other way.
+# Events and never update them, so neither `patch`, `list` nor events.k8s.io is granted.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "list"]
+  verbs: ["create"]
 {{- end }}

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pd_operator.api.cel import cel_concat, cel_format
 from pd_operator.api.naming import (
     DNS_1035_LABEL,
+    INSTANCE_INDEX_MAX,
     LABEL_VALUE_MAX,
     MAX_NAME_LENGTH,
-    REVISION_HASH_MAX,
+    REVISION_TOKEN_LENGTH,
     name_violation,
 )
 
@@ -53,9 +54,10 @@ def _name_not_label(name: str) -> str | None:
     return None if DNS_1035_LABEL.match(name) else name_violation(name)
 
 
-# Past MAX_NAME_LENGTH the prefill pods' controller-revision-hash label is always the longest
-# derived value (`api.naming`), so the CEL message names that one.
-_REVISION_OVERHEAD = len("-prefill-") + REVISION_HASH_MAX
+# Past MAX_NAME_LENGTH a prefill instance's name is always the longest derived value
+# (`api.naming`), so the CEL message names that one.
+_INSTANCE_SUFFIX = f"-<{REVISION_TOKEN_LENGTH}-char revision>-{INSTANCE_INDEX_MAX}"
+_INSTANCE_OVERHEAD = len("-prefill-") + REVISION_TOKEN_LENGTH + 1 + len(str(INSTANCE_INDEX_MAX))
 _N = "self.metadata.name"
 
 NAME_RULES: tuple[NameRule, ...] = (
@@ -76,15 +78,15 @@ NAME_RULES: tuple[NameRule, ...] = (
         name="name-fits-child-names",
         check=_name_too_long,
         cel=f"{_N}.size() <= {MAX_NAME_LENGTH}",
-        cel_message=f"metadata.name must have at most {MAX_NAME_LENGTH} characters: the prefill "
-        "StatefulSet's pods carry the label controller-revision-hash '<name>-prefill-<hash>' "
+        cel_message=f"metadata.name must have at most {MAX_NAME_LENGTH} characters: a prefill "
+        f"engine instance's pod is named '<name>-prefill{_INSTANCE_SUFFIX}', its hostname "
         f"(at most {LABEL_VALUE_MAX} characters)",
         cel_message_expression=cel_format(
-            "metadata.name '%s' (%d characters) is too long: the prefill StatefulSet's pods "
-            "carry the label controller-revision-hash "
-            f"'%s-prefill-<{REVISION_HASH_MAX}-char hash>' (%d > {LABEL_VALUE_MAX}). Use at "
-            f"most {MAX_NAME_LENGTH} characters.",
-            _N, f"{_N}.size()", _N, f"{_N}.size() + {_REVISION_OVERHEAD}"),
+            "metadata.name '%s' (%d characters) is too long: the prefill engine instance of "
+            f"index {INSTANCE_INDEX_MAX} (its pod name is its hostname and its "
+            f"pd.serving.dev/instance label) '%s-prefill{_INSTANCE_SUFFIX}' "
+            f"(%d > {LABEL_VALUE_MAX}). Use at most {MAX_NAME_LENGTH} characters.",
+            _N, f"{_N}.size()", _N, f"{_N}.size() + {_INSTANCE_OVERHEAD}"),
     ),
 )
 

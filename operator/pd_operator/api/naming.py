@@ -1,14 +1,13 @@
 """Names derived from a PDDeployment's name, and the longest name whose derived names all fit.
 
 Kubernetes limits what a child may be called (docs/failure-modes.md #29): a Service name is a
-DNS-1035 label of at most 63 characters, a label value at most 63 characters, and a
-StatefulSet's pods carry `controller-revision-hash: <statefulset>-<hash>` (the hash is the
-FNV-32 of the template as a decimal, safe-encoded: up to 10 characters) and
-`statefulset.kubernetes.io/pod-name: <statefulset>-<ordinal>`, both label values. Every other
-child (ConfigMap, Secret, ServiceAccount, Role, PDB, NetworkPolicy, TransferAgent) is a
-DNS-1123 subdomain of up to 253 characters, which a name that passes these limits never
-reaches. The builders name children through the functions here, so the rule and the names
-cannot drift apart.
+DNS-1035 label of at most 63 characters, and so is a label value. An engine instance's pod is
+named `<name>-<role>-<revision token>-<index>` (`instance_name`): the pod name is its hostname
+(a DNS label) and the value of its `pd.serving.dev/instance` label, so it must fit 63
+characters with the largest index. Every other child (ConfigMap, Secret, ServiceAccount,
+Role, PDB, NetworkPolicy, ControllerRevision, TransferAgent) is a DNS-1123 subdomain of up to
+253 characters, which a name that passes these limits never reaches. The builders name
+children through the functions here, so the rule and the names cannot drift apart.
 """
 
 from __future__ import annotations
@@ -17,20 +16,20 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from annotated_types import Le
-
 from pd_contract.transferagent import Role
-from pd_operator.api.spec import RoleSpec
 
 __all__ = [
     "DNS_1035_LABEL",
+    "INSTANCE_INDEX_MAX",
     "LABEL_VALUE_MAX",
     "MAX_NAME_LENGTH",
-    "REVISION_HASH_MAX",
+    "REVISION_TOKEN_LENGTH",
     "DerivedName",
     "agent_service_account",
     "derived_names",
+    "instance_name",
     "name_violation",
+    "revision_record_name",
     "role_workload",
     "router_name",
     "router_service_account",
@@ -39,13 +38,30 @@ __all__ = [
 ]
 
 LABEL_VALUE_MAX: Final = 63
-REVISION_HASH_MAX: Final = 10
+# An instance's name carries this many leading characters of its revision (the pod template
+# hash), as a Deployment's pods carry their ReplicaSet's hash: readable at a glance.
+REVISION_TOKEN_LENGTH: Final = 4
+# The largest index an instance can get: indices are the lowest free among a role's
+# instances of one revision, so they stay below replicas + surge + those draining.
+INSTANCE_INDEX_MAX: Final = 99999
 DNS_1035_LABEL: Final = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 def role_workload(name: str, role: Role) -> str:
-    """StatefulSet (and headless Service) of a role: `<name>-prefill`, `<name>-decode`."""
+    """The headless Service, PDRole and PDB of a role: `<name>-prefill`, `<name>-decode`."""
     return f"{name}-{role.value}"
+
+
+def instance_name(name: str, role: Role, revision: str, index: int) -> str:
+    """An engine instance (and its pod): `<name>-<role>-<revision token>-<index>`."""
+    if not 0 <= index <= INSTANCE_INDEX_MAX:
+        raise ValueError(f"instance index {index} is outside 0..{INSTANCE_INDEX_MAX}")
+    return f"{role_workload(name, role)}-{revision[:REVISION_TOKEN_LENGTH]}-{index}"
+
+
+def revision_record_name(name: str, role: Role, revision: str) -> str:
+    """The ControllerRevision keeping a role's pod template of one revision."""
+    return f"{role_workload(name, role)}-{revision}"
 
 
 def router_name(name: str) -> str:
@@ -71,14 +87,6 @@ def transfer_key_name(name: str) -> str:
     return f"{name}-transfer-key"
 
 
-def _max_ordinal() -> int:
-    """The highest pod ordinal a role can have: the schema's replicas maximum minus one."""
-    for constraint in RoleSpec.model_fields["replicas"].metadata:
-        if isinstance(constraint, Le) and isinstance(constraint.le, int):
-            return constraint.le - 1
-    raise ValueError("RoleSpec.replicas has no integer maximum; give it `le=` in api/spec.py")
-
-
 @dataclass(frozen=True)
 class DerivedName:
     """One name or label value made from the PDDeployment's name, and its limit."""
@@ -95,21 +103,17 @@ class DerivedName:
 
 def derived_names(name: str) -> tuple[DerivedName, ...]:
     """Every length-limited name or label value derived from `name`, with its limit."""
-    ordinal = _max_ordinal()
     out = [DerivedName("the labels app.kubernetes.io/instance and pd.serving.dev/deployment",
                        name, len(name), LABEL_VALUE_MAX)]
     for role in (Role.PREFILL, Role.DECODE):
-        sts = role_workload(name, role)
+        service = role_workload(name, role)
+        pod = instance_name(name, role, "r" * REVISION_TOKEN_LENGTH, INSTANCE_INDEX_MAX)
         out += [
-            DerivedName(f"the {role.value} Service", sts, len(sts), LABEL_VALUE_MAX),
-            DerivedName(f"the {role.value} StatefulSet's pods carry the label "
-                        "controller-revision-hash",
-                        f"{sts}-<{REVISION_HASH_MAX}-char hash>",
-                        len(sts) + 1 + REVISION_HASH_MAX, LABEL_VALUE_MAX),
-            DerivedName(f"the {role.value} pod of ordinal {ordinal} (pod names are labels "
-                        "and hostnames)",
-                        f"{sts}-{ordinal}", len(sts) + 1 + len(str(ordinal)),
-                        LABEL_VALUE_MAX),
+            DerivedName(f"the {role.value} Service", service, len(service), LABEL_VALUE_MAX),
+            DerivedName(f"the {role.value} engine instance of index {INSTANCE_INDEX_MAX} (its "
+                        "pod name is its hostname and its pd.serving.dev/instance label)",
+                        f"{service}-<{REVISION_TOKEN_LENGTH}-char revision>-"
+                        f"{INSTANCE_INDEX_MAX}", len(pod), LABEL_VALUE_MAX),
         ]
     router = router_name(name)
     out.append(DerivedName("the router Service", router, len(router), LABEL_VALUE_MAX))

@@ -25,7 +25,7 @@ class EngineRolloutPhase(StrEnum):
 
 
 class RevisionCount(APIModel):
-    """The pods of one role at one revision."""
+    """The engine instances (pods) of one role at one revision."""
 
     revision: str = Field(description="The pod template hash (label pd.serving.dev/template-hash).")
     kv_compat: str = Field(default="", alias="kvCompat",
@@ -41,7 +41,12 @@ class RoleRollout(APIModel):
     role: str = Field(description="prefill or decode.")
     to_revision: str = Field(default="", description="The revision being rolled out.")
     desired: int = Field(default=0, ge=0, description="The role's replicas.")
-    surge: int = Field(default=0, ge=0, description="Extra pods asked for now.")
+    surge: int = Field(default=0, ge=0,
+                       description="Instances above the role's replicas now (surge, draining).")
+    replacing: list[str] = Field(
+        default_factory=list,
+        description="Instances whose pod was deleted or failed while the role needed it: "
+        "each is created again under the same name once its old pod is gone.")
     revisions: list[RevisionCount] = Field(
         default_factory=list, description="Pods per revision, the target's first.")
 

@@ -7,11 +7,17 @@ the PDDeployment's `spec.<role>.replicas`, which stays the one value the workloa
 built from.
 
 Which value wins: the edit the operator has not carried over yet. A change of `spec.replicas`
-here (its `metadata.generation` past `status.observedGeneration`) is written into the
-PDDeployment; otherwise the PDDeployment's count is copied here. When both changed before
-the operator saw either, this object's count wins: an autoscaler asserts its count again at
-every sync anyway, as it does over a Deployment it scales. `status.deploymentReplicas`
-shows the PDDeployment's count beside `spec.replicas`.
+here by someone else (`kubectl scale`, an HPA or KEDA through `/scale`, `kubectl edit`) is
+written into the PDDeployment; otherwise the PDDeployment's count is copied here. When both
+changed before the operator saw either, this object's count wins: an autoscaler asserts its
+count again at every sync anyway, as it does over a Deployment it scales. A count the
+operator wrote here itself (at creation, or copied from the PDDeployment) is never an edit,
+whether or not it was acknowledged before the operator restarted: each such write records
+the count in the annotation `pd.serving.dev/operator-replicas`, which `/scale` cannot
+change, and a `spec.replicas` that differs from it is someone else's. An object without the
+annotation (from a release before it) counts as edited while its `metadata.generation` is
+past `status.observedGeneration`. `status.deploymentReplicas` shows the PDDeployment's count
+beside `spec.replicas`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""All children of a PDDeployment, in apply order."""
+"""The children of a PDDeployment that are applied whole, in apply order. The engine
+instances (pods) and their templates' records are created one by one by the engine rollout
+(`engine_rollout`, `build.instances`), never applied."""
 
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ from pd_operator.build.router import (
     build_router_rbac,
     build_router_service,
 )
-from pd_operator.build.workloads import build_pod_disruption_budget, build_statefulset
+from pd_operator.build.workloads import build_pod_disruption_budget
 
 __all__ = ["build_children", "child_key", "desired_hash"]
 
 
 def build_children(pdd: PDDeployment, capabilities: Capabilities) -> list[Manifest]:
-    """Every child the PDDeployment should have, identity and config before workloads."""
+    """Every applied child the PDDeployment should have, identity and config first."""
     children: list[Manifest] = [
         build_service_account(pdd),
         build_role(pdd),
@@ -33,8 +35,6 @@ def build_children(pdd: PDDeployment, capabilities: Capabilities) -> list[Manife
         children.append(build_headless_service(pdd, role))
     # Before the workloads, so no engine pod starts reachable by every pod of the cluster.
     children += build_network_policies(pdd)
-    for role in (Role.PREFILL, Role.DECODE):
-        children.append(build_statefulset(pdd, role, capabilities.agent_image))
     if capabilities.pod_disruption_budgets:
         for role in (Role.PREFILL, Role.DECODE):
             children.append(build_pod_disruption_budget(pdd, role))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from pd_operator.api.resources import PDDeployment
@@ -22,6 +23,14 @@ def owner_reference(pdd: PDDeployment) -> dict[str, Any]:
         "controller": True,
         "blockOwnerDeletion": True,
     }
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    """`obj` has a controller ownerReference to the object with `uid`."""
+    return any(
+        ref.get("uid") == uid and ref.get("controller")
+        for ref in obj.get("metadata", {}).get("ownerReferences") or []
+    )
 
 
 def object_meta(

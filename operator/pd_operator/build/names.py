@@ -33,6 +33,7 @@ from pd_operator.api.naming import (
 # re-exported here so the operator finds every name in one module.
 __all__ = [
     "ANNOTATION_DESIRED_HASH",
+    "ANNOTATION_OPERATOR_REPLICAS",
     "ANNOTATION_TRANSFER_CONFIG_HASH",
     "FIELD_MANAGER",
     "LABEL_COMPONENT",
@@ -70,6 +71,8 @@ LABEL_TEMPLATE_HASH: Final = "pd.serving.dev/template-hash"
 
 ANNOTATION_DESIRED_HASH: Final = "pd.serving.dev/desired-hash"
 ANNOTATION_TRANSFER_CONFIG_HASH: Final = "pd.serving.dev/transfer-config-hash"
+# On a PDRole: the spec.replicas the operator last wrote or carried over (reconcile/role_scale).
+ANNOTATION_OPERATOR_REPLICAS: Final = "pd.serving.dev/operator-replicas"
 
 
 def base_labels(name: str, component: str) -> dict[str, str]:

@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from pd_operator.api import PDDeployment
 from pd_operator.build import child_key
+from pd_operator.build.meta import owned_by
 from pd_operator.errors import InvalidObjectError, PermanentError
 from pd_operator.kube import KubeClient
-from pd_operator.reconcile.diff import needs_apply, owned_by
+from pd_operator.reconcile.diff import needs_apply
 
-__all__ = ["apply_children", "delete_unwanted"]
+__all__ = ["UNAPPLIED_KINDS", "apply_children", "delete_unwanted"]
 
 log = logging.getLogger(__name__)
+
+# Children the engine rollout creates and deletes itself (`engine_rollout.executor`): each
+# revision's pod template (ControllerRevision), and the previous release's StatefulSets,
+# which must go with their pods orphaned, never by the garbage collector's cascade.
+UNAPPLIED_KINDS: Final = frozenset({"ControllerRevision", "StatefulSet"})
 
 Obj = dict[str, Any]
 
@@ -73,10 +79,12 @@ def _apply_one(kube: KubeClient, manifest: Obj, current: Obj | None, why: str) -
 def delete_unwanted(kube: KubeClient, pdd: PDDeployment, desired: Sequence[Obj],
                     live: Mapping[Any, Obj]) -> None:
     """Delete our live children that no desired manifest names (the router after
-    `spec.router.enabled: false`, PDBs on a server without policy/v1)."""
+    `spec.router.enabled: false`, PDBs on a server without policy/v1). The engine rollout's
+    own (`UNAPPLIED_KINDS`: template records, the previous release's StatefulSets) are left
+    to it."""
     wanted = {child_key(m) for m in desired}
     for key, obj in live.items():
-        if key in wanted or not owned_by(obj, pdd.metadata.uid):
+        if key in wanted or key[1] in UNAPPLIED_KINDS or not owned_by(obj, pdd.metadata.uid):
             continue
         log.info("%s/%s: deleting %s %s (no longer desired)", key[2], pdd.metadata.name,
                  key[1], key[3])

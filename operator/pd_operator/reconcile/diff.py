@@ -12,7 +12,7 @@ from typing import Any
 
 from pd_operator.build.names import ANNOTATION_DESIRED_HASH
 
-__all__ = ["first_difference", "is_subset", "needs_apply", "owned_by"]
+__all__ = ["first_difference", "is_subset", "needs_apply"]
 
 
 def _is_empty(value: Any) -> bool:
@@ -68,11 +68,3 @@ def needs_apply(desired: Mapping[str, Any], live: Mapping[str, Any] | None) -> s
         return f"desired hash {have} -> {want}"
     diff = first_difference(dict(desired), dict(live))
     return None if diff is None else f"edited at {diff}"
-
-
-def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
-    """`obj` has a controller ownerReference to the object with `uid`."""
-    return any(
-        ref.get("uid") == uid and ref.get("controller")
-        for ref in obj.get("metadata", {}).get("ownerReferences") or []
-    )

@@ -1,102 +1,125 @@
-"""The reconcile's engine-rollout half: the last good template back in a failed role's
-desired StatefulSet, one planning pass (`revisions.plan_revisions`) over the fleet, the
-StatefulSets' replicas set from it, and after the status write the old pods it deletes.
+"""The reconcile's engine-instance half: each role's target template (the spec's, or the last
+good one while the spec renders a failed revision), one planning pass
+(`engine_rollout.steps.plan_revisions`) over the fleet, the instances it creates (with the
+children, before the status write) and those it deletes (after it), and the previous
+release's StatefulSets retired.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableSequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pd_contract.names import LABEL_KV_COMPAT
 from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
 from pd_operator.api.revision_status import EngineRolloutStatus
+from pd_operator.build.names import LABEL_TEMPLATE_HASH
+from pd_operator.build.pod import build_pod_template
+from pd_operator.engine_rollout.executor import (
+    InstanceExecutor,
+    publish_phase,
+    revision_records,
+    template_of,
+)
+from pd_operator.engine_rollout.planner import ROLES, EngineStep
+from pd_operator.engine_rollout.pods import RoleTarget, observe_instances
+from pd_operator.engine_rollout.steps import plan_revisions
 from pd_operator.engines import engine_adapter, role_spec
 from pd_operator.kube import KubeClient
-from pd_operator.revisions import RevisionStep, RoleTarget, plan_revisions, rollout_pods
-from pd_operator.revisions.executor import (
-    RevisionExecutor,
-    publish_phase,
-    statefulset_of,
-    template_revision,
-)
-from pd_operator.revisions.planner import ROLES
 from pd_operator.status import FleetObservation
 
-__all__ = ["EngineRollouts"]
+__all__ = ["EngineRollouts", "RoleTemplates"]
 
 Obj = dict[str, Any]
 
 
+def _revision(template: Mapping[str, Any]) -> str:
+    return str(template["metadata"]["labels"][LABEL_TEMPLATE_HASH])
+
+
+@dataclass(frozen=True)
+class RoleTemplates:
+    """Per role: the spec's pod template, the one new instances get, and the recorded
+    templates (ControllerRevisions, oldest first)."""
+
+    spec: Mapping[Role, Obj]
+    target: Mapping[Role, Obj]
+    records: Mapping[Role, Sequence[Obj]]
+
+    def revisions(self) -> dict[Role, str]:
+        """The target revision per role."""
+        return {r: _revision(t) for r, t in self.target.items()}
+
+    def kv_compat(self, role: Role) -> str:
+        return str(self.target[role]["metadata"]["labels"].get(LABEL_KV_COMPAT, ""))
+
+
 class EngineRollouts:
-    """One per operator process, used by each reconcile in two halves: `prepare` and
-    `plan` before the children are applied, `execute` after the status write."""
+    """One per operator process, used by each reconcile in three parts: `templates` and
+    `plan` before the children are applied, `create` with them, `delete` after the status
+    write."""
 
     def __init__(self, kube: KubeClient) -> None:
-        self.executor = RevisionExecutor(kube)
+        self.executor = InstanceExecutor(kube)
 
-    def prepare(self, pdd: PDDeployment, previous: EngineRolloutStatus,
-                desired: MutableSequence[Obj], live: Mapping[Any, Obj]) -> dict[Role, str]:
-        """The spec's revision per role; then, for each role whose spec revision failed a
-        rollout, the last good template back in its desired StatefulSet."""
-        name = pdd.metadata.name
-        spec_revisions = {}
+    @staticmethod
+    def templates(pdd: PDDeployment, agent_image: str, previous: EngineRolloutStatus,
+                  children: Iterable[Obj]) -> RoleTemplates:
+        """Each role's templates. While the spec renders a revision that failed a rollout,
+        new instances get the last good revision's template, as recorded."""
+        listed = list(children)
+        spec: dict[Role, Obj] = {}
+        target: dict[Role, Obj] = {}
+        records: dict[Role, list[Obj]] = {}
         for role in ROLES:
-            sts = statefulset_of(desired, name, role)
-            assert sts is not None  # build_children always makes both
-            spec_revisions[role] = template_revision(sts)
-        self._restore(pdd, previous, desired, live)
-        return spec_revisions
-
-    def _restore(self, pdd: PDDeployment, status: EngineRolloutStatus,
-                 desired: MutableSequence[Obj], live: Mapping[Any, Obj]) -> None:
-        meta = pdd.metadata
-        for role in ROLES:
-            sts = statefulset_of(desired, meta.name, role)
-            failed = status.failed_revisions.get(role.value)
-            good = status.stable_revisions.get(role.value)
-            if sts is None or failed is None or good is None or good == failed:
+            spec[role] = target[role] = build_pod_template(pdd, role, agent_image)
+            records[role] = revision_records(listed, pdd, role)
+            failed = previous.failed_revisions.get(role.value)
+            good = previous.stable_revisions.get(role.value)
+            if failed is None or good is None or good == failed:
                 continue
-            if template_revision(sts) != failed:
-                continue
-            template = self.executor.good_template(meta.namespace, meta.name, role, good,
-                                                   statefulset_of(live, meta.name, role))
-            if template is not None:
-                sts["spec"]["template"] = template
+            if _revision(spec[role]) == failed:
+                kept = template_of(records[role], good)
+                if kept is not None:
+                    target[role] = kept
+        return RoleTemplates(spec, target, records)
 
-    def plan(self, pdd: PDDeployment, previous: EngineRolloutStatus,
-             desired: MutableSequence[Obj], live: Mapping[Any, Obj], *,
-             fleet: FleetObservation, spec_revisions: Mapping[Role, str]) -> RevisionStep:
-        """Plan one pass and set each desired StatefulSet's replicas from it (a new failure
-        also puts the last good templates back at once)."""
-        name = pdd.metadata.name
-        targets = {}
-        for role in ROLES:
-            sts = statefulset_of(desired, name, role)
-            assert sts is not None
-            current = statefulset_of(live, name, role)
-            labels = sts["spec"]["template"]["metadata"]["labels"]
-            targets[role] = RoleTarget(
-                role=role, desired=role_spec(pdd, role).replicas,
-                revision=template_revision(sts), kv_compat=str(labels.get(LABEL_KV_COMPAT, "")),
-                spec_revision=spec_revisions[role],
-                live_replicas=None if current is None else int(current["spec"]["replicas"]))
+    @staticmethod
+    def plan(pdd: PDDeployment, previous: EngineRolloutStatus, templates: RoleTemplates, *,
+             fleet: FleetObservation) -> EngineStep:
+        """One planning pass over the fleet."""
+        targets = {role: RoleTarget(
+            role=role, desired=role_spec(pdd, role).replicas,
+            revision=_revision(templates.target[role]), kv_compat=templates.kv_compat(role),
+            spec_revision=_revision(templates.spec[role])) for role in ROLES}
         pairs_by_key = pdd.spec.router.enabled and engine_adapter(pdd).router_reads_pods(pdd)
-        pods = rollout_pods(fleet,
-                            max_failure_ratio=pdd.spec.transfer.health.max_failure_ratio)
-        step = plan_revisions(pdd.spec.rollout, previous, targets, pods, fleet.now,
-                              pairs_by_key=pairs_by_key)
+        instances = observe_instances(
+            fleet, max_failure_ratio=pdd.spec.transfer.health.max_failure_ratio)
+        step = plan_revisions(pdd.spec.rollout, previous, targets, instances, fleet.now,
+                              name=pdd.metadata.name, pairs_by_key=pairs_by_key)
         if step.status.failed_revisions != previous.failed_revisions:
-            self._restore(pdd, step.status, desired, live)
-        for role in ROLES:
-            sts = statefulset_of(desired, name, role)
-            assert sts is not None
-            sts["spec"]["replicas"] = step.replicas[role]
+            # A new failure: the next pass plans on the good revision's template.
+            step = EngineStep((), step.delete, step.status, step.events, 0.1)
         return step
 
-    def execute(self, namespace: str, name: str, step: RevisionStep) -> None:
-        self.executor.execute(namespace, name, step)
+    def create(self, pdd: PDDeployment, step: EngineStep, templates: RoleTemplates,
+               live: Iterable[Obj], pods: Sequence[Obj]) -> list[str]:
+        """Retire the previous release's StatefulSets (adopting their pods), then create the
+        step's instances; `Pod/<name>` of each one created."""
+        self.executor.retire_statefulsets(pdd, live, templates.records)
+        self.executor.adopt(pdd, pods)
+        created = self.executor.create(pdd, step, templates.target, templates.records)
+        if step.status.phase.value in ("Complete", "Idle", "RolledBack"):
+            for role in ROLES:
+                keep = {step.status.stable_revisions.get(role.value, ""),
+                        _revision(templates.target[role])}
+                self.executor.prune(pdd, templates.records[role], keep)
+        return created
+
+    def delete(self, namespace: str, name: str, step: EngineStep) -> None:
+        self.executor.delete(namespace, name, step)
 
     @staticmethod
     def forget(namespace: str, name: str) -> None:

@@ -45,13 +45,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
 from pydantic import ValidationError
 
-from pd_contract.names import LABEL_KV_COMPAT
 from pd_operator.api import (
     PDDeployment,
     PDDeploymentStatus,
@@ -62,18 +61,19 @@ from pd_operator.api import (
 from pd_operator.api.name_rules import name_violations
 from pd_operator.api.resources import ObjectMeta
 from pd_operator.build import Capabilities, build_children, child_key
+from pd_operator.build.meta import owned_by
 from pd_operator.build.names import (
     LABEL_DEPLOYMENT,
     LABEL_MANAGED_BY,
-    LABEL_TEMPLATE_HASH,
     MANAGER,
     role_selector,
-    role_workload,
     router_name,
     selector_string,
 )
 from pd_operator.build.pod import reports_transfer_health
 from pd_operator.cache import Watched
+from pd_operator.engine_rollout.planner import EngineStep
+from pd_operator.engines import role_spec
 from pd_operator.errors import (
     ConflictError,
     OperatorError,
@@ -88,15 +88,13 @@ from pd_operator.metrics import (
     STATUS_WRITES,
 )
 from pd_operator.reconcile.children import apply_children, delete_unwanted
-from pd_operator.reconcile.diff import owned_by
-from pd_operator.reconcile.engine_rollout import EngineRollouts
+from pd_operator.reconcile.engine_rollout import EngineRollouts, RoleTemplates
 from pd_operator.reconcile.events import EventSpec, gate_events, transition_events
 from pd_operator.reconcile.gates import GateChange, transfer_gate_changes
 from pd_operator.reconcile.role_scale import RoleScales
 from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
-from pd_operator.revisions import RevisionStep
-from pd_operator.rollout.executor import RolloutExecutor
-from pd_operator.rollout.planner import RolloutStep, plan_step, recheck_seconds
+from pd_operator.staging_rollout.executor import RolloutExecutor
+from pd_operator.staging_rollout.planner import RolloutStep, plan_step, recheck_seconds
 from pd_operator.status import (
     FleetObservation,
     Observed,
@@ -105,12 +103,10 @@ from pd_operator.status import (
     compute_status,
     observe_fleet,
 )
-from pd_operator.status.child_events import short_of_pods
 from pd_operator.workqueue import RecheckAfter
 
 __all__ = [
     "DEGRADED_AFTER_FAILURES",
-    "MISSING_PODS_RECHECK_S",
     "STALE_RECHECK_SLACK_S",
     "Reconciler",
     "utc_now",
@@ -126,10 +122,6 @@ DEGRADED_AFTER_FAILURES: Final = 3
 # Come back this long after a report's staleness limit, so that second-precision report
 # times never make the recheck land a moment before the report is stale.
 STALE_RECHECK_SLACK_S: Final = 1.0
-# Come back this soon while a StatefulSet has fewer pods than it wants: its controller may
-# record a FailedCreate Event after this reconcile read the Events, and neither an Event nor
-# the failed creation changes an object the operator watches.
-MISSING_PODS_RECHECK_S: Final = 10.0
 
 
 def utc_now() -> datetime:
@@ -229,22 +221,24 @@ class Reconciler:
             return True, "success"  # the PDDeployment's count changed: its event follows
         desired = build_children(pdd, self.capabilities)
         live = {child_key(obj): obj for obj in self._children(namespace, name, watched)}
-        spec_revisions = self.engine_rollouts.prepare(pdd, parsed.previous.rollout, desired,
-                                                      live)
-        roles = {r: _role(pdd, desired, r) for r in (Role.PREFILL, Role.DECODE)}
+        templates = self.engine_rollouts.templates(pdd, self.capabilities.agent_image,
+                                                   parsed.previous.rollout, live.values())
+        roles = {r: _role(pdd, templates, r) for r in (Role.PREFILL, Role.DECODE)}
         valid = self._last_valid[namespace, name] = _ValidGeneration(
             pdd, {r: o.revision for r, o in roles.items()})
         # First: the pods about to be created mount it.
         desired.insert(0, desired_transfer_key_secret(self.kube, pdd, live))
         pods, fleet = self._observe_fleet(namespace, name, valid, watched)
-        revisions = self.engine_rollouts.plan(pdd, parsed.previous.rollout, desired, live,
-                                              fleet=fleet, spec_revisions=spec_revisions)
+        revisions = self.engine_rollouts.plan(pdd, parsed.previous.rollout, templates,
+                                              fleet=fleet)
         created: list[str] = []
         failure: str | None = None
         pending: OperatorError | None = None
         try:
             self._apply(desired, live, created)
             self._delete_unwanted(pdd, desired, live)
+            created += self.engine_rollouts.create(pdd, revisions, templates, live.values(),
+                                                   pods)
         except ConflictError:
             raise
         except PermanentError as exc:
@@ -255,9 +249,6 @@ class Reconciler:
             failure, pending = f"{exc} ({failures + 1} attempts in a row)", exc
         self._set_managed((namespace, name), Counter(m["kind"] for m in desired))
         observed = self._observe(pdd, roles, fleet, live, created=created, failure=failure)
-        short = any(short_of_pods(w, pods) for w in observed.workloads)
-        if short:
-            observed = replace(observed, child_events=self._failed_creates(namespace))
         step = plan_step(pdd.spec, parsed.previous.staging_rollout, fleet)
         status = compute_status(pdd, observed, fleet.now,
                                 staging_rollout=step.decision.status if step else None,
@@ -267,7 +258,7 @@ class Reconciler:
         self.role_scales.write_status(pdd, status, scale_targets)
         if pending is not None:
             raise pending
-        return self._recheck(pdd, fleet, step, missing_pods=short,
+        return self._recheck(pdd, fleet, step,
                              revisions_in=revisions.recheck_s), "success"
 
     # -- steps ---------------------------------------------------------------------------
@@ -369,24 +360,14 @@ class Reconciler:
             failure=failure,
             transfer_gate=reports_transfer_health(pdd),
             workloads=tuple(obj for key, obj in live.items()
-                            if key[1] in ("StatefulSet", "Deployment")
+                            if key[1] == "Deployment"
                             and owned_by(obj, pdd.metadata.uid)),
         )
-
-    def _failed_creates(self, namespace: str) -> list[Obj]:
-        """The namespace's FailedCreate Events; none when they cannot be read (a reconcile
-        must not fail over advisory data, e.g. under an older Role without `list events`)."""
-        try:
-            return self.kube.list_failed_creates(namespace)
-        except OperatorError as exc:
-            log.warning("%s: cannot read FailedCreate Events, so pods a StatefulSet fails to "
-                        "create do not show as Degraded: %s", namespace, exc)
-            return []
 
     @staticmethod
     def _recheck(
         pdd: PDDeployment, fleet: FleetObservation, step: RolloutStep | None, *,
-        missing_pods: bool = False, revisions_in: float | None = None,
+        revisions_in: float | None = None,
     ) -> bool | RecheckAfter:
         """When time alone changes the status: a fresh report turning stale, a rollout's
         analysis period ending, a StatefulSet's controller failing to create a pod, an
@@ -395,8 +376,6 @@ class Reconciler:
         due = [] if stale is None else [stale + STALE_RECHECK_SLACK_S]
         if revisions_in is not None:
             due.append(revisions_in)
-        if missing_pods:
-            due.append(MISSING_PODS_RECHECK_S)
         if step is not None:
             moving = recheck_seconds(step, pdd.spec.transfer.staging.rollout)
             if moving is not None:
@@ -405,7 +384,7 @@ class Reconciler:
 
     def _write_status(
         self, parsed: _Parsed, status: PDDeploymentStatus, gates: Sequence[GateChange] = (),
-        rollout: RolloutStep | None = None, revisions: RevisionStep | None = None,
+        rollout: RolloutStep | None = None, revisions: EngineStep | None = None,
     ) -> None:
         """Write the pods' gates, then the status if it changed, then the rollout's
         TransferAgent writes, then the Events.
@@ -426,7 +405,7 @@ class Reconciler:
             self.rollouts.execute(rollout)
             events += [(e.type.value, e.reason.value, e.message) for e in rollout.decision.events]
         if revisions is not None:
-            self.engine_rollouts.execute(namespace, parsed.body["metadata"]["name"], revisions)
+            self.engine_rollouts.delete(namespace, parsed.body["metadata"]["name"], revisions)
             events += [(e.type, e.reason, e.message) for e in revisions.events]
         events += gate_events(gates)
         now = self.clock()
@@ -450,14 +429,11 @@ class Reconciler:
             MANAGED_OBJECTS.labels(kind=kind).set(self._managed_totals[kind])
 
 
-def _role(pdd: PDDeployment, desired: Sequence[Obj], role: Role) -> RoleObservation:
-    """What `role` should be, read off its desired StatefulSet."""
-    name = pdd.metadata.name
-    sts = next(m for m in desired if m["kind"] == "StatefulSet"
-               and m["metadata"]["name"] == role_workload(name, role))
+def _role(pdd: PDDeployment, templates: RoleTemplates, role: Role) -> RoleObservation:
+    """What `role` should be: its replicas, and the revision new instances get."""
     return RoleObservation(
-        desired_replicas=int(sts["spec"]["replicas"]),
-        revision=str(sts["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH]),
-        selector=selector_string(role_selector(name, role)),
-        kv_compat=str(sts["spec"]["template"]["metadata"]["labels"][LABEL_KV_COMPAT]),
+        desired_replicas=role_spec(pdd, role).replicas,
+        revision=templates.revisions()[role],
+        selector=selector_string(role_selector(pdd.metadata.name, role)),
+        kv_compat=templates.kv_compat(role),
     )

@@ -14,9 +14,9 @@ Truth rules (docs/failure-modes.md #20-22):
 - Ready is never True while TransferHealthy is False for pods that carry the transfer
   readiness gate: their gates are False, so the status must not claim otherwise even before
   the kubelet has taken the pods out of Ready.
-- Degraded names a child's own failure: a workload's failure condition, or a StatefulSet's
-  recent `FailedCreate` Warning Events (`child_events.py`), which is all the StatefulSet
-  controller reports about a pod it cannot create (docs/failure-modes.md #29);
+- Degraded names a child's own failure: the router Deployment's failure condition, or a
+  write the reconcile could not make (an engine instance the API server refused to create,
+  e.g. over a quota: docs/failure-modes.md #29);
 - `phase` is derived from the conditions, for the printer column only.
 """
 
@@ -41,7 +41,6 @@ from pd_operator.api.status import (
     StagingRolloutStatus,
 )
 from pd_operator.api.types import TransferBackend
-from pd_operator.status.child_events import create_failure
 from pd_operator.status.conditions import (
     CONDITION_TYPES,
     DEGRADED,
@@ -113,10 +112,8 @@ class Observed:
     (a permanent API refusal, or retryable errors that keep coming).
     `transfer_gate`: whether its pods carry the transfer readiness gate
     (`build.pod.reports_transfer_health`).
-    `workloads`: the live StatefulSets and router Deployment, whose own conditions report
-    failures the operator's writes cannot see (a pod the controller could not create).
-    `child_events`: Warning `FailedCreate` Events about StatefulSets, read only while one has
-    fewer pods than desired (`child_events.create_failure` says which of them count).
+    `workloads`: the live router Deployment, whose own conditions report failures the
+    operator's writes cannot see (a pod its ReplicaSet could not create).
     """
 
     prefill: RoleObservation
@@ -129,7 +126,6 @@ class Observed:
     failure: str | None = None
     transfer_gate: bool = False
     workloads: Sequence[Mapping[str, Any]] = ()
-    child_events: Sequence[Mapping[str, Any]] = ()
 
 
 def _role_status(role: RoleObservation, pods: Sequence[PodObservation]) -> RoleStatus:
@@ -227,7 +223,7 @@ def _rollout_progressing(rollout: EngineRolloutStatus | None, at: At) -> Conditi
 
 
 def _workload_failure(workload: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(reason, message) of a failure a StatefulSet or Deployment reports in its conditions:
+    """(reason, message) of a failure a Deployment reports in its conditions:
     `ReplicaFailure=True` (e.g. FailedCreate), or a Deployment's `Progressing=False`
     (ProgressDeadlineExceeded). None when it reports none."""
     kind = workload.get("kind", "")
@@ -245,10 +241,7 @@ def _workload_failure(workload: Mapping[str, Any]) -> tuple[str, str] | None:
 def _degraded_condition(observed: Observed, ready: Condition, at: At) -> Condition:
     if observed.failure is not None:
         return cond(DEGRADED, T, Reason.RECONCILE_FAILED, observed.failure, at)
-    pods = [p.body for p in observed.fleet.pods]
-    failures = [f for w in observed.workloads
-                if (f := _workload_failure(w) or create_failure(w, pods, observed.child_events))
-                is not None]
+    failures = [f for w in observed.workloads if (f := _workload_failure(w)) is not None]
     if failures:
         reasons = {reason for reason, _ in failures}
         reason = failures[0][0] if len(reasons) == 1 and _CAMEL_WORD.match(failures[0][0]) \

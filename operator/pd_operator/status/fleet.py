@@ -4,7 +4,7 @@ Pure: the pods and TransferAgent bodies as listed, the transfer health policy, t
 revisions and `now` in; a frozen `FleetObservation` out. It is made once per reconcile and
 read by everything that judges pods: replica counts and transfer health (`compute`,
 `transfer`), the pods' transfer-ready gates (`reconcile.gates`) and the staging rollout
-(`rollout.planner.rollout_pods`). Nothing downstream parses a TransferAgent again.
+(`rollout.planner.staging_pods`). Nothing downstream parses a TransferAgent again.
 
 Truth rules (docs/failure-modes.md #20, #22):
 - incarnation, the only rule: a TransferAgent's status is a pod's own report only when the

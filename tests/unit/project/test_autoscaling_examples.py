@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_contract.transferagent import Role
 from pd_operator.api import parse_pdd
 from pd_operator.build import Capabilities, build_children
+from pd_operator.build.pod import build_pod_template
 from pd_testbed.checkout import EXAMPLES_DIR
 from pd_testbed.factories import example_pdd
 from pd_transfer.common.metrics import PendingKV, TransferMetrics
@@ -103,8 +104,10 @@ def test_every_query_reads_a_metric_this_project_exports_with_its_labels() -> No
 
 def test_the_podmonitor_scrapes_ports_and_copies_labels_the_pods_have() -> None:
     monitor, = documents("podmonitor.yaml")
-    children = build_children(parse_pdd(PDD), Capabilities())
-    pods = [c["spec"]["template"] for c in children if c["kind"] in ("StatefulSet", "Deployment")]
+    pdd = parse_pdd(PDD)
+    children = build_children(pdd, Capabilities())
+    pods = [*(build_pod_template(pdd, role) for role in (Role.PREFILL, Role.DECODE)),
+            *(c["spec"]["template"] for c in children if c["kind"] == "Deployment")]
     assert len(pods) == 3  # prefill, decode, router
     for pod in pods:
         labels = pod["metadata"]["labels"]

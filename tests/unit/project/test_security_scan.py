@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pd_contract.transferagent import Role
 from pd_devcluster import ToolchainMissingError, checkov_path, helm_path
 from pd_operator.api import parse_pdd
 from pd_operator.build import Capabilities, build_children
+from pd_operator.build.instances import build_instance_pod
+from pd_operator.build.pod import build_pod_template
 from pd_testbed.checkout import CHART_DIR, CHART_RELEASE, CHART_RELEASE_NAMESPACE, EXAMPLES
 from pd_testbed.factories import example_pdd
 
@@ -74,10 +77,14 @@ EXPECTED_FAILED: dict[str, set[str]] = {
 
 
 def render_example(example: Path) -> str:
+    """The example's children and one engine instance's pod per role (`<role>-0`)."""
     pdd = parse_pdd(example_pdd(example))
     pdd.metadata.namespace = "serving"  # "default" would add CKV_K8S_21 to every child
     pdd.metadata.uid = "uid-1"
-    return yaml.safe_dump_all(build_children(pdd, Capabilities()), sort_keys=False)
+    pods = [build_instance_pod(pdd, role, build_pod_template(pdd, role),
+                               f"{pdd.metadata.name}-{role.value}-0")
+            for role in (Role.PREFILL, Role.DECODE)]
+    return yaml.safe_dump_all([*build_children(pdd, Capabilities()), *pods], sort_keys=False)
 
 
 def render_chart() -> str:
@@ -140,8 +147,8 @@ def test_llama_70b_fixed_findings_stay_fixed(scan: dict[str, dict[str, set[str]]
     failed = scan["llama-70b.yaml"]
     for check in ("CKV_K8S_31", "CKV_K8S_28", "CKV_K8S_37", "CKV_K8S_29", "CKV2_K8S_6"):
         assert check not in failed
-    assert failed["CKV_K8S_38"] == {"StatefulSet.serving.llama-70b-prefill",
-                                    "StatefulSet.serving.llama-70b-decode",
+    assert failed["CKV_K8S_38"] == {"Pod.serving.llama-70b-prefill-0",
+                                    "Pod.serving.llama-70b-decode-0",
                                     "Deployment.serving.llama-70b-router"}
-    assert failed["CKV_K8S_25"] == {"StatefulSet.serving.llama-70b-prefill",
-                                    "StatefulSet.serving.llama-70b-decode"}
+    assert failed["CKV_K8S_25"] == {"Pod.serving.llama-70b-prefill-0",
+                                    "Pod.serving.llama-70b-decode-0"}

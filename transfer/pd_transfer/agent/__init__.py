@@ -5,9 +5,11 @@ snapshots + transports + window → ``TransferAgentStatus``) → ``reporter`` (t
 rate-limited writes, backoff, creation, staging resizes) → ``spec_watch`` (a new spec
 reaches the reporter at once) → ``reporting`` (the one start-up of both, for every agent) →
 ``kube`` (the only Kubernetes client code) → ``transport_probe`` (which UCX transports are
-in use) → ``metrics_http`` (Prometheus endpoint over every rank's registry). What it shares
-with the operator (the TransferAgent models, label and environment names) comes from
-``pd_contract``; it never imports the operator.
+in use) → ``metrics_http`` (Prometheus endpoint over every rank's registry) →
+``exposition`` / ``scrape`` / ``engine_load`` (an engine's own metrics: text as data, one GET,
+the requests it holds; the engine-native agent ``pd_transfer.native`` reads with them too).
+What it shares with the operator (the TransferAgent models, label and environment names)
+comes from ``pd_contract``; it never imports the operator.
 """
 
 from pd_transfer.agent.errors import (

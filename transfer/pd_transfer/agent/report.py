@@ -19,6 +19,9 @@ peer and the window counts into one ``TransferAgentStatus``:
 - ``pendingKV``: requests live on the pod (the most any rank has: every rank holds a share
   of each), their KV bytes summed over the ranks, and the oldest one's age (a prefill's KV
   not pulled yet: what its drain waits for);
+- ``engineRequests``: the requests the engine is running or holding waiting, from its own
+  metrics (``engine_load``), read by the reporter when it writes; absent, and listed in
+  ``unknown`` (``with_engine_requests``), where the agent cannot read them;
 - ``recent_failures`` keeps the ``RECENT_FAILURES`` newest failures of all ranks;
 - ``agents`` and ``peers`` (``connections_of``): the ranks' own NIXL agent names, and per
   peer pod the agent names whose documents and connections the ranks hold. The operator
@@ -36,6 +39,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Final
 
 from pd_contract.health import within_failure_ratio
 from pd_contract.transferagent import (
@@ -53,6 +57,7 @@ from pd_transfer.agent.identity import PodIdentity
 from pd_transfer.common.metrics import TransferSnapshot
 
 __all__ = [
+    "ENGINE_REQUESTS",
     "RECENT_FAILURES",
     "Connections",
     "ReportFacts",
@@ -63,10 +68,13 @@ __all__ = [
     "connections_of",
     "sample_of",
     "trim_samples",
+    "with_engine_requests",
 ]
 
 RECENT_FAILURES = 10
 _MESSAGE_CHARS = 300
+# status.engineRequests as status.unknown lists it.
+ENGINE_REQUESTS: Final = "engineRequests"
 
 
 @dataclass(frozen=True)
@@ -212,6 +220,17 @@ def connections_of(ranks: Iterable[tuple[str, Iterable[tuple[str, str]]]]) -> Co
                     for pod, names in sorted(by_pod.items())))
 
 
+def with_engine_requests(status: TransferAgentStatus,
+                         requests: int | None) -> TransferAgentStatus:
+    """``status`` with ``engineRequests`` = ``requests``; None (not read, or a negative
+    reading: no count) lists it in ``unknown`` (kept sorted), a count takes it off."""
+    if requests is not None and requests < 0:
+        requests = None
+    known = [name for name in status.unknown if name != ENGINE_REQUESTS]
+    unknown = sorted([*known, ENGINE_REQUESTS]) if requests is None else known
+    return status.model_copy(update={"engine_requests": requests, "unknown": unknown})
+
+
 def build_status(
     facts: ReportFacts,
     snapshots: Sequence[TransferSnapshot],
@@ -221,6 +240,7 @@ def build_status(
     *,
     connections: Connections | None = None,
     observed_generation: int = 0,
+    engine_requests: int | None = None,
 ) -> TransferAgentStatus:
     """The status to write at ``now`` (see the module docstring for each field)."""
     reasons: Counter[str] = Counter()
@@ -229,7 +249,7 @@ def build_status(
     recent = _recent(facts.identity.name, snapshots)
     healthy = within_failure_ratio(window.failures, window.failures_by_reason,
                                    window.transfers, facts.max_failure_ratio)
-    return TransferAgentStatus(
+    status = TransferAgentStatus(
         pod_uid=facts.identity.uid,
         endpoints=facts.endpoints,
         incarnation=facts.identity.incarnation,
@@ -256,3 +276,4 @@ def build_status(
         report_time=now,
         observed_generation=observed_generation,
     )
+    return with_engine_requests(status, engine_requests)

@@ -36,6 +36,13 @@ whether it is due, and returns the status to write: the engine-native agent
 fields its engine does not measure, queue depths), so a health flip it decides is written at
 once like any other.
 
+An ``engine_requests`` function, when given, reads the requests the engine is running or
+holding waiting (``engine_load``): once per status write, after ``amend`` (an agent whose
+reading is an HTTP scrape of its engine pays it once per report, not once per tick; a
+bounded timeout keeps it short). Its None, or its raising, writes ``engineRequests`` as
+unknown. Without one the status says what ``amend`` made of it (the engine-native agent fills
+it from its own readings) or, without that, unknown.
+
 ``Reporter.tick()`` is one iteration, driven by the thread or directly by tests with a
 manual clock and an in-process fake client.
 """
@@ -72,6 +79,7 @@ from pd_transfer.agent.report import (
     compute_window,
     sample_of,
     trim_samples,
+    with_engine_requests,
 )
 from pd_transfer.common.backoff import Backoff
 from pd_transfer.common.metrics import TransferSnapshot
@@ -201,9 +209,11 @@ class Reporter:
         resizer: Resizer | None = None,
         amend: Callable[[TransferAgentStatus], TransferAgentStatus] | None = None,
         requests: Callable[[], RequestCounts | None] | None = None,
+        engine_requests: Callable[[], int | None] | None = None,
     ) -> None:
         self.facts = facts
         self.requests = requests
+        self.engine_requests = engine_requests
         self.resizer = resizer
         self.amend = amend
         self.source = source
@@ -290,6 +300,8 @@ class Reporter:
         due = transition or self._due(now_s, status.healthy)
         if not due or now_s < self._next_attempt_s:
             return False
+        if self.engine_requests is not None:
+            status = with_engine_requests(status, self._read_engine_requests())
         try:
             self._write(status)
         except AgentAPIError as exc:
@@ -314,6 +326,15 @@ class Reporter:
         self.writes += 1
         self.source.reported()
         return True
+
+    def _read_engine_requests(self) -> int | None:
+        """The engine's requests now; None when they cannot be read (never raises)."""
+        assert self.engine_requests is not None
+        try:
+            return self.engine_requests()
+        except Exception:
+            _log.exception("reading the engine's requests failed (reported as unknown)")
+            return None
 
     def _due(self, now_s: float, healthy: bool | None) -> bool:
         if self._last_write_s is None:

@@ -35,15 +35,17 @@ def start_reporting(facts: ReportFacts, source: ReportSource, client: AgentClien
                     resizer: Resizer | None = None,
                     amend: Callable[[TransferAgentStatus], TransferAgentStatus] | None = None,
                     on_spec: Callable[[dict[str, Any]], None] | None = None,
-                    requests: Callable[[], RequestCounts | None] | None = None) -> Reporting:
+                    requests: Callable[[], RequestCounts | None] | None = None,
+                    engine_requests: Callable[[], int | None] | None = None) -> Reporting:
     """Start the reporter (writes through ``client`` every ``config`` interval), then, given
     a ``spec_stream`` (the pod's TransferAgent watch), a ``SpecWatch`` that hands each new
     version to ``on_spec`` (default: the reporter's ``notify_spec``). Without one the
     reporter still reads the spec at its report interval. ``requests``: the engine's own
-    request counts (``RequestCounts``), where the agent can read them."""
+    request counts (``RequestCounts``), where the agent can read them; ``engine_requests``:
+    the requests the engine holds now, read once per write (``Reporter``)."""
     tuning = ReporterTuning(report_interval_s=config.report_interval_seconds)
     reporter = Reporter(facts, source, client, tuning, resizer=resizer, amend=amend,
-                        requests=requests).start()
+                        requests=requests, engine_requests=engine_requests).start()
     watch = (SpecWatch(spec_stream, on_spec or reporter.notify_spec).start()
              if spec_stream is not None else None)
     return Reporting(reporter, watch)

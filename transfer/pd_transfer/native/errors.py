@@ -14,38 +14,20 @@ Hierarchy (under ``pd_transfer.agent.errors.AgentError``)::
 
 Neither reading error stops the agent: the status says what is wrong (``healthy: false``,
 ``lastError``) and the next reading may clear it.
+
+The reading errors are defined in ``pd_transfer.agent.errors`` (and re-exported here), next
+to the exposition text and scrape helpers (``agent.exposition``, ``agent.scrape``): every
+agent reads its engine's requests with them (``agent.engine_load``), the vLLM pod agent too,
+which must not import this package.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from pd_transfer.agent.errors import AgentError
+from pd_transfer.agent.errors import MappingError, NativeError, ScrapeError, ScrapeTimeout
 
 __all__ = ["MappingError", "NativeError", "ScrapeError", "ScrapeTimeout", "UnsupportedEngine"]
-
-
-class NativeError(AgentError):
-    """Base of every error of the engine-native agent."""
-
-    code: ClassVar[str] = "native_error"
-
-
-class ScrapeError(NativeError):
-    """The engine's metrics endpoint could not be read."""
-
-    code: ClassVar[str] = "native_scrape"
-
-
-class ScrapeTimeout(ScrapeError):
-    """The engine accepted the connection but did not answer in time: busy, or hung (its
-    own readiness probe tells which; the agent tolerates it for ``busy_grace_s``)."""
-
-
-class MappingError(NativeError):
-    """The engine's metrics do not match the mapping of its version."""
-
-    code: ClassVar[str] = "native_mapping"
 
 
 class UnsupportedEngine(NativeError):

@@ -24,8 +24,10 @@ single-threaded (the agent holds a lock around it). One ``NativeTracker`` per ag
   that ended and ended with an error, likewise summed; ``amend(status, ...)`` adds what only this
   agent knows: the current totals, ``incarnation``, queue depths with high-water marks since
   the previous report, the window's transfer-time quantiles, ``recentFailures`` (one entry per
-  reason and reading that counted more), ``unknown`` (fields no metric measures), no staging
-  in force, and the error verdict. ``reported()`` restarts the high-water marks.
+  reason and reading that counted more), ``engineRequests`` (the requests the engine runs or
+  holds waiting at the last reading, ``agent.engine_load``: unknown after a reading that
+  failed or lacked its gauges), ``unknown`` (fields no metric measures), no staging in force,
+  and the error verdict. ``reported()`` restarts the high-water marks.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from pd_contract.transferagent import (
     TransferFailure,
     TransferTime,
 )
-from pd_transfer.agent.report import RECENT_FAILURES, RequestCounts
+from pd_transfer.agent.engine_load import engine_of, engine_requests
+from pd_transfer.agent.report import RECENT_FAILURES, RequestCounts, with_engine_requests
 from pd_transfer.common.metrics import TransferSnapshot
 from pd_transfer.native.errors import MappingError
 from pd_transfer.native.exposition import Histogram, parse_exposition
@@ -176,13 +179,19 @@ class NativeTracker:
         self._queues: dict[str, float] = {}
         self._high: dict[str, float] = {}
         self._recent: deque[TransferFailure] = deque(maxlen=RECENT_FAILURES)
+        self._engine = engine_of(mapping.engine)
+        self._engine_requests: int | None = None  # at the last reading (None: unread)
 
     # Readings -----------------------------------------------------------------------------------
 
     def observe(self, text: str, at_s: float, wall: datetime) -> None:
         """One scrape's text, read at monotonic ``at_s`` (wall time ``wall``)."""
+        self._engine_requests = None
         try:
-            reading = read_metrics(self.mapping, self.role, parse_exposition(text))
+            families = parse_exposition(text)
+            if self._engine is not None:  # the engine's queues, even where the table errs
+                self._engine_requests = engine_requests(self._engine, families)
+            reading = read_metrics(self.mapping, self.role, families)
             new = self._new_incarnation(reading)
         except MappingError as exc:
             self.error = str(exc)
@@ -228,6 +237,7 @@ class NativeTracker:
         self.errors += 1
         self._failed_in_a_row += 1
         self._gap = True
+        self._engine_requests = None
         if self._last is None or self._read_at_s is None:
             self.error = f"cannot read the engine's metrics: {error}"
         elif busy:
@@ -358,7 +368,7 @@ class NativeTracker:
         incarnation = status.incarnation
         if self._started_unix_s is not None:
             incarnation = f"{status.pod_uid}-{round(self._started_unix_s * 1000)}"
-        return status.model_copy(update={
+        amended = status.model_copy(update={
             "incarnation": incarnation,
             "staging": None,
             "staging_since": None,
@@ -378,6 +388,7 @@ class NativeTracker:
             "last_error": (f"agent error: {error}" if error
                            else note or (recent[0].message if recent else ""))[:1024],
         })
+        return with_engine_requests(amended, self._engine_requests)
 
 
 def _rounded(value: float | None) -> float | None:

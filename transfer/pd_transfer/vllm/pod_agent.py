@@ -24,7 +24,13 @@ control routes each rank's bootstrap server carries (``rank_control``: rank ``r`
   ``pd_transfer_connector_rank_reachable{rank}``, and the requests vLLM ended
   (``pd_transfer_connector_requests_total``) and ended with a server error
   (``pd_transfer_connector_request_errors_total``), which the reports' window also counts
-  (``connector_metrics.ConnectorCollector``).
+  (``connector_metrics.ConnectorCollector``);
+- ``read_engine_requests``: the requests vLLM is running or holding waiting
+  (``vllm:num_requests_running`` + ``vllm:num_requests_waiting``, ``agent.engine_load``), one
+  GET of vLLM's own ``/metrics`` on its API server (``engine_port``, over loopback: the pod
+  shares one network) per status write, on the reporter's thread, within ``fetch_timeout_s``.
+  vLLM's gauges live in its API server process, not in this one. Unreadable (vLLM starting,
+  busy past the timeout, no ``engine_port``): ``engineRequests`` is reported unknown.
 
 Reporter + SpecWatch + KubeAgentClient run as in ``reference/engine/main.py`` when the pod
 identity (downward API) and Kubernetes credentials are there; otherwise one log line says
@@ -57,13 +63,16 @@ from pd_contract.transferagent import (
     Role,
 )
 from pd_contract.transferagent import TransferAgentStatus as _Status
-from pd_transfer.agent.errors import AgentError
+from pd_transfer.agent.engine_load import engine_requests
+from pd_transfer.agent.errors import AgentError, NativeError
+from pd_transfer.agent.exposition import parse_exposition
 from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.kube import AgentClient, KubeAgentClient
 from pd_transfer.agent.metrics_http import RankCollector
 from pd_transfer.agent.report import Connections, ReportFacts, RequestCounts, connections_of
 from pd_transfer.agent.reporter import Reporter, join_resizes
 from pd_transfer.agent.reporting import start_reporting
+from pd_transfer.agent.scrape import fetch_metrics
 from pd_transfer.agent.spec_watch import SpecWatch
 from pd_transfer.common.metrics import TransferSnapshot
 from pd_transfer.rank.config_file import load_transfer_config
@@ -105,7 +114,7 @@ class PodAgentOptions:
     bootstrap_port: int  # rank r's control routes are on rank_host:bootstrap_port + r
     metrics_port: int
     metrics_host: str = "0.0.0.0"
-    engine_port: int | None = None  # vLLM's API server, for the report's endpoints
+    engine_port: int | None = None  # vLLM's API server: the report's endpoints, its metrics
     rank_host: str = "127.0.0.1"
     poll_s: float = 1.0
     fetch_timeout_s: float = 2.0
@@ -117,6 +126,11 @@ class PodAgentOptions:
 
     def rank_address(self, rank: int) -> str:
         return f"{self.rank_host}:{self.bootstrap_port + rank}"
+
+    @property
+    def engine_metrics_url(self) -> str | None:
+        """vLLM's own Prometheus endpoint, on its API server (None without its port)."""
+        return f"http://127.0.0.1:{self.engine_port}/metrics" if self.engine_port else None
 
 
 def start_pod_agent(settings: ConnectorSettings, role: Literal["prefill", "decode"],
@@ -176,9 +190,12 @@ class PodAgent:
 
     def __init__(self, options: PodAgentOptions, scheduler_live: Callable[[], int], *,
                  scheduler_requests: Callable[[], RequestCounts] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 fetch: Callable[[str, float], str] = fetch_metrics) -> None:
         self.options = options
         self.clock = clock
+        self.fetch = fetch  # GETs vLLM's /metrics (read_engine_requests)
+        self._engine_unread = ""  # why the last reading of vLLM's requests failed
         self.scheduler_live = scheduler_live
         # The requests vLLM ended and those it ended with an error (the connector sees each
         # one end): into the reports' window, and on /metrics.
@@ -281,7 +298,9 @@ class PodAgent:
                 facts, self, _FlaggingClient(client, self), options.config.reporting,
                 spec_stream=(partial(watch_fn, identity.namespace, identity.name)
                              if watch_fn is not None else None),
-                resizer=self.resize_staging, requests=self.scheduler_requests)
+                resizer=self.resize_staging, requests=self.scheduler_requests,
+                engine_requests=(self.read_engine_requests
+                                 if options.engine_metrics_url is not None else None))
             self.reporter, self.watch = reporting.reporter, reporting.watch
         _log.info("pod agent of %s/%s reports %d rank(s) of this %s engine", identity.namespace,
                   identity.name, options.tp_size, options.role)
@@ -403,6 +422,25 @@ class PodAgent:
                                         options.auth, options.fetch_timeout_s),
                                 f"pd-transfer-reported-{rank}")
             future.add_done_callback(partial(_log_failure, rank))
+
+    def read_engine_requests(self) -> int | None:
+        """The requests vLLM is running or holding waiting, from one GET of its /metrics;
+        None when it cannot be read (logged once per change of reason)."""
+        url = self.options.engine_metrics_url
+        if url is None:
+            return None
+        try:
+            count = engine_requests("vllm", parse_exposition(
+                self.fetch(url, self.options.fetch_timeout_s)))
+            why = "" if count is not None else "vllm:num_requests_running/waiting not exported"
+        except NativeError as exc:  # ScrapeError (starting, busy), MappingError (not text)
+            count, why = None, str(exc)
+        if why and why != self._engine_unread:
+            _log.info("vLLM's requests are not read (engineRequests unknown): %s", why)
+        elif not why and self._engine_unread:
+            _log.info("vLLM's requests are read again")
+        self._engine_unread = why
+        return count
 
     # Resizes --------------------------------------------------------------------------------------
 

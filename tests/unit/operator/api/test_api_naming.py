@@ -1,12 +1,12 @@
 """PDDeployment names: every derived child name and label fits, or the name is refused.
 
 Guards docs/failure-modes.md #29: a 63-character name passed validation and half-created its
-children (the Service was refused), and a 50-character one created StatefulSets whose pods
-could never exist (`controller-revision-hash` over 63 characters). The limit is derived by
-hand here: the prefill StatefulSet `<name>-prefill` labels its pods
-`controller-revision-hash: <name>-prefill-<hash of up to 10 characters>`, so
-len(name) + 8 + 1 + 10 ≤ 63, i.e. len(name) ≤ 44. Every other derived value is shorter
-(`<name>-decode-<hash>` +18, `<name>-prefill-9999` +13, Services +7/+8, labels +0).
+children (the Service was refused), and a 50-character one created workloads whose pods could
+never exist. The limit is derived by hand here: a prefill engine instance's pod is named
+`<name>-prefill-<4 characters of its revision>-<index up to 99999>`, and that name is its
+hostname and its `pd.serving.dev/instance` label, so len(name) + 8 + 1 + 4 + 1 + 5 ≤ 63,
+i.e. len(name) ≤ 44. Every other derived value is shorter (a decode instance +18, Services
++7/+8, labels +0).
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ from typing import Any
 import celpy
 import pytest
 
+from pd_contract.transferagent import Role
 from pd_operator.api.crd import pddeployment_schema
 from pd_operator.api.name_rules import NAME_RULES, name_violations
 from pd_operator.api.naming import MAX_NAME_LENGTH, name_violation
 from pd_operator.build import Capabilities, build_children
+from pd_operator.build.instances import build_instance_pod, build_revision_record
+from pd_operator.build.pod import build_pod_template, template_hash
 from pd_testbed.cel_functions import KUBERNETES_FUNCTIONS
 from pd_testbed.factories import make_pdd
 from pd_testbed.spec_cases import CEL_TWIN_NAMES, NAME_44, NAME_45, NON_DNS_1035_NAMES
@@ -59,9 +62,9 @@ def test_45_characters_refused_naming_the_label() -> None:
     """A name one character too long is refused, naming the limit and the longest child
     (#29: a 50-character name used to create pods that could never exist)."""
     assert name_violation(NAME_45) == (
-        f"metadata.name '{NAME_45}' (45 characters) is too long: the prefill StatefulSet's "
-        f"pods carry the label controller-revision-hash '{NAME_45}-prefill-<10-char hash>' "
-        "(64 > 63). Use at most 44 characters."
+        f"metadata.name '{NAME_45}' (45 characters) is too long: the prefill engine instance "
+        "of index 99999 (its pod name is its hostname and its pd.serving.dev/instance label) "
+        f"'{NAME_45}-prefill-<4-char revision>-99999' (64 > 63). Use at most 44 characters."
     )
 
 
@@ -124,14 +127,21 @@ def _label_values(manifest: dict[str, Any]) -> list[tuple[str, str]]:
 
 def test_every_child_of_the_longest_name_fits() -> None:
     """Every child the builders make for a 44-character name, with the largest replica count
-    and the router on, has a valid name, label values ≤ 63, and StatefulSet pods whose name
-    and controller-revision-hash fit (#29). Checks whatever children other builders add."""
+    and the router on, has a valid name and label values ≤ 63, and so does an instance pod
+    of the largest index with its template's record (#29). Checks whatever children other
+    builders add."""
     pdd = make_pdd(NAME_44, prefill={"replicas": 10000}, decode={"replicas": 10000},
                    router={"enabled": True, "image": "router:1"})
     pdd.metadata.uid = "uid-1"
     children = build_children(pdd, Capabilities(pod_disruption_budgets=True))
+    for role in (Role.PREFILL, Role.DECODE):
+        template = build_pod_template(pdd, role)
+        name = f"{NAME_44}-{role.value}-{template_hash(template)[:4]}-99999"
+        children += [build_instance_pod(pdd, role, template, name),
+                     build_revision_record(pdd, role, template, 1)]
     kinds = {c["kind"] for c in children}
-    assert {"Service", "StatefulSet", "Deployment", "ConfigMap", "ServiceAccount"} <= kinds
+    assert {"Service", "Pod", "ControllerRevision", "Deployment", "ConfigMap",
+            "ServiceAccount"} <= kinds
     for child in children:
         name = child["metadata"]["name"]
         assert len(name) <= 253 and DNS_1123_SUBDOMAIN.match(name), name
@@ -139,9 +149,8 @@ def test_every_child_of_the_longest_name_fits() -> None:
             assert len(name) <= 63 and DNS_1035.match(name), name
         for path, value in _label_values(child):
             assert len(value) <= 63, (path, value, len(value))
-        if child["kind"] == "StatefulSet":
-            assert len(f"{name}-{'h' * 10}") <= 63, name
-            assert len(f"{name}-{child['spec']['replicas'] - 1}") <= 63, name
-    longest = max(len(c["metadata"]["name"]) + 11 for c in children
-                  if c["kind"] == "StatefulSet")
-    assert longest == 63  # '<44>-prefill' + '-' + 10: the bound is tight
+        if child["kind"] == "Pod":
+            assert len(name) <= 63 and DNS_1035.match(name), name
+            assert child["spec"]["hostname"] == name
+    longest = max(len(c["metadata"]["name"]) for c in children if c["kind"] == "Pod")
+    assert longest == 63  # '<44>-prefill-' + 4 + '-99999': the bound is tight

@@ -9,11 +9,13 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from pd_contract.transferagent import Role
 from pd_operator.api import PDDeployment, parse_pdd
 from pd_operator.build import Capabilities, build_children, child_key
 from pd_operator.build.config import build_transfer_config
-from pd_operator.build.meta import desired_hash
+from pd_operator.build.instances import build_instance_pod
 from pd_operator.build.names import LABEL_TEMPLATE_HASH
+from pd_operator.build.pod import build_pod_template
 from pd_testbed.checkout import EXAMPLES
 from pd_testbed.factories import TINY_OWNER, example_pdd, tiny_labels, tiny_pdd
 
@@ -41,122 +43,114 @@ TINY_KV_COMPAT = hashlib.sha256(json.dumps(
     TINY_KV_INPUTS, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
-def test_decode_statefulset_whole_object() -> None:
-    sts = by_key(build_children(tiny_pdd(), Capabilities()))[("StatefulSet", "tiny-decode")]
-    template_hash = sts["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH]
-    config_hash = sts["spec"]["template"]["metadata"]["annotations"][
-        "pd.serving.dev/transfer-config-hash"
-    ]
+def test_decode_instance_pod_whole_object() -> None:
+    pdd = tiny_pdd()
+    template = build_pod_template(pdd, Role.DECODE)
+    template_hash = template["metadata"]["labels"][LABEL_TEMPLATE_HASH]
+    config_hash = template["metadata"]["annotations"]["pd.serving.dev/transfer-config-hash"]
+    name = f"tiny-decode-{template_hash[:4]}-7"
+    pod = build_instance_pod(pdd, Role.DECODE, template, name)
     expected = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
+        "apiVersion": "v1",
+        "kind": "Pod",
         "metadata": {
-            "name": "tiny-decode",
+            "name": name,
             "namespace": "serving",
-            "labels": tiny_labels("decode", **{"pd.serving.dev/role": "decode"}),
+            "labels": tiny_labels("decode", **{"pd.serving.dev/role": "decode",
+                                          "pd.serving.dev/kv-compat": TINY_KV_COMPAT,
+                                          LABEL_TEMPLATE_HASH: template_hash,
+                                          "pd.serving.dev/instance": name}),
+            "annotations": {"pd.serving.dev/transfer-config-hash": config_hash},
             "ownerReferences": [TINY_OWNER],
         },
         "spec": {
-            "replicas": 2,
-            "serviceName": "tiny-decode",
-            "selector": {"matchLabels": {"pd.serving.dev/deployment": "tiny",
-                                         "pd.serving.dev/role": "decode"}},
-            "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "OnDelete"},
-            "template": {
-                "metadata": {
-                    "labels": tiny_labels("decode", **{"pd.serving.dev/role": "decode",
-                                                  "pd.serving.dev/kv-compat": TINY_KV_COMPAT,
-                                                  LABEL_TEMPLATE_HASH: template_hash}),
-                    "annotations": {"pd.serving.dev/transfer-config-hash": config_hash},
-                },
-                "spec": {
-                    "serviceAccountName": "tiny-transfer-agent",
-                    # The reference engine's agent writes its TransferAgent: it needs the token.
-                    "automountServiceAccountToken": True,
-                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                    "enableServiceLinks": False,
-                    # The decode's default drain (300 s) and 60 s for the engine's own stop.
-                    "terminationGracePeriodSeconds": 360,
-                    "readinessGates": [{"conditionType": "pd.serving.dev/transfer-ready"}],
-                    "containers": [{
-                        "name": "engine",
-                        "image": "pd-operator/reference-engine:0.1.0",
-                        "imagePullPolicy": "IfNotPresent",
-                        "command": ["pd-transfer", "engine", "--role", "decode", "--config",
-                                    "/etc/pd-transfer/transfer.json", "--port", "30000"],
-                        "env": [
-                            {"name": "POD_NAME",
-                             "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                            {"name": "POD_NAMESPACE",
-                             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-                            {"name": "POD_UID",
-                             "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
-                            {"name": "POD_IP",
-                             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                            {"name": "NODE_NAME",
-                             "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-                            {"name": "PD_DEPLOYMENT", "value": "tiny"},
-                            {"name": "PD_ROLE", "value": "decode"},
-                            {"name": "PD_TENSOR_PARALLEL", "value": "2"},
-                            {"name": "PD_PIPELINE_PARALLEL", "value": "1"},
-                            {"name": "PD_DATA_PARALLEL", "value": "1"},
-                            {"name": "PD_PEER_SERVICE", "value": "tiny-prefill"},
-                            {"name": "PD_TRANSFER_CONFIG",
-                             "value": "/etc/pd-transfer/transfer.json"},
-                            {"name": "PD_TRANSFER_METRICS_PORT", "value": "9400"},
-                            # pd_transfer reads the peer key here (failure-modes #26).
-                            {"name": "PD_TRANSFER_AUTH_KEY_FILE",
-                             "value": "/var/run/pd-transfer/auth/transfer.key"},
-                        ],
-                        "ports": [
-                            {"name": "http", "containerPort": 30000, "protocol": "TCP"},
-                            {"name": "kv-bootstrap", "containerPort": 8998, "protocol": "TCP"},
-                            {"name": "kv-metrics", "containerPort": 9400,
-                             "protocol": "TCP"},
-                        ],
-                        # RDMA disabled: only the GPUs (tensor × pipeline = 2).
-                        "resources": {"requests": {"nvidia.com/gpu": "2"},
-                                      "limits": {"nvidia.com/gpu": "2"}},
-                        "volumeMounts": [
-                            {"name": "dshm", "mountPath": "/dev/shm"},
-                            {"name": "transfer-config", "mountPath": "/etc/pd-transfer",
-                             "readOnly": True},
-                            {"name": "transfer-key", "mountPath": "/var/run/pd-transfer/auth",
-                             "readOnly": True},
-                        ],
-                        # Only IPC_LOCK (RDMA pins KV memory); everything else dropped.
-                        "securityContext": {"allowPrivilegeEscalation": False,
-                                            "capabilities": {"drop": ["ALL"],
-                                                             "add": ["IPC_LOCK"]}},
-                        "startupProbe": {"httpGet": {"path": "/health", "port": "http"},
-                                         "periodSeconds": 10, "failureThreshold": 180},
-                        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
-                                           "periodSeconds": 5, "failureThreshold": 3},
-                        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"},
-                                          "periodSeconds": 15, "failureThreshold": 4,
-                                          "timeoutSeconds": 5},
-                        # A leaving pod drains first (docs/failure-modes.md #39).
-                        "lifecycle": {"preStop": {"exec": {"command": [
-                            "pd-transfer", "drain", "--role", "decode", "--engine",
-                            "reference", "--engine-metrics-url",
-                            "http://127.0.0.1:9400/metrics", "--connector-metrics-url",
-                            "http://127.0.0.1:9400/metrics", "--settle-seconds", "5",
-                            "--timeout-seconds", "300"]}}},
-                    }],
-                    "volumes": [
-                        {"name": "dshm",
-                         "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
-                        {"name": "transfer-config", "configMap": {"name": "tiny-transfer"}},
-                        {"name": "transfer-key",
-                         "secret": {"secretName": "tiny-transfer-key", "defaultMode": 0o400}},
-                    ],
-                },
-            },
+            # its DNS name in the role's headless Service, as a StatefulSet's pod
+            "hostname": name,
+            "subdomain": "tiny-decode",
+            "serviceAccountName": "tiny-transfer-agent",
+            # The reference engine's agent writes its TransferAgent: it needs the token.
+            "automountServiceAccountToken": True,
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+            "enableServiceLinks": False,
+            # The decode's default drain (300 s) and 60 s for the engine's own stop.
+            "terminationGracePeriodSeconds": 360,
+            "readinessGates": [{"conditionType": "pd.serving.dev/transfer-ready"}],
+            "containers": [{
+                "name": "engine",
+                "image": "pd-operator/reference-engine:0.1.0",
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["pd-transfer", "engine", "--role", "decode", "--config",
+                            "/etc/pd-transfer/transfer.json", "--port", "30000"],
+                "env": [
+                    {"name": "POD_NAME",
+                     "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                    {"name": "POD_NAMESPACE",
+                     "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                    {"name": "POD_UID",
+                     "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                    {"name": "POD_IP",
+                     "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                    {"name": "NODE_NAME",
+                     "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                    {"name": "PD_DEPLOYMENT", "value": "tiny"},
+                    {"name": "PD_ROLE", "value": "decode"},
+                    {"name": "PD_TENSOR_PARALLEL", "value": "2"},
+                    {"name": "PD_PIPELINE_PARALLEL", "value": "1"},
+                    {"name": "PD_DATA_PARALLEL", "value": "1"},
+                    {"name": "PD_PEER_SERVICE", "value": "tiny-prefill"},
+                    {"name": "PD_TRANSFER_CONFIG",
+                     "value": "/etc/pd-transfer/transfer.json"},
+                    {"name": "PD_TRANSFER_METRICS_PORT", "value": "9400"},
+                    # pd_transfer reads the peer key here (failure-modes #26).
+                    {"name": "PD_TRANSFER_AUTH_KEY_FILE",
+                     "value": "/var/run/pd-transfer/auth/transfer.key"},
+                ],
+                "ports": [
+                    {"name": "http", "containerPort": 30000, "protocol": "TCP"},
+                    {"name": "kv-bootstrap", "containerPort": 8998, "protocol": "TCP"},
+                    {"name": "kv-metrics", "containerPort": 9400,
+                     "protocol": "TCP"},
+                ],
+                # RDMA disabled: only the GPUs (tensor × pipeline = 2).
+                "resources": {"requests": {"nvidia.com/gpu": "2"},
+                              "limits": {"nvidia.com/gpu": "2"}},
+                "volumeMounts": [
+                    {"name": "dshm", "mountPath": "/dev/shm"},
+                    {"name": "transfer-config", "mountPath": "/etc/pd-transfer",
+                     "readOnly": True},
+                    {"name": "transfer-key", "mountPath": "/var/run/pd-transfer/auth",
+                     "readOnly": True},
+                ],
+                # Only IPC_LOCK (RDMA pins KV memory); everything else dropped.
+                "securityContext": {"allowPrivilegeEscalation": False,
+                                    "capabilities": {"drop": ["ALL"],
+                                                     "add": ["IPC_LOCK"]}},
+                "startupProbe": {"httpGet": {"path": "/health", "port": "http"},
+                                 "periodSeconds": 10, "failureThreshold": 180},
+                "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                                   "periodSeconds": 5, "failureThreshold": 3},
+                "livenessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                                  "periodSeconds": 15, "failureThreshold": 4,
+                                  "timeoutSeconds": 5},
+                # A leaving pod drains first (docs/failure-modes.md #39).
+                "lifecycle": {"preStop": {"exec": {"command": [
+                    "pd-transfer", "drain", "--role", "decode", "--engine",
+                    "reference", "--engine-metrics-url",
+                    "http://127.0.0.1:9400/metrics", "--connector-metrics-url",
+                    "http://127.0.0.1:9400/metrics", "--settle-seconds", "5",
+                    "--timeout-seconds", "300"]}}},
+            }],
+            "volumes": [
+                {"name": "dshm",
+                 "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+                {"name": "transfer-config", "configMap": {"name": "tiny-transfer"}},
+                {"name": "transfer-key",
+                 "secret": {"secretName": "tiny-transfer-key", "defaultMode": 0o400}},
+            ],
         },
     }
-    assert strip_hash(sts) == expected
-    assert sts["metadata"]["annotations"] == {"pd.serving.dev/desired-hash": desired_hash(sts)}
+    assert pod == expected
+    assert len(template_hash) == 10 and len(name) <= 63
 
 
 def test_children_and_apply_order() -> None:
@@ -170,8 +164,6 @@ def test_children_and_apply_order() -> None:
         ("v1", "Service", "serving", "tiny-decode"),
         ("networking.k8s.io/v1", "NetworkPolicy", "serving", "tiny-prefill"),
         ("networking.k8s.io/v1", "NetworkPolicy", "serving", "tiny-decode"),
-        ("apps/v1", "StatefulSet", "serving", "tiny-prefill"),
-        ("apps/v1", "StatefulSet", "serving", "tiny-decode"),
         ("policy/v1", "PodDisruptionBudget", "serving", "tiny-prefill"),
         ("policy/v1", "PodDisruptionBudget", "serving", "tiny-decode"),
     ]
@@ -245,10 +237,8 @@ def test_transfer_config_in_configmap() -> None:
 
 
 def template_hashes(pdd: PDDeployment) -> dict[str, str]:
-    return {
-        c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH]
-        for c in build_children(pdd, Capabilities()) if c["kind"] == "StatefulSet"
-    }
+    return {role.value: build_pod_template(pdd, role)["metadata"]["labels"][LABEL_TEMPLATE_HASH]
+            for role in (Role.PREFILL, Role.DECODE)}
 
 
 def test_staging_size_change_does_not_roll_pods() -> None:
@@ -287,8 +277,7 @@ def test_rdma_resources_multus_and_ucx_env() -> None:
                                  "resourceCount": 2, "ibDevices": ["mlx5_0:1", "mlx5_3:1"],
                                  "networks": ["net-a", "infra/net-b"]}},
                transfer={"transport": {"ucxTransports": ["rc", "cuda_copy"]}})
-    sts = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-prefill")]
-    pod = sts["spec"]["template"]
+    pod = build_pod_template(pdd, Role.PREFILL)
     container = pod["spec"]["containers"][0]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1",
                                                 "rdma/rdma_shared_device_a": "2"}
@@ -303,8 +292,7 @@ def test_rdma_resources_multus_and_ucx_env() -> None:
 def test_colocation_and_gang_scheduling() -> None:
     pdd = tiny_pdd(placement={"colocationTopologyKey": "example.com/nvlink-domain",
                           "required": True, "gang": {"enabled": True}})
-    pod = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")][
-        "spec"]["template"]
+    pod = build_pod_template(pdd, Role("decode"))
     assert pod["spec"]["affinity"] == {"podAffinity": {
         "requiredDuringSchedulingIgnoredDuringExecution": [{
             "labelSelector": {"matchLabels": {"pd.serving.dev/deployment": "tiny"}},
@@ -322,7 +310,7 @@ def test_sglang_command_and_router() -> None:
                router={"enabled": True, "image": "lmsysorg/sglang:latest",
                        "policy": "round-robin"})
     children = by_key(build_children(pdd, Capabilities()))
-    prefill = children[("StatefulSet", "tiny-prefill")]["spec"]["template"]["spec"]
+    prefill = build_pod_template(pdd, Role("prefill"))["spec"]
     assert prefill["containers"][0]["command"] == [
         "python3", "-m", "sglang.launch_server", "--model-path", "/models/tiny",
         "--served-model-name", "tiny", "--host", "0.0.0.0", "--port", "30000",
@@ -430,8 +418,7 @@ def test_vllm_router_watches_the_engine_pods_with_least_privilege() -> None:
 
 def test_vllm_command() -> None:
     pdd = tiny_pdd(engine={"framework": "vllm", "image": "vllm/vllm-openai:latest", "port": 8000})
-    sts = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")]
-    pod = sts["spec"]["template"]["spec"]
+    pod = build_pod_template(pdd, Role.DECODE)["spec"]
     container = pod["containers"][0]
     assert container["command"] == [
         "python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny",
@@ -457,8 +444,7 @@ def test_vllm_engine_native_command_and_transfer_agent_sidecar() -> None:
     (the whole container). Only the sidecar gets an API token; the engine none."""
     pdd = tiny_pdd(engine={"framework": "vllm", "image": "vllm/vllm-openai:latest", "port": 8000},
                transfer={"backend": "EngineNative"})
-    children = by_key(build_children(pdd, Capabilities(agent_image="agent:9")))
-    pod = children[("StatefulSet", "tiny-decode")]["spec"]["template"]["spec"]
+    pod = build_pod_template(pdd, Role.DECODE, "agent:9")["spec"]
     engine, agent = pod["containers"]
     assert engine["command"][-2:] == [
         "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}']
@@ -526,8 +512,7 @@ def test_every_engine_pod_carries_the_transfer_gate_and_someone_sets_it() -> Non
     pods whose transfer failures never reach the status: pd_transfer's agent reports for
     PDTransfer pods, the transfer-agent sidecar for SGLang and vLLM with EngineNative."""
     def pod(pdd: PDDeployment) -> dict[str, Any]:
-        sts = by_key(build_children(pdd, Capabilities()))[("StatefulSet", "tiny-decode")]
-        spec: dict[str, Any] = sts["spec"]["template"]["spec"]
+        spec: dict[str, Any] = build_pod_template(pdd, Role.DECODE)["spec"]
         return spec
 
     gate = [{"conditionType": "pd.serving.dev/transfer-ready"}]
@@ -616,9 +601,9 @@ def test_token_is_mounted_only_where_the_agent_uses_it() -> None:
     pdd = tiny_pdd(engine={"framework": "sglang", "image": "lmsysorg/sglang:v0.4"},
                router={"enabled": True, "image": "r:1"})
     children = by_key(build_children(pdd, Capabilities()))
-    sts = children[("StatefulSet", "tiny-prefill")]["spec"]["template"]["spec"]
+    prefill = build_pod_template(pdd, Role.PREFILL)["spec"]
     router = children[("Deployment", "tiny-router")]["spec"]["template"]["spec"]
-    assert sts["automountServiceAccountToken"] is False
+    assert prefill["automountServiceAccountToken"] is False
     assert router["automountServiceAccountToken"] is False
     assert router["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
     assert router["containers"][0]["securityContext"] == {
@@ -626,8 +611,7 @@ def test_token_is_mounted_only_where_the_agent_uses_it() -> None:
 
 
 def _engine_pod(pdd: PDDeployment, role: str) -> dict[str, Any]:
-    pod: dict[str, Any] = by_key(build_children(pdd, Capabilities()))[
-        ("StatefulSet", f"tiny-{role}")]["spec"]["template"]["spec"]
+    pod: dict[str, Any] = build_pod_template(pdd, Role(role))["spec"]
     return pod
 
 

@@ -8,17 +8,18 @@ from typing import Any
 
 import pytest
 
-from pd_operator.build import Capabilities, build_children
+from pd_contract.transferagent import Role
+from pd_operator.build.pod import build_pod_template
 from pd_testbed.factories import tiny_pdd
 
 KEY = "pd.serving.dev/kv-compat"
 
 
 def keys(**overrides: Any) -> tuple[str, str]:
-    templates = {c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"]
-                 for c in build_children(tiny_pdd(**overrides), Capabilities())
-                 if c["kind"] == "StatefulSet"}
-    return templates["tiny-prefill"][KEY], templates["tiny-decode"][KEY]
+    pdd = tiny_pdd(**overrides)
+    prefill, decode = (build_pod_template(pdd, role)["metadata"]["labels"][KEY]
+                       for role in (Role.PREFILL, Role.DECODE))
+    return prefill, decode
 
 
 BASE_ENGINE = {"framework": "reference", "image": "pd-operator/reference-engine:0.1.0"}

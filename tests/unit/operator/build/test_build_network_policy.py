@@ -11,9 +11,12 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from pd_contract.transferagent import Role
 from pd_operator.api import PDDeployment
 from pd_operator.api.naming import LABEL_VALUE_MAX, MAX_NAME_LENGTH, name_violation
 from pd_operator.build import Capabilities, build_children
+from pd_operator.build.instances import build_instance_pod
+from pd_operator.build.pod import build_pod_template, template_hash
 from pd_testbed.factories import make_pdd, tiny_pdd
 
 ROUTER = {"enabled": True, "image": "r:1", "port": 8080}
@@ -123,11 +126,13 @@ def test_bootstrap_ports_admit_engine_pods_only() -> None:
     namespace reaching a rank's bootstrap document or control routes: every rule that admits
     a bootstrap port (by listing it, or by listing no port) admits only a bare podSelector
     (no namespaceSelector: this namespace only) that selects the engine pods of both roles as
-    their StatefulSets label them, and not the router's pods nor the look-alikes."""
+    their instances' pods are labelled, and not the router's pods nor the look-alikes."""
     pdd = tiny_pdd(prefill={"replicas": 1, "parallelism": {"tensor": 2, "pipeline": 2}},
                    router=ROUTER)
     built = children(pdd)
-    engines = [pod_labels(built[("StatefulSet", f"tiny-{r}")]) for r in ("prefill", "decode")]
+    engines = [build_instance_pod(pdd, role, template := build_pod_template(pdd, role),
+                                  f"tiny-{role.value}-{template_hash(template)[:4]}-0")
+               ["metadata"]["labels"] for role in (Role.PREFILL, Role.DECODE)]
     router = pod_labels(built[("Deployment", "tiny-router")])
     look_alikes = [
         {"pd.serving.dev/deployment": "tiny"},

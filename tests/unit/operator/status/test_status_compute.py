@@ -173,19 +173,18 @@ def _workload(kind: str, name: str, *conditions: dict[str, str]) -> dict[str, ob
 
 
 def test_child_workload_failures_make_degraded_with_the_childs_reason() -> None:
-    """A StatefulSet's ReplicaFailure and a Deployment's progress deadline surface as
-    Degraded=True with the child's reason and message (docs/failure-modes.md #29:
-    StatefulSets whose pods could not be created left the PDDeployment "Progressing:
-    Creating" forever without a word). Healthy conditions (ReplicaFailure=False,
-    Progressing=True) change nothing."""
-    sts = _workload("StatefulSet", "llama-prefill", {
+    """The router Deployment's ReplicaFailure and progress deadline surface as Degraded=True
+    with the child's reason and message (docs/failure-modes.md #29: workloads whose pods
+    could not be created left the PDDeployment "Progressing: Creating" forever without a
+    word). Healthy conditions (ReplicaFailure=False, Progressing=True) change nothing."""
+    replicas = _workload("Deployment", "llama-router", {
         "type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
-        "message": 'pods "llama-prefill-0" is forbidden: exceeded quota: no-pods'})
-    got = compute_status(make_pdd(), observed(workloads=(sts,)), NOW)
+        "message": 'pods "llama-router-5d4f-x" is forbidden: exceeded quota: no-pods'})
+    got = compute_status(make_pdd(), observed(workloads=(replicas,)), NOW)
     degraded = find_condition(got.conditions, "Degraded")
     assert (degraded.status.value, degraded.reason, degraded.message) == (
         "True", "FailedCreate",
-        'StatefulSet llama-prefill: FailedCreate: pods "llama-prefill-0" is forbidden: '
+        'Deployment llama-router: FailedCreate: pods "llama-router-5d4f-x" is forbidden: '
         "exceeded quota: no-pods")
     assert got.phase is Phase.DEGRADED
 
@@ -196,118 +195,18 @@ def test_child_workload_failures_make_degraded_with_the_childs_reason() -> None:
     assert status_of(got, "Degraded") == ("True", "ProgressDeadlineExceeded")
 
     # Two different child reasons: one generic reason, both messages.
-    got = compute_status(make_pdd(), observed(workloads=(sts, deploy)), NOW)
+    got = compute_status(make_pdd(), observed(workloads=(replicas, deploy)), NOW)
     degraded = find_condition(got.conditions, "Degraded")
     assert degraded.reason == "ChildFailed"
-    assert degraded.message.startswith("StatefulSet llama-prefill: FailedCreate: ")
+    assert degraded.message.startswith("Deployment llama-router: FailedCreate: ")
     assert 'Deployment llama-router: ProgressDeadlineExceeded: ReplicaSet "llama-router-5d4f"' \
         in degraded.message
 
-    fine = (_workload("StatefulSet", "llama-decode",
-                      {"type": "ReplicaFailure", "status": "False", "reason": "AsExpected"}),
-            _workload("Deployment", "llama-router",
+    fine = (_workload("Deployment", "llama-router",
+                      {"type": "ReplicaFailure", "status": "False", "reason": "AsExpected"},
                       {"type": "Progressing", "status": "True",
-                       "reason": "NewReplicaSetAvailable"}))
+                       "reason": "NewReplicaSetAvailable"}),)
     got = compute_status(make_pdd(), observed(workloads=fine), NOW)
-    assert status_of(got, "Degraded") == ("False", "AsExpected")
-
-
-STS_UID = "uid-sts-prefill"
-
-
-def _sts(replicas: int, created: str = "2024-05-01T11:00:00Z") -> dict[str, object]:
-    return {"apiVersion": "apps/v1", "kind": "StatefulSet",
-            "metadata": {"name": "llama-prefill", "uid": STS_UID,
-                         "creationTimestamp": created},
-            "spec": {"replicas": replicas}, "status": {}}
-
-
-def _owned_pod(name: str, created: str) -> dict[str, object]:
-    pod = make_pod(name)
-    pod["metadata"]["creationTimestamp"] = created
-    pod["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "StatefulSet",
-                                           "name": "llama-prefill", "uid": STS_UID,
-                                           "controller": True}]
-    return pod
-
-
-def _failed_create(last: str, message: str, uid: str = STS_UID) -> dict[str, object]:
-    return {"type": "Warning", "reason": "FailedCreate", "message": message,
-            "involvedObject": {"kind": "StatefulSet", "name": "llama-prefill", "uid": uid},
-            "firstTimestamp": "2024-05-01T11:00:01Z", "lastTimestamp": last}
-
-
-QUOTA = ('create Pod llama-prefill-1 in StatefulSet llama-prefill failed error: pods '
-         '"llama-prefill-1" is forbidden: exceeded quota: no-pods, requested: pods=1, '
-         'used: pods=1, limited: pods=1')
-
-
-def test_statefulset_failed_create_events_make_degraded_while_pods_are_missing() -> None:
-    """A StatefulSet that cannot create its pods reports it only as Warning FailedCreate
-    Events, never as a condition: they must surface as Degraded=True/FailedCreate naming the
-    StatefulSet and the Event's message (docs/failure-modes.md #29: the PDDeployment said
-    "Progressing: Creating" forever). Only the newest current Event counts: one no newer
-    than the StatefulSet's newest pod (a pod was created since) or its own creation, or
-    about a deleted namesake (other uid), is history."""
-    pod0 = _owned_pod("llama-prefill-0", "2024-05-01T11:00:05Z")
-    older = _failed_create("2024-05-01T11:00:30Z", "older message")
-    newest = _failed_create("2024-05-01T11:59:00Z", QUOTA)
-    got = compute_status(make_pdd(), observed(
-        [pod0], workloads=(_sts(2),), child_events=(older, newest)), NOW)
-    degraded = find_condition(got.conditions, "Degraded")
-    assert (degraded.status.value, degraded.reason, degraded.message) == (
-        "True", "FailedCreate", f"StatefulSet llama-prefill: FailedCreate: {QUOTA}")
-    assert got.phase is Phase.DEGRADED
-
-    # Cleared: pod-1 was created after the last failure (same events, 2 of 2 pods exist).
-    pod1 = _owned_pod("llama-prefill-1", "2024-05-01T11:59:10Z")
-    got = compute_status(make_pdd(), observed(
-        [pod0, pod1], workloads=(_sts(2),), child_events=(older, newest)), NOW)
-    assert status_of(got, "Degraded") == ("False", "AsExpected")
-
-    # Still short of a pod, but pod-0 was (re)created after the newest failure: history.
-    recreated = _owned_pod("llama-prefill-0", "2024-05-01T11:59:30Z")
-    got = compute_status(make_pdd(), observed(
-        [recreated], workloads=(_sts(2),), child_events=(older, newest)), NOW)
-    assert status_of(got, "Degraded") == ("False", "AsExpected")
-
-    # An Event of the same second as the newest pod is not after it.
-    same_second = _failed_create("2024-05-01T11:00:05Z", QUOTA)
-    got = compute_status(make_pdd(), observed(
-        [pod0], workloads=(_sts(2),), child_events=(same_second,)), NOW)
-    assert status_of(got, "Degraded") == ("False", "AsExpected")
-
-    # A deleted namesake's failure, or one from before this StatefulSet existed: ignored.
-    namesake = _failed_create("2024-05-01T11:59:00Z", QUOTA, uid="uid-old-sts")
-    before = _failed_create("2024-05-01T10:59:00Z", QUOTA)
-    got = compute_status(make_pdd(), observed(
-        [], workloads=(_sts(2),), child_events=(namesake, before)), NOW)
-    assert status_of(got, "Degraded") == ("False", "AsExpected")
-
-    # No pod yet at all: the StatefulSet's own creation time is the bound.
-    got = compute_status(make_pdd(), observed(
-        [], workloads=(_sts(2),), child_events=(older,)), NOW)
-    assert find_condition(got.conditions, "Degraded").message == \
-        "StatefulSet llama-prefill: FailedCreate: older message"
-
-
-def test_failed_create_events_do_not_repeat_a_condition_and_need_missing_pods() -> None:
-    """A StatefulSet whose ReplicaFailure condition already reports the failure is named once
-    (its condition's message), and a StatefulSet with all its pods ignores FailedCreate
-    Events, so a stale Event never degrades a healthy PDDeployment (docs/failure-modes.md
-    #30: the status claims no failure that is not there)."""
-    sts = {**_sts(1), "status": {"conditions": [{
-        "type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
-        "message": "from the condition"}]}}
-    event = _failed_create("2024-05-01T11:59:00Z", QUOTA)
-    got = compute_status(make_pdd(), observed([], workloads=(sts,), child_events=(event,)),
-                         NOW)
-    assert find_condition(got.conditions, "Degraded").message == \
-        "StatefulSet llama-prefill: FailedCreate: from the condition"
-
-    full = _owned_pod("llama-prefill-0", "2024-05-01T11:00:05Z")
-    got = compute_status(make_pdd(), observed([full], workloads=(_sts(1),),
-                                              child_events=(event,)), NOW)
     assert status_of(got, "Degraded") == ("False", "AsExpected")
 
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from pd_operator.api import Role
 from pd_operator.api.transfer_spec import TransferHealthPolicy
-from pd_operator.rollout.planner import observe_pod
+from pd_operator.staging_rollout.planner import observe_pod
 from pd_operator.status import ReportState, observe_fleet
 from pd_testbed.kube_factories import make_agent, make_pod
 

@@ -22,8 +22,9 @@ from pd_contract.transferagent import (
     PeerAgents,
     PeerTransport,
     Role,
+    WindowCounts,
 )
-from pd_operator.rollout.planner import PodRollout
+from pd_operator.staging_rollout.planner import StagingPod
 from pd_testbed.agent_fakes import POD_ENV, FakeAgentAPI
 from pd_testbed.checkout import UNIT_DATA_DIR
 from pd_transfer.agent.errors import IdentityError, PermanentAPIError, RetryableAPIError
@@ -37,6 +38,7 @@ from pd_transfer.agent.report import (
     compute_window,
     connections_of,
     trim_samples,
+    with_engine_requests,
 )
 from pd_transfer.agent.reporter import Reporter, ReporterTuning, build_transfer_agent
 from pd_transfer.agent.spec_watch import SpecWatch
@@ -247,6 +249,71 @@ def test_the_written_window_counts_the_engines_request_errors() -> None:
     assert reporter.tick() is True
     window = api.objects[("ns", "demo-decode-0")]["status"]["window"]
     assert (window["requests"], window["requestErrors"]) == (12, 5)
+
+
+def test_the_engines_requests_are_read_once_per_write_not_once_per_tick() -> None:
+    """Guards the engine's load (a vLLM pod agent's reading is an HTTP scrape of vLLM's
+    /metrics, in the scheduler's process): read only when a status is written, and the
+    written status carries exactly what that reading said."""
+    api, source, clock = FakeAgentAPI(), Source(), Clock()
+    readings = iter([4, 0])
+    reads: list[float] = []
+
+    def engine_requests() -> int | None:
+        reads.append(clock.now)
+        return next(readings)
+
+    reporter = Reporter(make_facts(ratio=0.1), source, api,
+                        ReporterTuning(report_interval_s=5.0), clock=clock, wall=lambda: NOW,
+                        rng=random.Random(0), engine_requests=engine_requests)
+    for _ in range(6):  # ticks at 100..105 s: writes at 100 and 105
+        reporter.tick()
+        clock.now += 1.0
+    assert reads == [100.0, 105.0]
+    assert [w.get("engineRequests") for w in api.status_writes] == [4, 0]
+    assert [w.get("unknown", []) for w in api.status_writes] == [[], []]
+
+
+@pytest.mark.parametrize("reading", [None, RuntimeError("engine metrics exploded")],
+                         ids=["unreadable", "raising"])
+def test_unread_engine_requests_are_written_as_unknown(reading: Exception | None) -> None:
+    """Guards against a pod whose engine could not be read looking idle to the operator's
+    scale-down choice: no engineRequests, and status.unknown lists it; a reading that raises
+    does not stop the write."""
+    api, source, clock = FakeAgentAPI(), Source(), Clock()
+
+    def engine_requests() -> int | None:
+        if isinstance(reading, Exception):
+            raise reading
+        return reading
+
+    reporter = Reporter(make_facts(ratio=0.1), source, api,
+                        ReporterTuning(report_interval_s=5.0), clock=clock, wall=lambda: NOW,
+                        rng=random.Random(0), engine_requests=engine_requests)
+    assert reporter.tick() is True
+    written = api.status_writes[-1]
+    assert "engineRequests" not in written
+    assert written["unknown"] == ["engineRequests"]
+
+
+def test_without_a_reading_of_its_engine_a_status_lists_its_requests_unknown() -> None:
+    status = build_status(make_facts(), [make_snapshot()], [], WindowCounts(), NOW)
+    assert (status.engine_requests, status.unknown) == (None, ["engineRequests"])
+    assert "engineRequests" not in status.to_wire()
+    counted = build_status(make_facts(), [], [], WindowCounts(), NOW, engine_requests=3)
+    assert (counted.engine_requests, counted.unknown) == (3, [])
+    assert counted.to_wire()["engineRequests"] == 3
+
+
+def test_with_engine_requests_keeps_the_other_unknown_fields_sorted() -> None:
+    status = build_status(make_facts(), [], [], WindowCounts(), NOW, engine_requests=2)
+    status = status.model_copy(update={"unknown": ["agents", "ring"]})
+    unread = with_engine_requests(status, None)
+    assert (unread.engine_requests, unread.unknown) == (None, ["agents", "engineRequests",
+                                                               "ring"])
+    assert with_engine_requests(unread, 0).unknown == ["agents", "ring"]
+    assert with_engine_requests(unread, 0).engine_requests == 0
+    assert with_engine_requests(status, -1).engine_requests is None  # no count
 
 
 def test_first_tick_creates_the_agent_owned_by_its_pod() -> None:
@@ -646,7 +713,7 @@ def test_the_agent_resizes_exactly_the_pods_the_rollout_planner_counts_as_resizi
         reporter.notify_spec(obj)
         reporter.tick()
         agent_resizes = asked == [spec_size]
-        pod = PodRollout(name="p", role=Role(role), uid="u", spec=spec_size,
+        pod = StagingPod(name="p", role=Role(role), uid="u", spec=spec_size,
                                  reported=in_force)
         assert (agent_resizes, pod.is_resizing) == (expected, expected), spec_size
         assert api.status_writes[-1]["resizing"] is expected

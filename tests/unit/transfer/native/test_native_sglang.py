@@ -32,8 +32,10 @@ MIB = 1024 * 1024
 
 
 # SGLang 0.5.23 exports no per-outcome request count the agent maps: request errors are
-# unknown (an engine rollout judges SGLang pods by transfers, restarts and readiness).
-PREFILL_UNKNOWN = ["agents", "peers", "pendingKV", "ring", "transports",
+# unknown (an engine rollout judges SGLang pods by transfers, restarts and readiness). The
+# captures keep only the mapping's families and those logged with them: without
+# sglang:num_queue_reqs the engine's requests are unknown too (never its running ones alone).
+PREFILL_UNKNOWN = ["agents", "engineRequests", "peers", "pendingKV", "ring", "transports",
                    "window.requestErrors", "window.requests"]
 
 def status(**fields: object) -> TransferAgentStatus:
@@ -98,8 +100,9 @@ def test_failing_prefill_counts_failures_by_reason_and_is_unhealthy() -> None:
 
 DECODE_QUEUES = [QueueDepth(name="decodePrealloc", depth=3, high_water=3),
                  QueueDepth(name="decodeTransfer", depth=2, high_water=2)]
-DECODE_UNKNOWN = ["agents", "bytesTotal", "peers", "pendingKV", "ring", "transports",
-                  "window.requestErrors", "window.requests", "window.transferTime"]
+DECODE_UNKNOWN = ["agents", "bytesTotal", "engineRequests", "peers", "pendingKV", "ring",
+                  "transports", "window.requestErrors", "window.requests",
+                  "window.transferTime"]
 
 
 def test_decode_counts_arrivals_and_lists_bytes_and_times_unknown() -> None:
@@ -165,3 +168,25 @@ def test_an_sglang_restart_starts_a_new_incarnation_and_keeps_the_window() -> No
     assert (result.transfers_total, result.failures_total, result.bytes_total) == (0, 0, 0)
     assert (result.window.transfers, result.window.failures) == (9, 4)
     assert run.agent.tracker.incarnations == 2
+
+
+PREFILL_LABELS = ('{engine_type="prefill",model_name="tiny-llama",moe_ep_rank="0",pp_rank="0",'
+                  'tp_rank="0"}')
+RANK_1_LABELS = PREFILL_LABELS.replace('tp_rank="0"', 'tp_rank="1"')
+
+
+def test_the_engines_requests_are_its_running_and_queued_requests() -> None:
+    """engineRequests on SGLang: sglang:num_running_reqs + sglang:num_queue_reqs (the
+    gauge SGLang's scheduler writes with it, cut from the captures), over every rank's label
+    set; its disaggregation queues stay in status.queues."""
+    text = capture(P + "prefill_healthy.prom")
+    running = f"sglang:num_running_reqs{PREFILL_LABELS}"
+    assert f"{running} 0.0" in text
+    text = text.replace(f"{running} 0.0", f"{running} 4.0") + (
+        "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n"
+        "# TYPE sglang:num_queue_reqs gauge\n"
+        f"sglang:num_queue_reqs{PREFILL_LABELS} 2.0\n"
+        f"sglang:num_queue_reqs{RANK_1_LABELS} 1.0\n")
+    result = Run(SGLANG_0_5_23, "prefill").read_text(text, 0).report(0)
+    assert result is not None and result.queues == PREFILL_QUEUES
+    assert (result.engine_requests, "engineRequests" in result.unknown) == (4 + 2 + 1, False)

@@ -38,9 +38,10 @@ FAILED_TRANSFERS = ("vllm:nixl_num_failed_transfers_total +5 since the previous 
 
 
 def decode(**changes: object) -> TransferAgentStatus:
-    """A decode report with nothing measured yet; `changes` are what a test expects."""
+    """A decode report with nothing measured yet; `changes` are what a test expects. Every
+    capture's vLLM was idle when read: vllm:num_requests_running and _waiting 0."""
     base = TransferAgentStatus(
-        pod_uid="uid-1", endpoints=ENDPOINTS, incarnation=PAIR_INCARNATION,
+        pod_uid="uid-1", endpoints=ENDPOINTS, incarnation=PAIR_INCARNATION, engine_requests=0,
         window=WindowCounts(seconds=60, transfer_time=TransferTime(), requests=0,
                             request_errors=0), healthy=True,
         report_time=NOW, observed_generation=1, queues=NO_FETCH,
@@ -55,7 +56,7 @@ PREFILL_UNKNOWN = ["agents", "bytesTotal", "liveRequests", "peers", "pendingKV",
 
 def prefill(**changes: object) -> TransferAgentStatus:
     base = TransferAgentStatus(
-        pod_uid="uid-1", endpoints=ENDPOINTS, incarnation=PREFILL_INCARNATION,
+        pod_uid="uid-1", endpoints=ENDPOINTS, incarnation=PREFILL_INCARNATION, engine_requests=0,
         window=WindowCounts(seconds=60, requests=0, request_errors=0), healthy=True,
         report_time=NOW, observed_generation=1, unknown=PREFILL_UNKNOWN)
     return base.model_copy(update=changes)
@@ -265,3 +266,56 @@ def test_other_engines_text_is_not_read_as_vllm() -> None:
     assert status is not None and status.healthy is False
     assert status.last_error.startswith(
         "agent error: no vllm:* metric is exported at all: vLLM serves its metrics")
+
+
+RUNNING = 'vllm:num_requests_running{engine="0",model_name="tiny-llama"}'
+WAITING = 'vllm:num_requests_waiting{engine="0",model_name="tiny-llama"}'
+WAITING_CAPACITY = ('vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny-llama",'
+                    'reason="capacity"}')
+
+
+def test_the_engines_requests_are_its_running_and_waiting_requests_over_every_engine() -> None:
+    """Guards the scale-down choice (the operator removes the pods holding the fewest
+    requests first) against a decode's generations counted as none: engineRequests is vLLM's
+    running + waiting gauges summed over every label set (a DP engine "1" too), from the
+    same reading as the transfers; the by-reason split of the waiting ones is not added
+    again."""
+    text = capture(P + "decode_healthy.prom")
+    for sample in (RUNNING, WAITING, WAITING_CAPACITY):
+        assert f"{sample} 0.0" in text
+    text = (text.replace(f"{RUNNING} 0.0",
+                         f"{RUNNING} 3.0\n" + RUNNING.replace('"0"', '"1"') + " 1.0")
+            .replace(f"{WAITING} 0.0", f"{WAITING} 2.0")
+            .replace(f"{WAITING_CAPACITY} 0.0", f"{WAITING_CAPACITY} 2.0"))
+    status = Run(VLLM_0_32_0, "decode").read_text(text, 0).report(0)
+    assert status is not None and status.healthy is True
+    assert (status.engine_requests, "engineRequests" in status.unknown) == (3 + 1 + 2, False)
+    assert status.to_wire()["engineRequests"] == 6
+
+
+def test_the_engines_requests_are_unknown_after_a_failed_reading_never_zero() -> None:
+    """Guards against a pod whose engine did not answer looking idle (and removed first):
+    the reading that failed, though tolerated for health, leaves engineRequests absent and
+    listed unknown; the next reading measures it again."""
+    run = Run(VLLM_0_32_0, "decode")
+    first = run.read(P + "decode_healthy.prom", 0).report(0)
+    assert first is not None and first.engine_requests == 0
+    missed = run.unreachable(5).report(5)
+    assert missed is not None and missed.healthy is True  # one missed reading is tolerated
+    assert (missed.engine_requests, "engineRequests" in missed.unknown) == (None, True)
+    assert "engineRequests" not in missed.to_wire()
+    assert missed.unknown == ["agents", "engineRequests", "peers", "pendingKV", "ring",
+                              "transports"]
+    back = run.read(P + "decode_healthy.prom", 10).report(10)
+    assert back is not None
+    assert (back.engine_requests, back.unknown) == (0, ["agents", "peers", "pendingKV", "ring",
+                                                        "transports"])
+
+
+def test_the_engines_requests_are_unknown_without_their_waiting_gauge() -> None:
+    """A reading without vllm:num_requests_waiting (another vLLM, metrics cut down) counts
+    no requests rather than only the running ones; the transfers are still read."""
+    text = _without(capture(P + "decode_healthy.prom"), "vllm:num_requests_waiting")
+    status = Run(VLLM_0_32_0, "decode").read_text(text, 0).report(0)
+    assert status is not None and (status.healthy, status.transfers_total) == (True, 5)
+    assert (status.engine_requests, "engineRequests" in status.unknown) == (None, True)

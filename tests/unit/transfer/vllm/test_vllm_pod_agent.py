@@ -6,12 +6,15 @@ fake API server (``pd_testbed.agent_fakes.FakeAgentAPI``)."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client import generate_latest
@@ -489,3 +492,96 @@ def test_ranks_are_read_where_they_listen(bind_host: str, expected: str) -> None
     """Guards against an agent knocking on 127.0.0.1 while its ranks listen on the pod's own
     address only (seen: every status said the ranks were unreachable)."""
     assert rank_host(bind_host) == expected
+
+
+# vLLM's own requests (engineRequests) -----------------------------------------------------------
+
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} {running}
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}
+"""
+
+
+@contextmanager
+def vllm_api_server(pages: dict[str, tuple[int, str]]) -> Iterator[int]:
+    """A stand-in for vLLM's API server on a free port: GET answers ``pages[path]``
+    (status, text), read at each request (a test changes them as it goes)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            code, text = pages.get(self.path, (404, "not found"))
+            body = text.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def engine_options(base: int, engine_port: int | None) -> PodAgentOptions:
+    return PodAgentOptions(role="decode", tp_size=2, config=CONFIG, auth=TEST_AUTH,
+                           bootstrap_port=base, metrics_port=0, metrics_host="127.0.0.1",
+                           engine_port=engine_port, fetch_timeout_s=1.0)
+
+
+def test_the_pod_agent_reads_vllms_requests_from_its_api_servers_metrics() -> None:
+    """Guards a decode's generations counted as none (the transfer module's own live
+    requests are only KV in transfer): vLLM's running + waiting gauges, GET from its API
+    server's /metrics (its gauges live in that process, not the scheduler's), None whenever
+    vLLM does not answer with them."""
+    pages = {"/metrics": (200, VLLM_METRICS.format(running=3.0, waiting=2.0))}
+    with vllm_api_server(pages) as port:
+        agent = PodAgent(engine_options(free_ports(2), port), scheduler_live=lambda: 0)
+        assert agent.options.engine_metrics_url == f"http://127.0.0.1:{port}/metrics"
+        assert agent.read_engine_requests() == 3 + 2
+        pages["/metrics"] = (200, VLLM_METRICS.format(running=0.0, waiting=0.0))
+        assert agent.read_engine_requests() == 0
+        pages["/metrics"] = (500, "starting")
+        assert agent.read_engine_requests() is None
+        pages["/metrics"] = (200, "vllm:num_requests_running{ this is not exposition text")
+        assert agent.read_engine_requests() is None
+        pages["/metrics"] = (200, VLLM_METRICS.format(running=1.0, waiting=0.0)
+                             .replace("vllm:num_requests_waiting", "vllm:other"))
+        assert agent.read_engine_requests() is None  # running alone is no count
+    assert agent.read_engine_requests() is None  # nothing listens any more
+    no_port = PodAgent(engine_options(free_ports(2), None), scheduler_live=lambda: 0)
+    assert (no_port.options.engine_metrics_url, no_port.read_engine_requests()) == (None, None)
+
+
+def test_the_pod_agents_reports_carry_vllms_requests() -> None:
+    """The pod agent's reporter writes what vLLM's /metrics said (one reading per write);
+    once vLLM stops answering, engineRequests is absent and listed unknown."""
+    base, api = free_ports(2), FakeAgentAPI()
+    pages = {"/metrics": (200, VLLM_METRICS.format(running=4.0, waiting=1.0))}
+    with vllm_api_server(pages) as port, canned_ranks(base, [0, 1]):
+        agent = PodAgent(engine_options(base, port), scheduler_live=lambda: 0).start(
+            environ=POD_ENV, client_factory=lambda: api)
+        try:
+            wait(lambda: api.status_writes)
+            first = api.status_writes[0]
+            assert first["engineRequests"] == 4 + 1
+            assert "engineRequests" not in first.get("unknown", [])
+            assert first["endpoints"]["engine"] == f"10.0.0.7:{port}"
+            pages["/metrics"] = (503, "gone")
+            assert agent.reporter is not None
+            agent.reporter.tuning = replace(agent.reporter.tuning, report_interval_s=0.2)
+            wait(lambda: "engineRequests" not in api.status_writes[-1])
+            assert api.status_writes[-1]["unknown"] == ["engineRequests"]
+        finally:
+            agent.stop()

@@ -8,7 +8,8 @@ Start-up order matters:
    BEFORE the first NIXL agent exists;
 3. ranks (memory registered before any bootstrap server publishes), the HTTP API, the
    Prometheus endpoint, then the agent's reporter, which creates the pod's TransferAgent
-   and keeps its status current.
+   and keeps its status current (``engineRequests``: the engine's own
+   ``pd_reference_requests_running``, read from its collector in this process at each write).
 SIGTERM/SIGINT stop everything in reverse order. The reporter and the HTTP servers are
 daemon threads; the data plane never waits for them.
 """
@@ -35,7 +36,9 @@ from prometheus_client.registry import Collector
 from pd_contract.config import TransferConfig
 from pd_contract.names import ENV_TRANSFER_AUTH_KEY_FILE, TRANSFER_AUTH_PATH
 from pd_contract.transferagent import AgentEndpoints, AgentStaging
+from pd_transfer.agent.engine_load import engine_requests
 from pd_transfer.agent.errors import AgentError, IdentityError
+from pd_transfer.agent.exposition import families_of
 from pd_transfer.agent.identity import PodIdentity, read_identity
 from pd_transfer.agent.kube import KubeAgentClient
 from pd_transfer.agent.metrics_http import serve_metrics
@@ -55,10 +58,16 @@ _log = logging.getLogger("pd_transfer.reference.engine")
 
 
 class EngineCollector(Collector):
-    """The engine's own gauges, which ``pd-transfer drain --engine reference`` reads."""
+    """The engine's own gauges, which ``pd-transfer drain --engine reference`` reads, and
+    the agent in this process as ``engineRequests`` (``engine_requests``)."""
 
     def __init__(self, service: EngineService) -> None:
         self._service = service
+
+    def engine_requests(self) -> int | None:
+        """The requests the engine holds now, read from these gauges as any agent reads its
+        engine's (``agent.engine_load``), without a scrape."""
+        return engine_requests("reference", families_of(self.collect()))
 
     def collect(self) -> Iterator[Metric]:
         running = GaugeMetricFamily(
@@ -172,8 +181,9 @@ def run_engine(args: argparse.Namespace) -> int:
         print(f"pd-transfer engine: {exc}", file=sys.stderr)
         return 2
     http = EngineHTTPServer(_Backend(service, faults), identity.ip, args.port)
+    collector = EngineCollector(service)
     metrics = serve_metrics([r.endpoint.metrics.registry for r in service.ranks],
-                            identity.ip, identity.metrics_port, (EngineCollector(service),))
+                            identity.ip, identity.metrics_port, (collector,))
     reporting: Reporting | None = None
     try:
         client = KubeAgentClient.from_environment()
@@ -181,7 +191,8 @@ def run_engine(args: argparse.Namespace) -> int:
             _facts(identity, config, service, http.address), service, client,
             config.reporting, spec_stream=partial(client.watch, identity.namespace,
                                                   identity.name),
-            resizer=service.resize_staging, requests=service.request_counts)
+            resizer=service.resize_staging, requests=service.request_counts,
+            engine_requests=collector.engine_requests)
     except AgentError as exc:  # the engine serves; only its reports are missing
         _log.error("transfer health reporting is OFF: %s", exc)
     _log.info("%s engine of pod %s/%s serving on %s (bootstrap %s, %d rank(s))", args.role,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from pd_operator.kube import KubeClient
-from pd_operator.rollout.planner import (
+from pd_operator.staging_rollout.planner import (
     ANNOTATION_WRITTEN_AT,
     RolloutStep,
     parse_stamp,

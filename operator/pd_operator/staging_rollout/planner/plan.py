@@ -22,10 +22,10 @@ from pd_operator.api.status import (
     StagingRolloutStatus,
 )
 from pd_operator.api.transfer_spec import StagingRollout
-from pd_operator.rollout.planner.decision import Failure, RolloutDecision
-from pd_operator.rollout.planner.modes import RolloutPass
-from pd_operator.rollout.planner.pods import (
-    PodRollout,
+from pd_operator.staging_rollout.decision import Failure, StagingDecision
+from pd_operator.staging_rollout.planner.modes import RolloutPass
+from pd_operator.staging_rollout.pods import (
+    StagingPod,
     at_size,
     natural_order,
     size_order,
@@ -48,14 +48,14 @@ def compute_minimum_staging(spec: PDDeploymentSpec) -> AgentStaging:
 def plan_rollout(
     desired: AgentStaging,
     last_good: AgentStaging | None,
-    pods: Sequence[PodRollout],
+    pods: Sequence[StagingPod],
     *,
     policy: StagingRollout,
     previous: StagingRolloutStatus,
     now: datetime,
     stale_after_s: float,
     minimum: AgentStaging | None = None,
-) -> RolloutDecision:
+) -> StagingDecision:
     """The next rollout step for `pods` towards `desired` (see the package docstring).
 
     `last_good` is the size that last rolled out completely; None derives it from `previous`
@@ -111,7 +111,7 @@ def _sizes(status: StagingRolloutStatus) -> tuple[AgentStaging | None, AgentStag
             size(status.to_decode_pool_mib, status.to_prefill_buffer_mib))
 
 
-def _derive_last_good(previous: StagingRolloutStatus, pods: Sequence[PodRollout],
+def _derive_last_good(previous: StagingRolloutStatus, pods: Sequence[StagingPod],
                       desired: AgentStaging) -> AgentStaging:
     """The last size that rolled out completely, as far as `previous` records it."""
     prev_from, prev_to = _sizes(previous)

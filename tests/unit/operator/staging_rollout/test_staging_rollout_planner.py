@@ -22,11 +22,11 @@ from pd_operator.api.status import (
     StagingRolloutStatus,
 )
 from pd_operator.api.transfer_spec import StagingRollout, TransferHealthPolicy
-from pd_operator.rollout.planner import (
+from pd_operator.staging_rollout.planner import (
     PodHealth,
-    PodRollout,
-    RolloutDecision,
-    RolloutReason,
+    StagingDecision,
+    StagingPod,
+    StagingReason,
     compute_minimum_staging,
     observe_pod,
     plan_rollout,
@@ -98,9 +98,9 @@ class Fleet:
             summary=f"{size.decode_pool_mib}MiB")
         return fleet
 
-    def observe(self) -> list[PodRollout]:
+    def observe(self) -> list[StagingPod]:
         return [
-            PodRollout(
+            StagingPod(
                 name=p.name, role=role_of(p.name), uid=f"uid-{p.name}", spec=p.spec,
                 reported=p.reported, resizing=False,
                 health=PodHealth(transfers=p.transfers, failures=p.failures,
@@ -110,11 +110,11 @@ class Fleet:
             for p in self.pods.values()
         ]
 
-    def decide(self, desired: AgentStaging, pol: StagingRollout) -> RolloutDecision:
+    def decide(self, desired: AgentStaging, pol: StagingRollout) -> StagingDecision:
         return plan_rollout(desired, self.last_good, self.observe(), policy=pol,
                             previous=self.status, now=self.now, stale_after_s=STALE_S)
 
-    def step(self, desired: AgentStaging, pol: StagingRollout) -> RolloutDecision:
+    def step(self, desired: AgentStaging, pol: StagingRollout) -> StagingDecision:
         """One reconcile: decide, write the status, then the specs (the executor's order)."""
         decision = self.decide(desired, pol)
         self.status = decision.status
@@ -150,7 +150,7 @@ class Fleet:
             pod.report_time = self.now
 
     def run(self, desired: AgentStaging, pol: StagingRollout, *, until: set[RolloutPhase],
-            max_steps: int = 60) -> RolloutDecision:
+            max_steps: int = 60) -> StagingDecision:
         for _ in range(max_steps):
             decision = self.step(desired, pol)
             if decision.status.phase in until:
@@ -164,7 +164,7 @@ def allocates(role: Role, size: AgentStaging) -> int:
     return size.decode_pool_mib if role is Role.DECODE else size.prefill_buffer_mib
 
 
-def assert_invariants(pods: list[PodRollout], max_unavailable: int) -> None:
+def assert_invariants(pods: list[StagingPod], max_unavailable: int) -> None:
     resizing = [p.name for p in pods if p.reported is not None and (
         p.spec is None or p.resizing
         or allocates(p.role, p.spec) != allocates(p.role, p.reported))]
@@ -217,7 +217,7 @@ def test_rollout_moves_rings_and_limits_in_safe_batches(
     assert fleet.batches == batches
     assert [summary for _, summary in dedup(fleet.trace)] == summaries
     assert final.status.updated_pods == sorted(FLEET)
-    assert final.events[-1].reason is RolloutReason.COMPLETE
+    assert final.events[-1].reason is StagingReason.COMPLETE
     assert all(p.spec == target and p.reported == target for p in fleet.pods.values())
 
 
@@ -294,7 +294,7 @@ def test_failure_without_auto_rollback_holds_every_pod_where_it_is() -> None:
     assert paused.status.phase is RolloutPhase.PAUSED
     assert paused.status.message.startswith("decode-0: transfer failure ratio 0.030 (3/100)")
     assert "set decodePoolMiB back to decodePoolMiB=4096" in paused.status.message
-    assert [e.reason for e in paused.events] == [RolloutReason.PAUSED]
+    assert [e.reason for e in paused.events] == [StagingReason.PAUSED]
     fleet.pods["decode-0"].failures = 0
     for _ in range(4):
         fleet.tick()
@@ -370,7 +370,7 @@ def test_stale_report_fails_analysis(silent: str) -> None:
     assert decision.status.phase is RolloutPhase.PAUSED
     assert decision.status.message.startswith(
         f"{silent}: transfer report is 90s old (stale after 60s); rolling back to")
-    assert decision.events[0].reason is RolloutReason.ROLLING_BACK
+    assert decision.events[0].reason is StagingReason.ROLLING_BACK
 
 
 def test_size_not_applied_within_deadline_fails() -> None:
@@ -410,7 +410,7 @@ def test_size_below_one_chunk_is_refused_with_the_minimum() -> None:
     assert decision.status.message == (
         "Refusing decodePoolMiB=1024/prefillBufferMiB=2048: one prefill chunk needs at least "
         "decodePoolMiB=1280 and prefillBufferMiB=640; pods keep their sizes")
-    assert [e.reason for e in decision.events] == [RolloutReason.REFUSED]
+    assert [e.reason for e in decision.events] == [StagingReason.REFUSED]
     again = plan_rollout(too_small, None, fleet.observe(), policy=policy(),
                          previous=decision.status, now=T0, stale_after_s=STALE_S,
                          minimum=minimum)
@@ -444,7 +444,7 @@ def test_steady_fleet_is_idle_and_writes_nothing() -> None:
     reconcile that rewrites TransferAgents or emits events in a steady state."""
     fleet = Fleet.at(OLD)
     decision = fleet.decide(OLD, policy())
-    assert decision == RolloutDecision(
+    assert decision == StagingDecision(
         status=StagingRolloutStatus(
             phase=RolloutPhase.IDLE, to_decode_pool_mib=4096, to_prefill_buffer_mib=2048,
             total_pods=4, summary="4096MiB"))
@@ -602,7 +602,7 @@ def test_unchanged_pods_count_only_once_their_reports_confirm_the_target() -> No
     pol = policy(1)
     first = fleet.step(SMALL, pol)
     assert [w.pod for w in first.writes] == ["prefill-0", "prefill-1"]
-    assert [e.reason for e in first.events] == [RolloutReason.STARTED]
+    assert [e.reason for e in first.events] == [StagingReason.STARTED]
     assert first.status.message == (f"Writing {SMALL} to prefill-0, prefill-1 (size in force "
                                     "unchanged)")
     waiting = f"Waiting for prefill-0, prefill-1 to confirm {SMALL} (size in force unchanged)"

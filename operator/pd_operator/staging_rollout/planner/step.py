@@ -1,8 +1,8 @@
 """The reconcile's planning half: from its fleet observation to one `RolloutStep`.
 
 `plan_step` takes the reconcile's `FleetObservation` (engine pods paired with their
-TransferAgents and reports, under the one incarnation rule) and builds the `PodRollout`s
-(`rollout_pods`): `written_at` from the `ANNOTATION_WRITTEN_AT` stamp the executor puts on
+TransferAgents and reports, under the one incarnation rule) and builds the `StagingPod`s
+(`staging_pods`): `written_at` from the `ANNOTATION_WRITTEN_AT` stamp the executor puts on
 every spec write, `applied_at` from the pod's own report's `stagingSince`, else from the
 `ANNOTATION_APPLIED_AT` stamp written for agents that do not report it. It then calls
 `plan_rollout` with the stored `status.stagingRollout` as `previous` (it also records the
@@ -24,14 +24,14 @@ from pd_operator.api.sizing import staging_in_use
 from pd_operator.api.spec import PDDeploymentSpec
 from pd_operator.api.status import RolloutMode, RolloutPhase, StagingRolloutStatus
 from pd_operator.api.transfer_spec import StagingRollout
-from pd_operator.rollout.planner.decision import RolloutDecision
-from pd_operator.rollout.planner.plan import compute_minimum_staging, plan_rollout
-from pd_operator.rollout.planner.pods import PodRollout, observe_pod
-from pd_operator.rollout.planner.stamps import (
+from pd_operator.staging_rollout.decision import StagingDecision
+from pd_operator.staging_rollout.planner.plan import compute_minimum_staging, plan_rollout
+from pd_operator.staging_rollout.planner.stamps import (
     ANNOTATION_APPLIED_AT,
     ANNOTATION_WRITTEN_AT,
     parse_stamp,
 )
+from pd_operator.staging_rollout.pods import StagingPod, observe_pod
 from pd_operator.status.fleet import FleetObservation
 
 __all__ = [
@@ -40,7 +40,7 @@ __all__ = [
     "applied_stamps",
     "plan_step",
     "recheck_seconds",
-    "rollout_pods",
+    "staging_pods",
 ]
 
 Obj = Mapping[str, Any]
@@ -52,8 +52,8 @@ MAX_RECHECK_S: Final = 5.0
 _RECHECK_SLACK_S: Final = 1.0
 
 
-def rollout_pods(fleet: FleetObservation) -> list[PodRollout]:
-    """A `PodRollout` per engine pod of `fleet` that has a TransferAgent (pods without one
+def staging_pods(fleet: FleetObservation) -> list[StagingPod]:
+    """A `StagingPod` per engine pod of `fleet` that has a TransferAgent (pods without one
     are left out: their agent creates it with the spec's sizes)."""
     observed = []
     for pod in fleet.pods:
@@ -73,14 +73,14 @@ class RolloutStep:
     """One planned step: the decision, the pods it was planned from, the TransferAgents it
     writes to (by pod name) and the pods of `applied_now` that need an applied-at stamp."""
 
-    decision: RolloutDecision
-    pods: tuple[PodRollout, ...]
+    decision: StagingDecision
+    pods: tuple[StagingPod, ...]
     agents: Mapping[str, Obj]
     stamp_applied: tuple[str, ...]
     now: datetime
 
 
-def applied_stamps(decision: RolloutDecision, agents: Mapping[str, Obj]) -> tuple[str, ...]:
+def applied_stamps(decision: StagingDecision, agents: Mapping[str, Obj]) -> tuple[str, ...]:
     """Pods of `decision.applied_now` to stamp: only while Progressing (analysis needs the
     time; a steady state writes nothing), only agents that do not report `stagingSince`
     themselves, and not pods that get a new size in this same step."""
@@ -108,7 +108,7 @@ def plan_step(
     if not staging_in_use(spec):
         return None
     staging = spec.transfer.staging
-    pods = rollout_pods(fleet)
+    pods = staging_pods(fleet)
     decision = plan_rollout(
         staging.sizes, None, pods, policy=staging.rollout, previous=previous,
         now=fleet.now, stale_after_s=fleet.stale_after_s,

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from pd_contract.transferagent import AgentStaging, Role
-from pd_operator.rollout.planner.decision import SpecWrite
+from pd_operator.staging_rollout.decision import SpecWrite
 from pd_operator.status.fleet import PodObservation
 
 __all__ = [
     "PodHealth",
-    "PodRollout",
+    "StagingPod",
     "at_size",
     "changes",
     "natural_order",
@@ -49,7 +49,7 @@ class PodHealth:
 
 
 @dataclass(frozen=True)
-class PodRollout:
+class StagingPod:
     """What the planner observes of one engine pod.
 
     `spec` is the size its TransferAgent spec asks for (None: no TransferAgent spec yet);
@@ -88,13 +88,13 @@ class PodRollout:
 def observe_pod(
     pod: PodObservation, *, written_at: datetime | None = None,
     applied_at: datetime | None = None,
-) -> PodRollout:
-    """A `PodRollout` from one pod of the fleet observation. Its report is the fleet's: a
+) -> StagingPod:
+    """A `StagingPod` from one pod of the fleet observation. Its report is the fleet's: a
     report written by another incarnation (a StatefulSet pod recreated under the same name)
     is no report, so the new pod is never judged by its predecessor's numbers."""
     spec = pod.agent.spec if pod.agent is not None else None
     report = pod.report
-    return PodRollout(
+    return StagingPod(
         name=pod.name,
         role=pod.role,
         uid=pod.uid,
@@ -112,7 +112,7 @@ def observe_pod(
     )
 
 
-def at_size(pod: PodRollout, size: AgentStaging) -> bool:
+def at_size(pod: StagingPod, size: AgentStaging) -> bool:
     """`pod` needs nothing more to run `size`: settled at it, or not reporting yet with its
     spec already `size` (nothing to resize until it reports)."""
     if pod.reported is None:
@@ -120,22 +120,22 @@ def at_size(pod: PodRollout, size: AgentStaging) -> bool:
     return pod.settled_at(size)
 
 
-def changes(pod: PodRollout, source: AgentStaging, target: AgentStaging) -> bool:
+def changes(pod: StagingPod, source: AgentStaging, target: AgentStaging) -> bool:
     """Whether a rollout from `source` to `target` changes what `pod` allocates."""
     return source.mib_for(pod.role) != target.mib_for(pod.role)
 
 
-def with_writes(pods: Iterable[PodRollout], writes: Iterable[SpecWrite]) -> list[PodRollout]:
+def with_writes(pods: Iterable[StagingPod], writes: Iterable[SpecWrite]) -> list[StagingPod]:
     """`pods` as they are once `writes` set their specs (the planner's view after a step)."""
     sizes = {w.pod: w.size for w in writes}
     return [
-        PodRollout(p.name, p.role, p.uid, sizes[p.name], p.reported, p.resizing, p.health,
+        StagingPod(p.name, p.role, p.uid, sizes[p.name], p.reported, p.resizing, p.health,
                    p.written_at, p.applied_at) if p.name in sizes else p
         for p in pods
     ]
 
 
-def ring_violation(pods: Iterable[PodRollout]) -> int:
+def ring_violation(pods: Iterable[StagingPod]) -> int:
     """MiB by which the largest prefill chunk limit exceeds the smallest decode ring (0: safe).
 
     A pod in transition may act on either of its sizes: rings count at their smaller one,
@@ -155,7 +155,7 @@ def ring_violation(pods: Iterable[PodRollout]) -> int:
     return max(0, max(limits) - min(rings))
 
 
-def tightens(pod: PodRollout, target: AgentStaging) -> bool:
+def tightens(pod: StagingPod, target: AgentStaging) -> bool:
     """Whether moving `pod` to `target` shrinks a ring or grows a chunk limit."""
     current = pod.reported or pod.spec
     if current is None:
@@ -170,7 +170,7 @@ def size_order(size: AgentStaging) -> tuple[int, int]:
     return (size.decode_pool_mib, size.prefill_buffer_mib)
 
 
-def pod_names(pods: Iterable[PodRollout]) -> str:
+def pod_names(pods: Iterable[StagingPod]) -> str:
     return ", ".join(p.name for p in pods)
 
 

@@ -20,17 +20,17 @@ from pd_operator.api.status import (
     StagingRolloutStatus,
 )
 from pd_operator.api.transfer_spec import StagingRollout
-from pd_operator.rollout.planner.decision import (
+from pd_operator.staging_rollout.decision import (
     EventType,
     Failure,
-    RolloutDecision,
-    RolloutEvent,
-    RolloutReason,
     SpecWrite,
+    StagingDecision,
+    StagingEvent,
+    StagingReason,
     apply_deadline_seconds,
 )
-from pd_operator.rollout.planner.pods import (
-    PodRollout,
+from pd_operator.staging_rollout.pods import (
+    StagingPod,
     at_size,
     changes,
     natural_order,
@@ -51,11 +51,11 @@ _PAUSED: Final = "; paused: set decodePoolMiB back to "
 class RolloutPass:
     """One planning pass: the observed pods, the policy and the clock, shared by the modes.
 
-    `plan_rollout` picks the mode; each mode method returns the whole `RolloutDecision`."""
+    `plan_rollout` picks the mode; each mode method returns the whole `StagingDecision`."""
 
     def __init__(
         self,
-        pods: list[PodRollout],
+        pods: list[StagingPod],
         *,
         policy: StagingRollout,
         previous: StagingRolloutStatus,
@@ -75,13 +75,13 @@ class RolloutPass:
     def forward(
         self, source: AgentStaging, target: AgentStaging, *, started_at: datetime,
         starting: bool,
-    ) -> RolloutDecision:
+    ) -> StagingDecision:
         writes = self.newcomers(source, target, forward=True)
         view = with_writes(self.pods, writes)
-        events: list[RolloutEvent] = []
+        events: list[StagingEvent] = []
         if starting:
-            events.append(RolloutEvent(
-                EventType.NORMAL, RolloutReason.STARTED,
+            events.append(StagingEvent(
+                EventType.NORMAL, StagingReason.STARTED,
                 f"Rolling out {target} (from {source}) in batches of "
                 f"{self.policy.max_unavailable}",
             ))
@@ -101,21 +101,21 @@ class RolloutPass:
         failure = next((r for r in (self._failure(p, target) for p in judged) if r), None)
         if failure is not None:
             if self.policy.auto_rollback:
-                events.append(RolloutEvent(
-                    EventType.WARNING, RolloutReason.ROLLING_BACK,
+                events.append(StagingEvent(
+                    EventType.WARNING, StagingReason.ROLLING_BACK,
                     f"{failure.message}{_ROLLING_BACK}{source}",
                 ))
                 return self.rollback(source, target, started_at=started_at, failure=failure,
                                      writes=writes, events=events)
             held = self.hold(source, target, started_at=started_at, failure=failure,
                              writes=writes)
-            events.append(RolloutEvent(EventType.WARNING, RolloutReason.PAUSED,
+            events.append(StagingEvent(EventType.WARNING, StagingReason.PAUSED,
                                        held.status.message))
-            return RolloutDecision(held.status, held.writes, tuple(events), held.applied_now)
+            return StagingDecision(held.status, held.writes, tuple(events), held.applied_now)
         remaining = [p for p in view if not at_size(p, target)]
         if not batch and not remaining:
             if self.previous.phase is not RolloutPhase.COMPLETE or starting:
-                events.append(RolloutEvent(EventType.NORMAL, RolloutReason.COMPLETE,
+                events.append(StagingEvent(EventType.NORMAL, StagingReason.COMPLETE,
                                            f"Rolled out {target} to {len(view)} pods"))
             return self.finish(RolloutPhase.COMPLETE, source, target, started_at=started_at,
                                message=f"Rolled out {target}", writes=writes, events=events)
@@ -132,7 +132,7 @@ class RolloutPass:
         if moves:
             message = _moves_message(view, moves, source, target)
             if any(changes(p, source, target) for p in view if p.name in _pods(moves)):
-                events.append(RolloutEvent(EventType.NORMAL, RolloutReason.BATCH, message))
+                events.append(StagingEvent(EventType.NORMAL, StagingReason.BATCH, message))
             return self.finish(RolloutPhase.PROGRESSING, source, target, started_at=started_at,
                                message=message, writes=writes + moves, events=events)
         confirming = [p for p in view if p.spec == target and p.is_pending]
@@ -147,8 +147,8 @@ class RolloutPass:
     def rollback(
         self, rollout_from: AgentStaging, rollout_to: AgentStaging, *, started_at: datetime,
         failure: Failure, writes: tuple[SpecWrite, ...] | None = None,
-        events: list[RolloutEvent] | None = None,
-    ) -> RolloutDecision:
+        events: list[StagingEvent] | None = None,
+    ) -> StagingDecision:
         """Return every pod to `rollout_from`; `writes`/`events` carry what the calling
         mode already decided in this pass (newcomers of the forward pass, its warning)."""
         events = events if events is not None else []
@@ -165,7 +165,7 @@ class RolloutPass:
         if not remaining:
             message = f"{failure.message}{_ROLLED_BACK}{rollout_from}"
             if self.previous.phase is not RolloutPhase.ROLLED_BACK:
-                events.append(RolloutEvent(EventType.WARNING, RolloutReason.ROLLED_BACK,
+                events.append(StagingEvent(EventType.WARNING, StagingReason.ROLLED_BACK,
                                            message))
             return self.finish(RolloutPhase.ROLLED_BACK, rollout_from, rollout_to,
                                started_at=started_at, message=message, writes=writes,
@@ -179,7 +179,7 @@ class RolloutPass:
                            failure=failure)
 
     def hold(self, source: AgentStaging, target: AgentStaging, *, started_at: datetime,
-             failure: Failure, writes: tuple[SpecWrite, ...] | None = None) -> RolloutDecision:
+             failure: Failure, writes: tuple[SpecWrite, ...] | None = None) -> StagingDecision:
         """Paused where every pod is; only newcomers get a size."""
         if writes is None:
             writes = self.newcomers(source, target, forward=True)
@@ -189,7 +189,7 @@ class RolloutPass:
                            failure=failure)
 
     def refuse(self, desired: AgentStaging, good: AgentStaging,
-               minimum: AgentStaging) -> RolloutDecision:
+               minimum: AgentStaging) -> StagingDecision:
         """Paused without a `to`: nothing of a refused size is recorded, so a later spec (or a
         smaller chunk that lowers the minimum) starts a rollout normally."""
         message = (
@@ -197,9 +197,9 @@ class RolloutPass:
             f"decodePoolMiB={minimum.decode_pool_mib} and "
             f"prefillBufferMiB={minimum.prefill_buffer_mib}; pods keep their sizes"
         )
-        events: list[RolloutEvent] = []
+        events: list[StagingEvent] = []
         if self.previous.message != message:
-            events.append(RolloutEvent(EventType.WARNING, RolloutReason.REFUSED, message))
+            events.append(StagingEvent(EventType.WARNING, StagingReason.REFUSED, message))
         return self.finish(RolloutPhase.PAUSED, good, None, started_at=None, message=message,
                            writes=self.newcomers(good, good, forward=True), events=events,
                            mode=None)
@@ -207,9 +207,9 @@ class RolloutPass:
     def finish(
         self, phase: RolloutPhase, source: AgentStaging | None, target: AgentStaging | None,
         *, started_at: datetime | None, message: str, writes: tuple[SpecWrite, ...],
-        events: Iterable[RolloutEvent] = (), mode: RolloutMode | None = RolloutMode.FORWARD,
+        events: Iterable[StagingEvent] = (), mode: RolloutMode | None = RolloutMode.FORWARD,
         failure: Failure | None = None,
-    ) -> RolloutDecision:
+    ) -> StagingDecision:
         view = with_writes(self.pods, writes)
         updated = ([] if target is None or phase is RolloutPhase.IDLE else
                    [p.name for p in view if p.reported == target and not p.resizing])
@@ -231,7 +231,7 @@ class RolloutPass:
         )
         applied_now = tuple(p.name for p in view if p.applied_at is None
                             and p.reported is not None and p.settled_at(p.reported))
-        return RolloutDecision(status, writes, tuple(events), applied_now)
+        return StagingDecision(status, writes, tuple(events), applied_now)
 
     # -- pieces --------------------------------------------------------------------------
 
@@ -257,14 +257,14 @@ class RolloutPass:
             writes.append(SpecWrite(pod.name, choice))
         return tuple(writes)
 
-    def _moves(self, view: list[PodRollout], source: AgentStaging, target: AgentStaging, *,
+    def _moves(self, view: list[StagingPod], source: AgentStaging, target: AgentStaging, *,
                limit: int, retarget: bool = False) -> tuple[SpecWrite, ...]:
         """Up to `limit` new resizes towards `target` (re-targeting an already resizing pod
         is free when `retarget`), in order, each keeping the ring rule and the resizing
         count ≤ maxUnavailable."""
         grows = target.decode_pool_mib > source.decode_pool_mib
 
-        def order(p: PodRollout) -> tuple[bool, bool, tuple[object, ...]]:
+        def order(p: StagingPod) -> tuple[bool, bool, tuple[object, ...]]:
             first = Role.DECODE if grows else Role.PREFILL
             return (tightens(p, target), p.role is not first, natural_order(p.name))
 
@@ -288,11 +288,11 @@ class RolloutPass:
             limit -= max(added, 0)
         return tuple(moves)
 
-    def _analysing(self, pod: PodRollout) -> bool:
+    def _analysing(self, pod: StagingPod) -> bool:
         since = pod.applied_at or self.now
         return since + timedelta(seconds=self.policy.analysis_seconds) > self.now
 
-    def _failure(self, pod: PodRollout, target: AgentStaging) -> Failure | None:
+    def _failure(self, pod: StagingPod, target: AgentStaging) -> Failure | None:
         """Why `pod` (of the current batch) fails analysis, or None."""
         health = pod.health
         if health.report_time is None:
@@ -318,7 +318,7 @@ class RolloutPass:
                            "written")
         return None
 
-    def _blocked_message(self, view: list[PodRollout], target: AgentStaging) -> str:
+    def _blocked_message(self, view: list[StagingPod], target: AgentStaging) -> str:
         silent = [p for p in view if p.reported is None and not at_size(p, target)]
         if silent:
             return f"Waiting for {pod_names(silent)} to report before resizing"
@@ -331,7 +331,7 @@ def _pods(writes: Iterable[SpecWrite]) -> set[str]:
     return {w.pod for w in writes}
 
 
-def _moves_message(view: Sequence[PodRollout], moves: Sequence[SpecWrite],
+def _moves_message(view: Sequence[StagingPod], moves: Sequence[SpecWrite],
                    source: AgentStaging, target: AgentStaging) -> str:
     """"Resizing <changed pods> to <target>", naming apart the pods whose spec only follows
     (their size in force does not change)."""
@@ -345,7 +345,7 @@ def _moves_message(view: Sequence[PodRollout], moves: Sequence[SpecWrite],
 
 
 def _summary(phase: RolloutPhase, source: AgentStaging | None, target: AgentStaging | None,
-             pods: Sequence[PodRollout], *, rolling_back: bool) -> str:
+             pods: Sequence[StagingPod], *, rolling_back: bool) -> str:
     """The STAGING printer column: `4096MiB`, or `4096→6144MiB 2/4` while moving."""
     def arrow(a: AgentStaging, b: AgentStaging) -> str:
         if a.decode_pool_mib != b.decode_pool_mib:

@@ -1,7 +1,7 @@
 """The staging-pool rollout as pure arithmetic: observed pods in, the next step out.
 
 `plan_rollout(desired, last_good, pods, *, policy, previous, now, stale_after_s)` returns a
-`RolloutDecision`: the new `status.stagingRollout`, the TransferAgent spec sizes to write now
+`StagingDecision`: the new `status.stagingRollout`, the TransferAgent spec sizes to write now
 (only changes) and the events to emit. It performs no I/O and reads no clock; the executor
 makes the API calls (`rollout.executor`). Every step is derived from what the pods report, never
 from memory, so a restarted operator computes the same step (lws `disaggregatedset/planner.go`).
@@ -12,7 +12,7 @@ The status carries only what cannot be observed: the from/to pair, `startedAt`, 
 (Forward, Hold or Rollback) and, once a batch failed analysis, `rollbackReason` (an
 `api.status.RollbackReason`) with `rollbackMessage` (the failed pod and its numbers). The
 planner reads these fields back and never parses `message`, which is for people. Two per-pod
-times cannot be observed from a TransferAgent either and come in with each `PodRollout`: when
+times cannot be observed from a TransferAgent either and come in with each `StagingPod`: when
 its spec size was written (`written_at`, stamped by the executor with each write) and since
 when its report shows that size in force (`applied_at`; the executor stamps `now` for the pods
 a decision lists in `applied_now`; `stamps.py`). A pod of which either time is unknown is
@@ -79,40 +79,40 @@ is in the package README); there, a pod has no spec only when its TransferAgent'
 not parse.
 
 Modules, in reading order: `plan.py` (`plan_rollout`, the mode from the stored status),
-`modes.py` (`RolloutPass`: forward, rollback, hold, refuse), `pods.py` (`PodRollout`, what is
+`modes.py` (`RolloutPass`: forward, rollback, hold, refuse), `pods.py` (`StagingPod`, what is
 observed of a pod, and the ring rule's arithmetic), `decision.py` (what a pass returns),
 `step.py` (the reconcile's planning half: the fleet observation to a `RolloutStep`, and when
 to look again), `stamps.py` (the written-at and applied-at stamps, and the apply body that
 carries a size). Nothing here does I/O: import-linter keeps kubernetes, kopf and nixl out.
 """
 
-from pd_operator.rollout.planner.decision import (
+from pd_operator.staging_rollout.decision import (
     APPLY_GRACE_SECONDS,
     EventType,
     Failure,
-    RolloutDecision,
-    RolloutEvent,
-    RolloutReason,
     SpecWrite,
+    StagingDecision,
+    StagingEvent,
+    StagingReason,
     apply_deadline_seconds,
 )
-from pd_operator.rollout.planner.plan import compute_minimum_staging, plan_rollout
-from pd_operator.rollout.planner.pods import PodHealth, PodRollout, observe_pod
-from pd_operator.rollout.planner.stamps import (
+from pd_operator.staging_rollout.planner.plan import compute_minimum_staging, plan_rollout
+from pd_operator.staging_rollout.planner.stamps import (
     ANNOTATION_APPLIED_AT,
     ANNOTATION_WRITTEN_AT,
     format_stamp,
     parse_stamp,
     staging_apply,
 )
-from pd_operator.rollout.planner.step import (
+from pd_operator.staging_rollout.planner.step import (
     MAX_RECHECK_S,
     RolloutStep,
     applied_stamps,
     plan_step,
     recheck_seconds,
-    rollout_pods,
+    staging_pods,
 )
+from pd_operator.staging_rollout.pods import PodHealth, StagingPod, observe_pod
 
 __all__ = [
     "ANNOTATION_APPLIED_AT",
@@ -122,12 +122,12 @@ __all__ = [
     "EventType",
     "Failure",
     "PodHealth",
-    "PodRollout",
-    "RolloutDecision",
-    "RolloutEvent",
-    "RolloutReason",
     "RolloutStep",
     "SpecWrite",
+    "StagingDecision",
+    "StagingEvent",
+    "StagingPod",
+    "StagingReason",
     "applied_stamps",
     "apply_deadline_seconds",
     "compute_minimum_staging",
@@ -137,6 +137,6 @@ __all__ = [
     "plan_rollout",
     "plan_step",
     "recheck_seconds",
-    "rollout_pods",
     "staging_apply",
+    "staging_pods",
 ]

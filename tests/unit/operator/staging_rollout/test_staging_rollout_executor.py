@@ -12,21 +12,21 @@ from pd_contract.transferagent import AgentStaging
 from pd_operator.api.status import RolloutMode, RolloutPhase, StagingRolloutStatus
 from pd_operator.api.transfer_spec import StagingRollout, TransferHealthPolicy
 from pd_operator.kube import KubeClient
-from pd_operator.rollout.executor import RolloutExecutor
-from pd_operator.rollout.planner import (
+from pd_operator.staging_rollout.executor import RolloutExecutor
+from pd_operator.staging_rollout.planner import (
     ANNOTATION_APPLIED_AT,
     ANNOTATION_WRITTEN_AT,
     MAX_RECHECK_S,
-    PodRollout,
-    RolloutDecision,
     RolloutStep,
     SpecWrite,
+    StagingDecision,
+    StagingPod,
     applied_stamps,
     parse_stamp,
     plan_step,
     recheck_seconds,
-    rollout_pods,
     staging_apply,
+    staging_pods,
 )
 from pd_operator.status import FleetObservation, observe_fleet
 from pd_testbed.factories import make_spec
@@ -68,8 +68,8 @@ def observe(pods: list[Obj], agents: list[Obj]) -> FleetObservation:
     return observe_fleet(pods, agents, T0, health=TransferHealthPolicy())
 
 
-def observed_pods(pods: list[Obj], agents: list[Obj]) -> list[PodRollout]:
-    return rollout_pods(observe(pods, agents))
+def observed_pods(pods: list[Obj], agents: list[Obj]) -> list[StagingPod]:
+    return staging_pods(observe(pods, agents))
 
 
 def test_stamps_parse_and_bad_ones_count_as_absent() -> None:
@@ -120,12 +120,12 @@ def test_staging_apply_owns_only_the_size_and_the_stamps() -> None:
 
 def decision(phase: RolloutPhase, *, writes: tuple[SpecWrite, ...] = (),
              applied_now: tuple[str, ...] = (), to: int | None = 6144,
-             mode: RolloutMode | None = RolloutMode.FORWARD) -> RolloutDecision:
+             mode: RolloutMode | None = RolloutMode.FORWARD) -> StagingDecision:
     status = StagingRolloutStatus(phase=phase, from_decode_pool_mib=4096,
                                   to_decode_pool_mib=to, from_prefill_buffer_mib=4096,
                                   to_prefill_buffer_mib=4096 if to else None,
                                   mode=mode if to else None)
-    return RolloutDecision(status, writes, (), applied_now)
+    return StagingDecision(status, writes, (), applied_now)
 
 
 def test_applied_stamps_only_while_progressing_and_only_where_the_agent_is_silent() -> None:

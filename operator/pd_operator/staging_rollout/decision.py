@@ -13,10 +13,10 @@ __all__ = [
     "APPLY_GRACE_SECONDS",
     "EventType",
     "Failure",
-    "RolloutDecision",
-    "RolloutEvent",
-    "RolloutReason",
     "SpecWrite",
+    "StagingDecision",
+    "StagingEvent",
+    "StagingReason",
     "apply_deadline_seconds",
 ]
 
@@ -31,7 +31,7 @@ class EventType(StrEnum):
     WARNING = "Warning"
 
 
-class RolloutReason(StrEnum):
+class StagingReason(StrEnum):
     """Event reasons of the staging rollout (one CamelCase word each)."""
 
     STARTED = "StagingRolloutStarted"
@@ -52,20 +52,20 @@ class SpecWrite:
 
 
 @dataclass(frozen=True)
-class RolloutEvent:
+class StagingEvent:
     type: EventType
-    reason: RolloutReason
+    reason: StagingReason
     message: str
 
 
 @dataclass(frozen=True)
-class RolloutDecision:
+class StagingDecision:
     """The next step: write `status`, then `writes`, emit `events` after the status write
     succeeded, and record `now` as `applied_at` of the pods in `applied_now`."""
 
     status: StagingRolloutStatus
     writes: tuple[SpecWrite, ...] = ()
-    events: tuple[RolloutEvent, ...] = ()
+    events: tuple[StagingEvent, ...] = ()
     applied_now: tuple[str, ...] = ()
 
 

@@ -1,5 +1,9 @@
-"""What the engine-rollout planner knows of one pod and of each role's target (pure data,
-made from the reconcile's one `FleetObservation`)."""
+"""What an engine rollout reads of a role's engine instances, from one fleet observation.
+
+An instance is identified by its pod's name and `pd.serving.dev/instance` label
+(`api.naming.instance_name`); a pod without that label is a *legacy* pod, the pod of a
+previous release's StatefulSet, which a rollout replaces like any old-revision instance.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,11 @@ from datetime import datetime
 from typing import Any, Final
 
 from pd_contract.health import own_failures
-from pd_contract.names import LABEL_KV_COMPAT
+from pd_contract.names import LABEL_ENGINE_INSTANCE, LABEL_KV_COMPAT
 from pd_contract.transferagent import Role
 from pd_operator.status.fleet import FleetObservation, PodObservation, ReportState
 
-__all__ = ["START_FAILURES", "RoleTarget", "RolloutPod", "rollout_pods"]
+__all__ = ["START_FAILURES", "Instance", "RoleTarget", "instance_index", "observe_instances"]
 
 # A container waiting for one of these will not start by itself: a bad image or a bad
 # reference in the pod template.
@@ -24,17 +28,18 @@ START_FAILURES: Final = frozenset({
 
 
 @dataclass(frozen=True)
-class RolloutPod:
-    """One engine pod as a rollout sees it."""
+class Instance:
+    """One engine instance (its pod) as a rollout sees it."""
 
     name: str
     uid: str
     role: Role
-    ordinal: int
     revision: str
     kv_compat: str
     ready: bool
     deleting: bool
+    index: int | None = None  # None: a legacy pod (no instance label)
+    failed: bool = False  # phase Failed or Succeeded: its containers will not run again
     restarts: int = 0
     created_at: datetime | None = None
     waiting_reason: str = ""  # the first waiting container's reason, "" when none waits
@@ -46,29 +51,51 @@ class RolloutPod:
     # its agent's fresh report counts requests its engine ended with a server error above
     # maxFailureRatio of those it ended in the window ("" when not, or not counted)
     request_errors: str = ""
+    # what its leaving would cost, from its agent's fresh report (None: not reported)
+    requests: int | None = None
+    pending_kv_bytes: int = 0
 
     @property
     def serving(self) -> bool:
         """Ready and not on its way out: the router may pair it."""
         return self.ready and not self.deleting
 
+    @property
+    def legacy(self) -> bool:
+        return self.index is None
+
+    def cost(self) -> tuple[int, int, int, int]:
+        """The order in which instances leave, cheapest first: not Ready, then the fewest
+        requests in its engine (unknown counts as many), the least KV waiting to be pulled,
+        and the youngest index."""
+        requests = self.requests if self.requests is not None else 1 << 30
+        return (int(self.serving), requests, self.pending_kv_bytes, -(self.index or 0))
+
+    def cost_text(self) -> str:
+        if not self.serving:
+            return "not Ready" if not self.deleting else "draining"
+        held = "requests unknown" if self.requests is None else f"{self.requests} in flight"
+        return f"{held}, {self.pending_kv_bytes} B of KV waiting to be pulled"
+
 
 @dataclass(frozen=True)
 class RoleTarget:
-    """One role's target: `revision` is the template the StatefulSet runs (the spec's, or
-    the last good one after a rollback), `spec_revision` the spec's own."""
+    """One role's target: `revision` is the template new instances get (the spec's, or the
+    last good one after a rollback), `spec_revision` the spec's own."""
 
     role: Role
     desired: int
     revision: str
     kv_compat: str
     spec_revision: str
-    live_replicas: int | None  # the StatefulSet's spec.replicas now; None: not created yet
 
 
-def _ordinal(name: str) -> int:
+def instance_index(name: str, labels: Mapping[str, str]) -> int | None:
+    """The index an instance's name ends with; None for a pod that is no instance."""
+    if labels.get(LABEL_ENGINE_INSTANCE) != name:
+        return None
     tail = name.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
+    return int(tail) if tail.isdigit() else None
 
 
 def _container_facts(body: Mapping[str, Any]) -> tuple[int, str]:
@@ -112,23 +139,28 @@ def _request_errors(observed: PodObservation, max_failure_ratio: float) -> str:
             f"{max_failure_ratio:.0%})")
 
 
-def _pod(observed: PodObservation, max_failure_ratio: float) -> RolloutPod:
+def _instance(observed: PodObservation, max_failure_ratio: float) -> Instance:
     restarts, waiting = _container_facts(observed.body)
     labels = (observed.body.get("metadata") or {}).get("labels") or {}
-    return RolloutPod(
+    phase = (observed.body.get("status") or {}).get("phase")
+    report = observed.verdict.report if observed.verdict.fresh else None
+    return Instance(
         name=observed.name, uid=observed.uid, role=observed.role,
-        ordinal=_ordinal(observed.name), revision=observed.revision,
-        kv_compat=str(labels.get(LABEL_KV_COMPAT, "")), ready=observed.ready,
-        deleting=observed.deleting, restarts=restarts, created_at=_created(observed.body),
-        waiting_reason=waiting,
+        revision=observed.revision, kv_compat=str(labels.get(LABEL_KV_COMPAT, "")),
+        ready=observed.ready, deleting=observed.deleting,
+        index=instance_index(observed.name, labels),
+        failed=phase in ("Failed", "Succeeded"),
+        restarts=restarts, created_at=_created(observed.body), waiting_reason=waiting,
         transfer_failing=_failing_transfers(observed),
         transfer_detail=observed.verdict.detail,
         request_errors=_request_errors(observed, max_failure_ratio),
+        requests=None if report is None else report.engine_requests,
+        pending_kv_bytes=0 if report is None else report.pending_kv.bytes,
     )
 
 
-def rollout_pods(fleet: FleetObservation, *,
-                 max_failure_ratio: float) -> tuple[RolloutPod, ...]:
-    """Every engine pod of `fleet`; `max_failure_ratio` (the deployment's health limit)
-    judges the requests its engine ended with a server error."""
-    return tuple(_pod(p, max_failure_ratio) for p in fleet.pods)
+def observe_instances(fleet: FleetObservation, *,
+                      max_failure_ratio: float) -> tuple[Instance, ...]:
+    """Every engine instance of `fleet`; `max_failure_ratio` (the deployment's health
+    limit) judges the requests its engine ended with a server error."""
+    return tuple(_instance(p, max_failure_ratio) for p in fleet.pods)

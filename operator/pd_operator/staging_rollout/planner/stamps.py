@@ -3,7 +3,7 @@
 A TransferAgent cannot say when its spec size was written, and an agent that does not report
 `stagingSince` cannot say since when a size is in force; the executor stamps both as
 annotations (`pd.serving.dev/staging-written-at`, `…-applied-at`) and the planner reads them
-back (`step.rollout_pods`). Written and read here, so the format is one. Pure: bodies in,
+back (`step.staging_pods`). Written and read here, so the format is one. Pure: bodies in,
 times and bodies out.
 """
 

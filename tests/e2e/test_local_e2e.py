@@ -93,6 +93,14 @@ class Deployment:
             label_selector=f"pd.serving.dev/deployment={name}")
         return list(listed["items"])
 
+    def instance(self, role: str, index: int) -> str:
+        """The name of the role's engine instance of `index`."""
+        pods = self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"pd.serving.dev/deployment={NAME},"
+                                           f"pd.serving.dev/role={role}").items
+        return next(p.metadata.name for p in pods
+                    if p.metadata.name.rsplit("-", 1)[-1] == str(index))
+
     def gate(self, pod: str) -> Obj:
         status = self.core.read_namespaced_pod(pod, self.namespace).status
         return next(({"status": c.status, "reason": c.reason} for c in status.conditions or []
@@ -191,7 +199,8 @@ def _held_prefill_is_reported(deployment: Deployment) -> None:
     pulled the KV, and the test sends that decode only later) is in its pod's
     engineRequests at the next report, load or no load; then it completes."""
     statuses = {a["metadata"]["name"]: a["status"] for a in deployment.agents()}
-    prefill, decode = statuses[f"{NAME}-prefill-0"], statuses[f"{NAME}-decode-0"]
+    first = deployment.instance("prefill", 0)
+    prefill, decode = statuses[first], statuses[deployment.instance("decode", 0)]
     room, timeout_s = f"held-{random.getrandbits(48):012x}", 60.0
     with ThreadPoolExecutor(max_workers=1) as side:
         sent = side.submit(post_json, prefill["endpoints"]["engine"], "/v1/prefill",
@@ -202,11 +211,11 @@ def _held_prefill_is_reported(deployment: Deployment) -> None:
 
         def held_report() -> Obj | None:
             status = next(a["status"] for a in deployment.agents()
-                          if a["metadata"]["name"] == f"{NAME}-prefill-0")
+                          if a["metadata"]["name"] == first)
             written = datetime.fromisoformat(status["reportTime"].replace("Z", "+00:00"))
             return status if written > held_from + timedelta(seconds=1) else None
 
-        status = wait_for(f"{NAME}-prefill-0 reporting after the request was held",
+        status = wait_for(f"{first} reporting after the request was held",
                           held_report, 30)
         got = post_json(decode["endpoints"]["engine"], "/v1/decode",
                         {"room": room, "num_tokens": 64,
@@ -229,7 +238,7 @@ def _engine_of(deployment: Deployment, pod: str) -> str:
 
 
 def test_failing_decode_pod_turns_transfer_health_false(deployment: Deployment) -> None:
-    pod = f"{NAME}-decode-0"
+    pod = deployment.instance("decode", 0)
     request = urllib.request.Request(
         f"http://{_engine_of(deployment, pod)}/v1/faults",
         data=json.dumps({"set": {"drop_grants": 1.0}}).encode(),
@@ -251,7 +260,7 @@ def test_failing_decode_pod_turns_transfer_health_false(deployment: Deployment) 
 
 
 def test_killed_engine_report_turns_stale(deployment: Deployment) -> None:
-    pod = f"{NAME}-decode-1"
+    pod = deployment.instance("decode", 1)
     record = deployment.kubelet.process_of(deployment.namespace, pod)
     assert record is not None
     stop_process(record, grace_s=0.0)  # SIGTERM then SIGKILL at once: the agent stops too

@@ -240,6 +240,9 @@ def transferagent_crd() -> dict[str, Any]:
         {"name": "Pool-MiB", "type": "integer", "jsonPath": ".status.staging.decodePoolMiB",
          "description": "Decode staging pool in force."},
         {"name": "Live", "type": "integer", "jsonPath": ".status.liveRequests"},
+        {"name": "Engine-Reqs", "type": "integer", "jsonPath": ".status.engineRequests",
+         "description": "Requests the engine is running or holding waiting (empty: not "
+         "read, see status.unknown); a scale-down removes the instance with the fewest."},
         {"name": "Pending-KV", "type": "integer", "jsonPath": ".status.pendingKV.bytes",
          "description": "Bytes of KV of the live requests (prefill: not pulled by decode "
          "yet; what a leaving prefill waits for)."},

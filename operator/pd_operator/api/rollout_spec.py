@@ -1,5 +1,5 @@
 """`spec.rollout` of a PDDeployment: how a change of the engine pods' template (image,
-arguments, environment, model, page size, KV dtype...) replaces running pods."""
+arguments, environment, model, page size, KV dtype...) replaces running engine instances."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ __all__ = ["CanarySpec", "RolloutSpec", "RolloutStrategy"]
 
 
 class RolloutStrategy(StrEnum):
-    SURGE = "Surge"  # coordinated over both roles: new pods beside old, old leave drained
-    ROLLING_UPDATE = "RollingUpdate"  # each role's StatefulSet on its own, no surge
-    RECREATE = "Recreate"  # every old pod of both roles at once
+    SURGE = "Surge"  # coordinated over both roles: new instances beside old, old leave drained
+    ROLLING_UPDATE = "RollingUpdate"  # one instance of a role at a time, each role on its own
+    RECREATE = "Recreate"  # every old instance of both roles at once
 
 
 class CanarySpec(APIModel):
@@ -38,12 +38,14 @@ class RolloutSpec(APIModel):
 
     strategy: RolloutStrategy = Field(
         default=RolloutStrategy.SURGE,
-        description="Surge (default): new-revision pods start beside the old ones, an old "
-        "pod is deleted (and drains) only while each role keeps its replicas Ready and a "
-        "prefill and a decode of one KV-compatibility key serve; a failing new revision "
-        "rolls back by itself. RollingUpdate: each role's StatefulSet replaces one pod at "
-        "a time on its own, no surge, no analysis. Recreate: every old pod of both roles is "
-        "deleted at once (an outage), with the same analysis and rollback.",
+        description="Surge (default): new-revision engine instances start beside the old "
+        "ones, each once; an old instance is deleted (and drains) only while each role keeps "
+        "its replicas Ready and a prefill and a decode of one KV-compatibility key serve, "
+        "the cheapest to lose first; a failing new revision rolls back by itself. "
+        "RollingUpdate: each role replaces one instance at a time on its own (the old one "
+        "drains and goes, then its replacement starts), no surge, no analysis. Recreate: "
+        "every old instance of both roles is deleted at once (an outage), with the same "
+        "analysis and rollback.",
     )
     max_surge: int = Field(
         default=1, ge=0, le=1000,

@@ -71,6 +71,13 @@ def test_printer_columns_and_subresources() -> None:
         "statusReplicasPath": ".status.decode.replicas",
         "labelSelectorPath": ".status.decode.selector",
     }
+    agents = next(c for c in all_crds() if c["spec"]["names"]["kind"] == "TransferAgent")
+    columns = {c["name"]: c["jsonPath"] for c in
+               agents["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert list(columns) == ["Deployment", "Role", "Pool-MiB", "Live", "Engine-Reqs",
+                             "Pending-KV", "Oldest-s", "Failures", "Healthy", "Age"]
+    # what a scale-down weighs, beside what it holds: `kubectl get transferagents`
+    assert columns["Engine-Reqs"] == ".status.engineRequests"
     assert pdd_crd["spec"]["names"]["shortNames"] == ["pdd"]
     assert "pd" in pdd_crd["spec"]["names"]["categories"]
 

@@ -1,13 +1,14 @@
 """Operator scale benchmark (not a test): many PDDeployments on a fresh local control plane
-(etcd, kube-apiserver, kube-controller-manager: the StatefulSet and Deployment controllers
-create every pod, which stays Pending: there is no scheduler or kubelet).
+(etcd, kube-apiserver, kube-controller-manager: the operator creates every engine instance's
+pod and the Deployment controller the routers'; every pod stays Pending: there is no
+scheduler or kubelet).
 
 The operator runs as the chart runs it (`pd-operator run -A --leader-elect`, one replica).
 PDDeployments are the repository's examples, varied (each example in turn, every third one
 with other replica counts), in four namespaces. Two phases in one run:
 1. `--first` (100) PDDeployments created at once: seconds until every one has its children
-   (both StatefulSets, and the router Deployment where it has one) and a written status
-   (`status.observedGeneration` == `metadata.generation`);
+   (every engine instance's pod of both roles, and the router Deployment where it has one)
+   and a written status (`status.observedGeneration` == `metadata.generation`);
 2. `--count` (1000) more, created at once beside the first ones, measured the same way,
    with what they cost per PDDeployment: CPU seconds of every process (the operator, etcd,
    the API server, the controller-manager), the API server's requests (all clients) and the
@@ -18,7 +19,7 @@ reconciles the last pods' events queued, done; the time and the writes are repor
   Lease renewals reported apart) and the API server's for all clients;
 - the operator's peak and current RSS;
 - `--edits` (40) edits one after another, each a PDDeployment's decode replicas changed:
-  seconds from the PATCH until its decode StatefulSet shows the new count (p50/p99/max);
+  seconds from the PATCH until its decode instances number the new count (p50/p99/max);
 - a check, once, that every PDDeployment's children are exactly what the builders make.
 Results are printed and saved as JSON under benchmarks/results/.
 Run: `.venv/bin/python benchmarks/operator_scale.py [--first 100] [--count 1000]`.
@@ -141,23 +142,31 @@ def converged(api: k8s.ApiClient, wanted: dict[tuple[str, str], set[str]]) -> se
     """The wanted PDDeployments with a current status and their workloads. Read from the API
     server's watch cache (resourceVersion 0) as raw JSON, so that polling a thousand objects
     costs the API server and this process little."""
-    objects, apps = k8s.CustomObjectsApi(api), k8s.AppsV1Api(api)
+    objects, apps, core = k8s.CustomObjectsApi(api), k8s.AppsV1Api(api), k8s.CoreV1Api(api)
 
-    def names(response: Any) -> set[str]:
-        return {item["metadata"]["name"] for item in json.loads(response.data)["items"]}
+    def items(response: Any) -> list[Obj]:
+        listed: list[Obj] = json.loads(response.data)["items"]
+        return listed
 
     done = set()
     for namespace in NAMESPACES:
-        raw: Any = objects.list_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, resource_version="0", _preload_content=False)
-        listed = json.loads(raw.data)["items"]
+        listed = items(objects.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, resource_version="0", _preload_content=False))
         current = {item["metadata"]["name"] for item in listed
                    if (item.get("status") or {}).get("observedGeneration")
                    == item["metadata"]["generation"]}
-        have = {f"StatefulSet/{n}" for n in names(apps.list_namespaced_stateful_set(
-            namespace, resource_version="0", _preload_content=False))}
-        have |= {f"Deployment/{n}" for n in names(apps.list_namespaced_deployment(
-            namespace, resource_version="0", _preload_content=False))}
+        have = {f"Deployment/{d['metadata']['name']}" for d in items(
+            apps.list_namespaced_deployment(namespace, resource_version="0",
+                                            _preload_content=False))}
+        # One engine instance per pod: `Pods/<deployment>-<role>/<count>`.
+        counts: dict[str, int] = {}
+        for pod in items(core.list_namespaced_pod(
+                namespace, resource_version="0", label_selector="pd.serving.dev/role",
+                _preload_content=False)):
+            labels = pod["metadata"]["labels"]
+            key = f"{labels['pd.serving.dev/deployment']}-{labels['pd.serving.dev/role']}"
+            counts[key] = counts.get(key, 0) + 1
+        have |= {f"Pods/{key}/{n}" for key, n in counts.items()}
         for (ns, name), workloads in wanted.items():
             if ns == namespace and name in current and workloads <= have:
                 done.add((ns, name))
@@ -165,8 +174,13 @@ def converged(api: k8s.ApiClient, wanted: dict[tuple[str, str], set[str]]) -> se
 
 
 def workloads(body: Obj) -> set[str]:
-    return {f"{c['kind']}/{c['metadata']['name']}" for c in build_children(parse_pdd(body), CAPS)
-            if c["kind"] in ("StatefulSet", "Deployment")}
+    """The router Deployment where there is one, and each role's count of pods."""
+    pdd = parse_pdd(body)
+    name = pdd.metadata.name
+    return ({f"{c['kind']}/{c['metadata']['name']}" for c in build_children(pdd, CAPS)
+             if c["kind"] == "Deployment"}
+            | {f"Pods/{name}-prefill/{pdd.spec.prefill.replicas}",
+               f"Pods/{name}-decode/{pdd.spec.decode.replicas}"})
 
 
 def create_and_wait(api: k8s.ApiClient, batch: list[Obj], timeout_s: float) -> float:
@@ -222,18 +236,25 @@ def wait_for_operator_quiet(port: int, *, quiet_s: float, timeout_s: float) -> t
 
 
 def edit_latencies(api: k8s.ApiClient, names: list[tuple[str, str]], edits: int) -> list[float]:
-    """Seconds from each decode-replicas PATCH until the decode StatefulSet has the count."""
-    objects, apps = k8s.CustomObjectsApi(api), k8s.AppsV1Api(api)
+    """Seconds from each decode-replicas PATCH until the decode role has that many instances
+    (pods not being deleted: without a node, a deleted pod is gone at once)."""
+    objects, core = k8s.CustomObjectsApi(api), k8s.CoreV1Api(api)
     rng = random.Random(7)
     latencies = []
+
+    def decodes(namespace: str, name: str) -> int:
+        pods = core.list_namespaced_pod(namespace, label_selector=(
+            f"pd.serving.dev/deployment={name},pd.serving.dev/role=decode")).items
+        return sum(1 for p in pods if p.metadata is not None
+                   and p.metadata.deletion_timestamp is None)
+
     for namespace, name in rng.sample(names, edits):
-        sts_name = f"{name}-decode"
-        replicas = apps.read_namespaced_stateful_set(sts_name, namespace).spec.replicas
+        replicas = decodes(namespace, name)
         wanted = 1 if replicas != 1 else 2
         started = time.monotonic()
         objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
                                                {"spec": {"decode": {"replicas": wanted}}})
-        while apps.read_namespaced_stateful_set(sts_name, namespace).spec.replicas != wanted:
+        while decodes(namespace, name) != wanted:
             if time.monotonic() - started > 60:
                 raise SystemExit(f"edit of {namespace}/{name} not reconciled in 60 s")
             time.sleep(0.02)
@@ -242,11 +263,13 @@ def edit_latencies(api: k8s.ApiClient, names: list[tuple[str, str]], edits: int)
 
 
 def children_exact(kube_api: k8s.ApiClient, batch: list[Obj]) -> list[str]:
-    """Problems: children missing, or not the builders' (kinds and names)."""
-    from pd_operator.kube import CHILD_KINDS, PDB, KubeClient  # noqa: PLC0415
+    """Problems: children missing, or not the builders' (kinds and names). The engine
+    instances (`converged` counts them) and their templates' records are not applied
+    children."""
+    from pd_operator.kube import CHILD_KINDS, CONTROLLER_REVISIONS, PDB, KubeClient  # noqa: PLC0415
 
     kube = KubeClient(kube_api)
-    kinds = tuple(k for k in CHILD_KINDS if k != PDB)
+    kinds = tuple(k for k in CHILD_KINDS if k not in (PDB, CONTROLLER_REVISIONS))
     objects = k8s.CustomObjectsApi(kube_api)
     problems = []
     for namespace in NAMESPACES:
@@ -326,6 +349,12 @@ def main() -> int:
                 requests_after, requests_before, args.count),
             "more_operator_writes_per_pddeployment": per_item(
                 writes_after, writes_before, args.count, least=0.0),
+            "more_operator_writes_total_per_pddeployment": round(sum(
+                v - writes_before.get(k, 0.0) for k, v in writes_after.items()
+                if not k.endswith(" Lease")) / args.count, 2),
+            "more_apiserver_writes_per_pddeployment_all_clients": round(sum(
+                v - requests_before.get(k, 0.0) for k, v in requests_after.items()
+                if k.split(" ")[0] in (*WRITE_VERBS, "APPLY")) / args.count, 2),
             "pods_at_rest": pods,
             "pods_settled_after_seconds": round(settle_s, 1),
             "operator_quiet_after_seconds": round(quiet_s, 1),

@@ -1,6 +1,8 @@
-"""Engine rollouts under load: the coordinated surge rollout (`spec.rollout.strategy:
-Surge`, the default) against each role's own StatefulSet rolling update (`RollingUpdate`,
-what the operator did before), in the same run (not a test).
+"""Engine rollouts under load (not a test): the strategies of `--strategies` in the same run
+(the coordinated surge rollout, `spec.rollout.strategy: Surge`, the default; `RollingUpdate`,
+one instance of a role at a time); with `--before REF`, each strategy first with REF's
+operator and CRDs (a git worktree of REF: the previous release), then with this checkout's,
+each on a fresh control plane.
 
 On a fresh local control plane: the operator (its own process), the fake kubelet running
 `examples/local-vllm.yaml` (one vLLM prefill and one vLLM decode on PDTransferConnector, the
@@ -15,8 +17,10 @@ decode again:
 Per change: seconds from the patch to the end, completions served and failed that were in
 flight at some point of that window (by error; while no router is Ready, as when a role has
 no engine, each client counts one refusal per second, as a client of the router's Service
-would be refused), their latency p50/p99, and the longest stretch without an answer,
-beside the same figures for the window before the first change. Printed and saved as JSON under
+would be refused), their latency p50/p99, the longest stretch without an answer, and the
+engines started for it (engine pods created, and engine process starts: those pods' first
+starts plus their container restarts), beside the same figures for the window before the
+first change. Printed and saved as JSON under
 benchmarks/results/. Run: `.venv/bin/python benchmarks/rollout_under_load.py` (about 25
 minutes on 2 cores). Needs the vLLM virtualenv (`python -m pd_devcluster.vllm_env`).
 """
@@ -26,9 +30,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
@@ -93,6 +102,38 @@ def settled(fleet: Fleet, generation: int) -> bool:
     return fleet.endpoints("prefill") == 1.0 and fleet.endpoints("decode") == 1.0
 
 
+class EngineStarts(threading.Thread):
+    """Samples the engine pods twice a second: the pods created since it started (new
+    uids) and the most restarts each of those had."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        super().__init__(daemon=True)
+        self.fleet = fleet
+        self.known = {uid for uid, _ in self._pods()}
+        self.created: dict[str, int] = {}
+        self.done = threading.Event()
+
+    def _pods(self) -> list[tuple[str, int]]:
+        listed: Obj = self.fleet.api.sanitize_for_serialization(  # type: ignore[no-untyped-call]
+            self.fleet.core.list_namespaced_pod(
+                self.fleet.namespace, label_selector=f"pd.serving.dev/deployment={NAME},"
+                                                     "pd.serving.dev/role in (prefill,decode)"))
+        return [(p["metadata"]["uid"], sum(int(c.get("restartCount") or 0) for c in (
+            p.get("status") or {}).get("containerStatuses") or [])) for p in listed["items"]]
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            for uid, restarts in self._pods():
+                if uid not in self.known:
+                    self.created[uid] = max(restarts, self.created.get(uid, 0))
+
+    def stop(self) -> dict[str, int]:
+        self.done.set()
+        self.join(10)
+        return {"engine_pods_created": len(self.created),
+                "engine_process_starts": len(self.created) + sum(self.created.values())}
+
+
 def run_strategy(fleet: Fleet, strategy: str, clients: int, before_s: float) -> Obj:
     def edit(pdd: Obj) -> None:
         pdd["spec"]["rollout"] = {"strategy": strategy}
@@ -106,6 +147,8 @@ def run_strategy(fleet: Fleet, strategy: str, clients: int, before_s: float) -> 
     for change, given in CHANGES.items():
         patch = {"engine": {"args": [*args, "--max-num-seqs", "64"]}} if change == "args" \
             else given
+        starts = EngineStarts(fleet)
+        starts.start()
         began = time.monotonic()
         fleet.objects.patch_namespaced_custom_object(GROUP, VERSION, fleet.namespace,
                                                      "pddeployments", NAME, {"spec": patch})
@@ -115,10 +158,23 @@ def run_strategy(fleet: Fleet, strategy: str, clients: int, before_s: float) -> 
         ended = time.monotonic()
         time.sleep(3)  # completions cut at the end have ended and are counted
         result[change] = {"rollout_s": round(ended - began, 1),
-                          **latency(fleet, began, ended)}
+                          **latency(fleet, began, ended), **starts.stop()}
         print(strategy, change, json.dumps(result[change]), flush=True)
     fleet.undeploy(drivers)
     return result
+
+
+@contextmanager
+def worktree(ref: str) -> Iterator[Path]:
+    """A detached git worktree of `ref` (removed after)."""
+    path = Path(tempfile.mkdtemp(prefix="rollout-before-")) / "tree"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(path),
+                    ref], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
+                       check=False)
 
 
 def main() -> int:
@@ -128,13 +184,29 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--before-seconds", type=float, default=30.0)
     parser.add_argument("--strategies", default="Surge,RollingUpdate")
+    parser.add_argument("--before", default="",
+                        help="a git ref: run each strategy with its operator first")
     args = parser.parse_args()
     require_vllm_env()
     results: Obj = {}
-    with local_fleet("rollout-load", "127.203.9.", args.max_tokens) as fleet:
+    with ExitStack() as stack:
+        sources: dict[str, Path | None] = {"after": None}
+        if args.before:
+            sources = {"before": stack.enter_context(worktree(args.before)), **sources}
+        for label, source in sources.items():
+            with local_fleet("rollout-load", "127.203.9.", args.max_tokens,
+                             source=source) as fleet:
+                for strategy in args.strategies.split(","):
+                    key = f"{label}/{strategy}" if args.before else strategy
+                    results[key] = run_strategy(fleet, strategy, args.clients,
+                                                args.before_seconds)
+    if args.before:
         for strategy in args.strategies.split(","):
-            results[strategy] = run_strategy(fleet, strategy, args.clients,
-                                             args.before_seconds)
+            for change in CHANGES:
+                before = results[f"before/{strategy}"][change]["rollout_s"]
+                after = results[f"after/{strategy}"][change]["rollout_s"]
+                results.setdefault("after_over_before", {})[f"{strategy}/{change}"] = round(
+                    after / before, 2)
     print(json.dumps(results, indent=1))
     save_results("rollout_under_load", vars(args), results)
     return 0

@@ -256,12 +256,15 @@ def run_mode(fleet: Fleet, mode: str, clients: int, serve_s: float,
 
 
 @contextmanager
-def local_fleet(prefix: str, ip_prefix: str, max_tokens: int) -> Iterator[Fleet]:
+def local_fleet(prefix: str, ip_prefix: str, max_tokens: int, *,
+                source: Path | None = None) -> Iterator[Fleet]:
     """A fresh local control plane, the operator (its own process) and the fake kubelet
-    serving one new namespace (`prefix-…`, pods on `ip_prefix`*); everything stops after."""
+    serving one new namespace (`prefix-…`, pods on `ip_prefix`*); everything stops after.
+    `source`: another checkout whose operator and CRDs to run (a before/after's before); the
+    engines run this checkout's pd_transfer either way."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     work = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
-    handle = start_control_plane(work / "cluster", Ports.free(), REPO / "crds",
+    handle = start_control_plane(work / "cluster", Ports.free(), (source or REPO) / "crds",
                                  controller_manager=True)
     try:
         api = handle.api_client()
@@ -270,7 +273,7 @@ def local_fleet(prefix: str, ip_prefix: str, max_tokens: int) -> Iterator[Fleet]
             metadata=k8s.V1ObjectMeta(generate_name=f"{prefix}-")))
         namespace = str(api.sanitize_for_serialization(created)["metadata"]["name"])  # type: ignore[no-untyped-call]
         operator = OperatorReplicas(handle, namespace, work, count=1,
-                                    extra_args=FLEET_OPERATOR)
+                                    extra_args=FLEET_OPERATOR, source=source)
         kubelet = FakeKubelet(handle, work / "kubelet", namespace=namespace,
                               ip_prefix=ip_prefix, restart_backoff_s=2.0)
         kubelet_stop = threading.Event()

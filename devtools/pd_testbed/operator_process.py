@@ -40,6 +40,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _source_path(source: Path | None) -> dict[str, str]:
+    if source is None:
+        return {}
+    paths = [str(source / "operator"), str(source / "contract")]
+    return {"PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
+
+
 @dataclass
 class OperatorProcess:
     """One `pd-operator run --leader-elect` process serving `namespace`."""
@@ -55,9 +62,12 @@ class OperatorProcess:
     @classmethod
     def start(cls, control_plane: ControlPlaneHandle, namespace: str, name: str,
               log_dir: Path, *, kubeconfig: Path | None = None,
-              extra_args: Sequence[str] = (), all_namespaces: bool = False) -> OperatorProcess:
+              extra_args: Sequence[str] = (), all_namespaces: bool = False,
+              source: Path | None = None) -> OperatorProcess:
         """`kubeconfig`: whose credentials it runs with (default: the admin's).
-        `all_namespaces`: serve every namespace (`-A`), `namespace` holding only the Lease."""
+        `all_namespaces`: serve every namespace (`-A`), `namespace` holding only the Lease.
+        `source`: another checkout whose operator to run (a benchmark's before: its
+        `operator/` and `contract/` first on the path), instead of this one's."""
         port, health_port = _free_port(), _free_port()
         log_path = log_dir / f"operator-{name}.log"
         scope = ["-A"] if all_namespaces else ["--namespace", namespace]
@@ -69,8 +79,8 @@ class OperatorProcess:
                  "--liveness", f"http://127.0.0.1:{health_port}/healthz",
                  "--leader-elect-namespace", namespace, "--leader-elect-name", LEASE,
                  *extra_args],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                env={**os.environ, "HOSTNAME": name},
+                stdout=log, stderr=subprocess.STDOUT, cwd=source or REPO_ROOT,
+                env={**os.environ, "HOSTNAME": name, **_source_path(source)},
             )
         operator = cls(name, namespace, process, port, health_port, log_path)
         deadline = time.monotonic() + 60
@@ -166,6 +176,7 @@ class OperatorReplicas:
     log_dir: Path
     count: int = 2
     extra_args: Sequence[str] = (*QUICK_TAKEOVER, *TEST_TUNING)
+    source: Path | None = None  # another checkout's operator (`OperatorProcess.start`)
     started: list[OperatorProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -175,7 +186,7 @@ class OperatorReplicas:
     def _start(self) -> OperatorProcess:
         self.started.append(OperatorProcess.start(
             self.control_plane, self.namespace, f"replica-{len(self.started)}", self.log_dir,
-            extra_args=self.extra_args))
+            extra_args=self.extra_args, source=self.source))
         return self.started[-1]
 
     @property

@@ -105,8 +105,7 @@ class Cluster:
         """The PDDeployment's children of every applied kind (`records` has the templates
         its instances' revisions keep)."""
         selector = f"pd.serving.dev/deployment={name}"
-        kinds = [k for k in KINDS if k is not CONTROLLER_REVISIONS]
-        return {child_key(o): o for o in self.kube.list_children(self.ns, selector, kinds)}
+        return {child_key(o): o for o in self.kube.list_children(self.ns, selector, KINDS)}
 
     def records(self, name: str = NAME) -> list[Obj]:
         """The ControllerRevisions keeping each role's pod template per revision."""

@@ -124,11 +124,11 @@ CHILD_KINDS: Final = (
     KindRef("apps/v1", "Deployment", "deployments"),
     KindRef("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     PDB,
-    CONTROLLER_REVISIONS,
 )
 _BY_KIND: Final = {
     (k.api_version, k.kind): k
-    for k in (*CHILD_KINDS, PODS, PDDEPLOYMENTS, TRANSFERAGENTS, PDROLES, LEASES)
+    for k in (*CHILD_KINDS, PODS, PDDEPLOYMENTS, TRANSFERAGENTS, PDROLES, LEASES,
+              CONTROLLER_REVISIONS)
 }
 
 

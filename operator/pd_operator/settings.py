@@ -43,7 +43,6 @@ CHILD_RESOURCES: tuple[tuple[str, str, str], ...] = (
     ("apps", "v1", "deployments"),
     ("networking.k8s.io", "v1", "networkpolicies"),
     ("policy", "v1", "poddisruptionbudgets"),
-    ("apps", "v1", "controllerrevisions"),
     ("", "v1", "pods"),
 )
 

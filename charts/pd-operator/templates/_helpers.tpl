@@ -124,10 +124,11 @@ integration test tests/integration/test_chart_install.py runs the operator under
   resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "delete"]
 # Each role's pod template per revision, kept for a rollback: created with a revision's
-# first instance, pruned past the history limit.
+# first instances, read by name on a rollback, listed and pruned when a rollout ends (not
+# watched: the operator does not cache them).
 - apiGroups: ["apps"]
   resources: ["controllerrevisions"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "create", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]

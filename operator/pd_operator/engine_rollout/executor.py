@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from pd_contract.names import LABEL_DEPLOYMENT, LABEL_ROLE
 from pd_contract.transferagent import Role
+from pd_operator.api.naming import revision_record_name
 from pd_operator.api.resources import PDDeployment
 from pd_operator.api.revision_status import EngineRolloutPhase, EngineRolloutStatus
 from pd_operator.build.instances import (
@@ -28,7 +29,7 @@ from pd_operator.build.meta import owned_by, owner_reference
 from pd_operator.build.names import LABEL_COMPONENT, LABEL_TEMPLATE_HASH
 from pd_operator.engine_rollout.planner import EngineStep
 from pd_operator.errors import ConflictError
-from pd_operator.kube import PODS, KubeClient
+from pd_operator.kube import CONTROLLER_REVISIONS, PODS, KubeClient
 from pd_operator.metrics import (
     ENGINE_INSTANCES_CREATED,
     ENGINE_ROLLOUT_DELETIONS,
@@ -36,8 +37,7 @@ from pd_operator.metrics import (
     ENGINE_ROLLOUTS,
 )
 
-__all__ = ["HISTORY_LIMIT", "InstanceExecutor", "publish_phase", "revision_records",
-           "template_of"]
+__all__ = ["HISTORY_LIMIT", "InstanceExecutor", "publish_phase"]
 
 log = logging.getLogger(__name__)
 
@@ -48,47 +48,33 @@ Obj = dict[str, Any]
 HISTORY_LIMIT: Final = 10
 
 
-def revision_records(children: Iterable[Obj], pdd: PDDeployment, role: Role) -> list[Obj]:
-    """The role's ControllerRevisions among `children`, oldest first."""
-    uid = pdd.metadata.uid
-    mine = [o for o in children if o.get("kind") == "ControllerRevision" and owned_by(o, uid)
-            and (o["metadata"].get("labels") or {}).get(LABEL_ROLE) == role.value
-            and (o["metadata"].get("labels") or {}).get(LABEL_COMPONENT) == REVISION_RECORD]
-    return sorted(mine, key=lambda o: int(o.get("revision") or 0))
-
-
-def template_of(records: Sequence[Obj], revision: str) -> Obj | None:
-    """The pod template of `revision` among a role's records; None when none keeps it."""
-    for record in reversed(records):
-        labels = record["metadata"].get("labels") or {}
-        if labels.get(LABEL_TEMPLATE_HASH) == revision:
-            return recorded_template(record)
-    return None
-
-
 class InstanceExecutor:
     """Creates and deletes instances and keeps the templates, through the operator's client."""
 
     def __init__(self, kube: KubeClient) -> None:
         self.kube = kube
 
-    def keep_template(self, pdd: PDDeployment, role: Role, template: Obj,
-                      records: Sequence[Obj]) -> None:
-        """Record `template` unless a record of its revision exists."""
-        revision = str(template["metadata"]["labels"][LABEL_TEMPLATE_HASH])
-        if template_of(records, revision) is not None:
-            return
-        number = max((int(r.get("revision") or 0) for r in records), default=0) + 1
-        with contextlib.suppress(ConflictError):  # recorded by an earlier attempt
-            self.kube.create(build_revision_record(pdd, role, template, number))
+    def keep_template(self, pdd: PDDeployment, role: Role, template: Obj) -> None:
+        """Record `template` (a record of its revision that exists already stays: 409). Its
+        number is the PDDeployment's generation that first ran it."""
+        with contextlib.suppress(ConflictError):
+            self.kube.create(build_revision_record(pdd, role, template,
+                                                   pdd.metadata.generation or 1))
 
-    def create(self, pdd: PDDeployment, step: EngineStep, templates: Mapping[Role, Obj],
-               records: Mapping[Role, Sequence[Obj]]) -> list[str]:
+    def kept_template(self, pdd: PDDeployment, role: Role, revision: str) -> Obj | None:
+        """The pod template of `revision` as recorded; None when no record keeps it."""
+        meta = pdd.metadata
+        record = self.kube.get(CONTROLLER_REVISIONS, meta.namespace,
+                               revision_record_name(meta.name, role, revision))
+        return None if record is None else recorded_template(record)
+
+    def create(self, pdd: PDDeployment, step: EngineStep,
+               templates: Mapping[Role, Obj]) -> list[str]:
         """Create the step's instances from each role's target template (its revision
         recorded first). Returns `Pod/<name>` of each one created."""
         created = []
-        for role in {x.role for x in step.create}:
-            self.keep_template(pdd, role, templates[role], records[role])
+        for role in sorted({x.role for x in step.create}):
+            self.keep_template(pdd, role, templates[role])
         for new in step.create:
             template = templates[new.role]
             assert template["metadata"]["labels"][LABEL_TEMPLATE_HASH] == new.revision
@@ -118,8 +104,18 @@ class InstanceExecutor:
         publish_phase(namespace, name, step.status)
         return len(step.delete)
 
-    def prune(self, pdd: PDDeployment, records: Sequence[Obj], keep: set[str]) -> None:
-        """Delete the oldest records past `HISTORY_LIMIT`, never one of `keep`."""
+    def prune(self, pdd: PDDeployment, role: Role, keep: set[str]) -> None:
+        """Delete the role's oldest records past `HISTORY_LIMIT`, never one of `keep` (run
+        when a rollout ends: the records are listed then, not cached)."""
+        meta = pdd.metadata
+        selector = ",".join(f"{k}={v}" for k, v in {
+            LABEL_DEPLOYMENT: meta.name, LABEL_ROLE: role.value,
+            LABEL_COMPONENT: REVISION_RECORD}.items())
+        records = sorted((r for r in self.kube.list_objects(CONTROLLER_REVISIONS,
+                                                            meta.namespace, selector)
+                          if owned_by(r, meta.uid)),
+                         key=lambda r: (int(r.get("revision") or 0),
+                                        r["metadata"].get("creationTimestamp") or ""))
         spare = [r for r in records
                  if (r["metadata"].get("labels") or {}).get(LABEL_TEMPLATE_HASH) not in keep]
         for record in spare[:max(0, len(spare) - HISTORY_LIMIT)]:
@@ -127,8 +123,7 @@ class InstanceExecutor:
 
     # -- the previous release's children ------------------------------------------------
 
-    def retire_statefulsets(self, pdd: PDDeployment, live: Iterable[Obj],
-                            records: Mapping[Role, Sequence[Obj]]) -> None:
+    def retire_statefulsets(self, pdd: PDDeployment, live: Iterable[Obj]) -> None:
         """Each StatefulSet of ours (the previous release's role workload): its template
         recorded (what a rollback returns to), then the StatefulSet deleted with its pods
         orphaned, so they keep serving until the rollout replaces them."""
@@ -141,7 +136,7 @@ class InstanceExecutor:
             template = (sts.get("spec") or {}).get("template")
             if role is not None and isinstance(template, dict) and (
                     template.get("metadata") or {}).get("labels", {}).get(LABEL_TEMPLATE_HASH):
-                self.keep_template(pdd, role, template, records[role])
+                self.keep_template(pdd, role, template)
             log.info("%s/%s: retiring StatefulSet %s of the previous release; its pods keep "
                      "serving until replaced", pdd.metadata.namespace, pdd.metadata.name,
                      sts["metadata"]["name"])

@@ -25,10 +25,10 @@ __all__ = ["UNAPPLIED_KINDS", "apply_children", "delete_unwanted"]
 
 log = logging.getLogger(__name__)
 
-# Children the engine rollout creates and deletes itself (`engine_rollout.executor`): each
-# revision's pod template (ControllerRevision), and the previous release's StatefulSets,
-# which must go with their pods orphaned, never by the garbage collector's cascade.
-UNAPPLIED_KINDS: Final = frozenset({"ControllerRevision", "StatefulSet"})
+# Children the engine rollout deletes itself (`engine_rollout.executor`): the previous
+# release's StatefulSets, which must go with their pods orphaned, never by the garbage
+# collector's cascade.
+UNAPPLIED_KINDS: Final = frozenset({"StatefulSet"})
 
 Obj = dict[str, Any]
 
@@ -79,9 +79,8 @@ def _apply_one(kube: KubeClient, manifest: Obj, current: Obj | None, why: str) -
 def delete_unwanted(kube: KubeClient, pdd: PDDeployment, desired: Sequence[Obj],
                     live: Mapping[Any, Obj]) -> None:
     """Delete our live children that no desired manifest names (the router after
-    `spec.router.enabled: false`, PDBs on a server without policy/v1). The engine rollout's
-    own (`UNAPPLIED_KINDS`: template records, the previous release's StatefulSets) are left
-    to it."""
+    `spec.router.enabled: false`, PDBs on a server without policy/v1). The previous
+    release's StatefulSets (`UNAPPLIED_KINDS`) are left to the engine rollout."""
     wanted = {child_key(m) for m in desired}
     for key, obj in live.items():
         if key in wanted or key[1] in UNAPPLIED_KINDS or not owned_by(obj, pdd.metadata.uid):

@@ -17,12 +17,7 @@ from pd_operator.api.resources import PDDeployment
 from pd_operator.api.revision_status import EngineRolloutStatus
 from pd_operator.build.names import LABEL_TEMPLATE_HASH
 from pd_operator.build.pod import build_pod_template
-from pd_operator.engine_rollout.executor import (
-    InstanceExecutor,
-    publish_phase,
-    revision_records,
-    template_of,
-)
+from pd_operator.engine_rollout.executor import InstanceExecutor, publish_phase
 from pd_operator.engine_rollout.planner import ROLES, EngineStep
 from pd_operator.engine_rollout.pods import RoleTarget, observe_instances
 from pd_operator.engine_rollout.steps import plan_revisions
@@ -41,12 +36,10 @@ def _revision(template: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class RoleTemplates:
-    """Per role: the spec's pod template, the one new instances get, and the recorded
-    templates (ControllerRevisions, oldest first)."""
+    """Per role: the spec's pod template, and the one new instances get."""
 
     spec: Mapping[Role, Obj]
     target: Mapping[Role, Obj]
-    records: Mapping[Role, Sequence[Obj]]
 
     def revisions(self) -> dict[Role, str]:
         """The target revision per role."""
@@ -64,27 +57,24 @@ class EngineRollouts:
     def __init__(self, kube: KubeClient) -> None:
         self.executor = InstanceExecutor(kube)
 
-    @staticmethod
-    def templates(pdd: PDDeployment, agent_image: str, previous: EngineRolloutStatus,
-                  children: Iterable[Obj]) -> RoleTemplates:
+    def templates(self, pdd: PDDeployment, agent_image: str,
+                  previous: EngineRolloutStatus) -> RoleTemplates:
         """Each role's templates. While the spec renders a revision that failed a rollout,
-        new instances get the last good revision's template, as recorded."""
-        listed = list(children)
+        new instances get the last good revision's template, as recorded (read only then:
+        the records are not cached)."""
         spec: dict[Role, Obj] = {}
         target: dict[Role, Obj] = {}
-        records: dict[Role, list[Obj]] = {}
         for role in ROLES:
             spec[role] = target[role] = build_pod_template(pdd, role, agent_image)
-            records[role] = revision_records(listed, pdd, role)
             failed = previous.failed_revisions.get(role.value)
             good = previous.stable_revisions.get(role.value)
             if failed is None or good is None or good == failed:
                 continue
             if _revision(spec[role]) == failed:
-                kept = template_of(records[role], good)
+                kept = self.executor.kept_template(pdd, role, good)
                 if kept is not None:
                     target[role] = kept
-        return RoleTemplates(spec, target, records)
+        return RoleTemplates(spec, target)
 
     @staticmethod
     def plan(pdd: PDDeployment, previous: EngineRolloutStatus, templates: RoleTemplates, *,
@@ -108,14 +98,14 @@ class EngineRollouts:
                live: Iterable[Obj], pods: Sequence[Obj]) -> list[str]:
         """Retire the previous release's StatefulSets (adopting their pods), then create the
         step's instances; `Pod/<name>` of each one created."""
-        self.executor.retire_statefulsets(pdd, live, templates.records)
+        self.executor.retire_statefulsets(pdd, live)
         self.executor.adopt(pdd, pods)
-        created = self.executor.create(pdd, step, templates.target, templates.records)
-        if step.status.phase.value in ("Complete", "Idle", "RolledBack"):
-            for role in ROLES:
-                keep = {step.status.stable_revisions.get(role.value, ""),
-                        _revision(templates.target[role])}
-                self.executor.prune(pdd, templates.records[role], keep)
+        created = self.executor.create(pdd, step, templates.target)
+        if any(e.reason in ("RolloutComplete", "RolledBack") for e in step.events):
+            for role in ROLES:  # a rollout ended: the records of older revisions may go
+                self.executor.prune(pdd, role, {
+                    step.status.stable_revisions.get(role.value, ""),
+                    _revision(templates.target[role])})
         return created
 
     def delete(self, namespace: str, name: str, step: EngineStep) -> None:

@@ -222,7 +222,7 @@ class Reconciler:
         desired = build_children(pdd, self.capabilities)
         live = {child_key(obj): obj for obj in self._children(namespace, name, watched)}
         templates = self.engine_rollouts.templates(pdd, self.capabilities.agent_image,
-                                                   parsed.previous.rollout, live.values())
+                                                   parsed.previous.rollout)
         roles = {r: _role(pdd, templates, r) for r in (Role.PREFILL, Role.DECODE)}
         valid = self._last_valid[namespace, name] = _ValidGeneration(
             pdd, {r: o.revision for r, o in roles.items()})

@@ -66,7 +66,7 @@ EXPECTED_PERMISSIONS: dict[tuple[str, str], set[str]] = {
     ("", "serviceaccounts"): CRUD,
     ("apps", "statefulsets"): {"get", "list", "watch", "delete"},
     ("apps", "deployments"): CRUD,
-    ("apps", "controllerrevisions"): {"get", "list", "watch", "create", "delete"},
+    ("apps", "controllerrevisions"): {"get", "list", "create", "delete"},
     ("rbac.authorization.k8s.io", "roles"): CRUD,
     ("rbac.authorization.k8s.io", "rolebindings"): CRUD,
     ("policy", "poddisruptionbudgets"): CRUD,

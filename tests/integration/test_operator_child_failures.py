@@ -72,8 +72,10 @@ def test_instances_the_quota_refuses_make_degraded_until_they_exist(
     wait_for("Degraded to clear",
              lambda: cluster.condition("Degraded").get("status") == "False", timeout_s=30)
     assert cluster.condition("Degraded")["reason"] == "AsExpected"
-    # Every pod exists and runs the current revision; none is Ready (no kubelet).
-    assert cluster.status()["phase"] == "Pending"
+    # Every pod exists and runs the current revision; none is Ready (no kubelet). The status
+    # that saw them created may still say Progressing: the next, on their events, says so.
+    wait_for("phase Pending", lambda: cluster.status().get("phase") == "Pending",
+             timeout_s=30)
 
 
 @pytest.mark.usefixtures("operator")

@@ -20,8 +20,15 @@ no engine, each client counts one refusal per second, as a client of the router'
 would be refused), their latency p50/p99, the longest stretch without an answer, and the
 engines started for it (engine pods created, and engine process starts: those pods' first
 starts plus their container restarts), beside the same figures for the window before the
-first change. Printed and saved as JSON under
-benchmarks/results/. Run: `.venv/bin/python benchmarks/rollout_under_load.py` (about 25
+first change.
+
+With `--upgrade-from REF` (instead of the strategies): the example deployed by REF's
+operator and CRDs (the previous release, whose children are a StatefulSet per role), load
+for `--before-seconds`, then that operator replaced by this checkout's under the load (as
+`helm upgrade` does: stopped, CRDs applied, started), awaited until no StatefulSet is left
+and one instance per role serves; the same figures for that window.
+
+Printed and saved as JSON under benchmarks/results/. Run: `.venv/bin/python benchmarks/rollout_under_load.py` (about 25
 minutes on 2 cores). Needs the vLLM virtualenv (`python -m pd_devcluster.vllm_env`).
 """
 
@@ -47,6 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "devtools"))  # pd_testbed, pd_devcluster
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from kubernetes import client as k8s  # noqa: E402
 from scale_drain_cpu import GROUP, NAME, VERSION, Fleet, local_fleet, save_results  # noqa: E402
 
 from pd_devcluster.vllm_env import require_vllm_env  # noqa: E402
@@ -164,6 +172,58 @@ def run_strategy(fleet: Fleet, strategy: str, clients: int, before_s: float) -> 
     return result
 
 
+def upgraded(fleet: Fleet, legacy: set[str]) -> bool:
+    """No StatefulSet of the PDDeployment is left, its engine pods are one instance per
+    role, none of them a `legacy` pod, the engine rollout is Complete, and the router has a
+    prefill and a decode."""
+    selector = f"pd.serving.dev/deployment={NAME}"
+    if k8s.AppsV1Api(fleet.api).list_namespaced_stateful_set(
+            fleet.namespace, label_selector=selector).items:
+        return False
+    pdd = cast(Obj, fleet.objects.get_namespaced_custom_object(
+        GROUP, VERSION, fleet.namespace, "pddeployments", NAME))
+    if ((pdd.get("status") or {}).get("rollout") or {}).get("phase") != "Complete":
+        return False
+    listed: Obj = fleet.api.sanitize_for_serialization(  # type: ignore[no-untyped-call]
+        fleet.core.list_namespaced_pod(
+            fleet.namespace, label_selector=f"{selector},pd.serving.dev/role in (prefill,decode)"))
+    pods = [p["metadata"] for p in listed["items"]]
+    if any(p.get("deletionTimestamp") or p["name"] in legacy
+           or "pd.serving.dev/instance" not in p["labels"] for p in pods):
+        return False
+    if sorted(p["labels"]["pd.serving.dev/role"] for p in pods) != ["decode", "prefill"]:
+        return False
+    return fleet.endpoints("prefill") == 1.0 and fleet.endpoints("decode") == 1.0
+
+
+def run_upgrade(fleet: Fleet, clients: int, before_s: float) -> Obj:
+    """The example deployed by the fleet's (previous release's) operator, load, then that
+    operator replaced by this checkout's (`Fleet.upgrade_operator`), awaited until the
+    previous release's children are gone and instances serve (`upgraded`)."""
+    fleet.deploy(lambda pdd: None)
+    drivers = fleet.start_load(clients)
+    start = time.monotonic()
+    time.sleep(before_s)
+    result: Obj = {"before": latency(fleet, start, time.monotonic())}
+    listed: Obj = fleet.api.sanitize_for_serialization(  # type: ignore[no-untyped-call]
+        fleet.core.list_namespaced_pod(fleet.namespace,
+                                       label_selector=f"pd.serving.dev/deployment={NAME}"))
+    legacy = {str(p["metadata"]["name"]) for p in listed["items"]}
+    starts = EngineStarts(fleet)
+    starts.start()
+    began = time.monotonic()
+    fleet.upgrade_operator()
+    wait_for("the previous release's children replaced by instances",
+             partial(upgraded, fleet, legacy), 900, interval_s=1.0)
+    ended = time.monotonic()
+    time.sleep(3)  # completions cut at the end have ended and are counted
+    result["upgrade"] = {"upgrade_s": round(ended - began, 1), **latency(fleet, began, ended),
+                         **starts.stop()}
+    print("upgrade", json.dumps(result["upgrade"]), flush=True)
+    fleet.undeploy(drivers)
+    return result
+
+
 @contextmanager
 def worktree(ref: str) -> Iterator[Path]:
     """A detached git worktree of `ref` (removed after)."""
@@ -186,9 +246,20 @@ def main() -> int:
     parser.add_argument("--strategies", default="Surge,RollingUpdate")
     parser.add_argument("--before", default="",
                         help="a git ref: run each strategy with its operator first")
+    parser.add_argument("--upgrade-from", default="",
+                        help="a git ref (a previous release): deploy with its operator and "
+                             "CRDs, then upgrade to this checkout's under load (instead of "
+                             "the strategies)")
     args = parser.parse_args()
     require_vllm_env()
     results: Obj = {}
+    if args.upgrade_from:
+        with worktree(args.upgrade_from) as previous, local_fleet(
+                "rollout-upgrade", "127.203.9.", args.max_tokens, source=previous) as fleet:
+            results["upgrade"] = run_upgrade(fleet, args.clients, args.before_seconds)
+        print(json.dumps(results, indent=1))
+        save_results("rollout_under_load", vars(args), results)
+        return 0
     with ExitStack() as stack:
         sources: dict[str, Path | None] = {"after": None}
         if args.before:

@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO / "devtools"))  # pd_testbed, pd_devcluster
 
 from kubernetes import client as k8s  # noqa: E402
 
-from pd_devcluster import Ports, start_control_plane  # noqa: E402
+from pd_devcluster import ControlPlaneHandle, Ports, apply_crds, start_control_plane  # noqa: E402
 from pd_devcluster.kubelet import FakeKubelet  # noqa: E402
 from pd_devcluster.vllm_env import require_vllm_env  # noqa: E402
 from pd_testbed.operator_process import OperatorReplicas  # noqa: E402
@@ -80,6 +80,9 @@ class Fleet:
     namespace: str
     kubelet: FakeKubelet
     max_tokens: int
+    handle: ControlPlaneHandle
+    work: Path
+    operator: OperatorReplicas
     outcomes: list[Outcome] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     paused: threading.Event = field(default_factory=threading.Event)
@@ -187,6 +190,17 @@ class Fleet:
         wait_for("every engine gone", lambda: not self.core.list_namespaced_pod(
             self.namespace, label_selector=f"pd.serving.dev/deployment={NAME}").items, 600)
 
+    def upgrade_operator(self) -> None:
+        """Replace the operator with this checkout's, as `helm upgrade` does: the running
+        one stopped (SIGTERM), this checkout's CRDs applied, this checkout's operator
+        started (its log under `work/upgraded`)."""
+        self.operator.stop()
+        apply_crds(self.api, REPO / "crds")
+        logs = self.work / "upgraded"
+        logs.mkdir(exist_ok=True)
+        self.operator = OperatorReplicas(self.handle, self.namespace, logs, count=1,
+                                         extra_args=FLEET_OPERATOR)
+
     def hook_drain_s(self, pod: str) -> float | None:
         logs = sorted((self.kubelet.work_dir / self.namespace).glob(f"{pod}-*/engine.log"),
                       key=lambda path: path.stat().st_mtime)  # the incarnation that left last
@@ -280,12 +294,13 @@ def local_fleet(prefix: str, ip_prefix: str, max_tokens: int, *,
         kubelet_thread = threading.Thread(target=kubelet.run, args=(kubelet_stop, 0.5),
                                           daemon=True)
         kubelet_thread.start()
+        fleet = Fleet(api, namespace, kubelet, max_tokens, handle, work, operator)
         try:
-            yield Fleet(api, namespace, kubelet, max_tokens)
+            yield fleet
         finally:
             kubelet_stop.set()
             kubelet_thread.join(120)
-            operator.stop()
+            fleet.operator.stop()
     finally:
         handle.stop()
 

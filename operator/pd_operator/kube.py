@@ -414,12 +414,13 @@ class KubeClient:
             query={"fieldManager": FIELD_MANAGER},
         ))
 
-    def delete(self, obj: Mapping[str, Any], *, propagation: str = "Background") -> None:
-        """Delete an object if it still has the same uid (a recreated namesake is spared).
-        `propagation` "Orphan" leaves its dependents (a StatefulSet's pods) running."""
+    def delete(self, obj: Mapping[str, Any], *, propagation: str = "Background") -> Obj | None:
+        """Delete an object if it still has the same uid (a recreated namesake is spared:
+        ConflictError); None when it was already gone. `propagation` "Orphan" leaves its
+        dependents (a StatefulSet's pods) running."""
         ref = kind_ref(obj["apiVersion"], obj["kind"])
         meta = obj["metadata"]
-        self._write(ref, meta["namespace"], meta["name"], lambda: self._request(
+        return self._write(ref, meta["namespace"], meta["name"], lambda: self._request(
             "DELETE", ref.item_path(meta["namespace"], meta["name"]), kind=ref.kind,
             body={"apiVersion": "v1", "kind": "DeleteOptions",
                   "preconditions": {"uid": meta["uid"]}, "propagationPolicy": propagation},

@@ -18,17 +18,24 @@ Then engine rollouts (docs/failure-modes.md #41-#43) on the same fleet and load,
 client pairs only same-key pods that are Ready and not leaving, as a router does:
 4. an engine argument the engine refuses → the new pods exit at start, the rollout rolls
    back by itself, no serving pod was deleted, no request failed;
-5. (marked `long`) a page-size change (a new KV-compatibility key) on the staged path
+5. decode 3 -> 2 while the youngest decode holds requests in flight (their prefills slow)
+   → an idle one leaves, the Event names it and every decode's load, no request fails
+   (docs/failure-modes.md #54);
+6. (marked `long`) a page-size change (a new KV-compatibility key) on the staged path
    (prefill TP1, decode TP2) → both roles roll surge first, each old pod deleted only once
    a pair of the new key serves and drained by its preStop hook (its own counters: no
    transfer of it failed while it rolled), no request failed.
-Budget: about 3 minutes on 2 cores (about 2 more with `long`).
+Budget: about 4 minutes on 2 cores (about 2 more with `long`).
 """
 
 from __future__ import annotations
 
+import re
+import threading
 import time
+import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +45,16 @@ from kubernetes import client as k8s
 from pd_devcluster import ControlPlaneHandle
 from pd_testbed.engine_rollout import drained, engine_pods, failed_transfers
 from pd_testbed.polling import wait_for
-from pd_testbed.rollout_harness import GROUP, NAME, VERSION, LiveFleet, SizeFault, live_fleet
+from pd_testbed.rollout_harness import (
+    GROUP,
+    NAME,
+    VERSION,
+    LiveFleet,
+    SizeFault,
+    discover_engines,
+    live_fleet,
+)
+from pd_transfer.reference.load import Engine, post_json
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.timeout(600)]
 
@@ -202,6 +218,83 @@ def test_a_revision_that_exits_at_start_rolls_back_without_touching_a_serving_po
     wait_for("the spec back on the running revision", lambda: _rollout(fleet).get(
         "phase") == "Complete", 60)
     assert engine_pods(fleet.core, fleet.ns, NAME) == before
+
+
+HELD = 8  # requests the busy decode holds: ahead of any idle one's share of the load
+CONCURRENCY = 4  # the load's (the fleet fixture's)
+HOLD_S = 3.0  # each held request's prefill is sent this long after its decode
+
+
+def hold(decode: Engine, prefill: Engine, stop: threading.Event,
+         answers: list[dict[str, Any]]) -> None:
+    """Requests whose prefill is slow, back to back: the decode half posted, the prefill
+    half `HOLD_S` later (the decode holds the request meanwhile, waiting for its KV)."""
+    while not stop.is_set():
+        room = f"held-{uuid.uuid4().hex[:12]}"
+        with ThreadPoolExecutor(max_workers=1) as side:
+            got = side.submit(post_json, decode.address, "/v1/decode", {
+                "room": room, "num_tokens": 256, "prefill": [prefill.bootstrap],
+                "timeout_seconds": 20}, 30)
+            time.sleep(HOLD_S)
+            sent = post_json(prefill.address, "/v1/prefill", {
+                "room": room, "num_tokens": 256, "decode": [decode.bootstrap],
+                "timeout_seconds": 20}, 30)
+            answers += [got.result(), sent]
+
+
+def test_a_decode_scale_down_under_load_keeps_the_one_holding_requests(
+        fleet: LiveFleet) -> None:
+    """Guards against a scale-down that removes the youngest (or highest) instance whatever
+    it holds (docs/failure-modes.md #54): of three decodes the youngest holds requests in
+    flight (decode requests whose prefill is slow), one of the two others leaves, named
+    with its load in the Event, while the load runs; no request fails, held ones included."""
+    _patch(fleet, {"decode": {"replicas": 3}})
+    wait_for("a third decode reporting", lambda: len([
+        a for a in fleet.agents() if a["spec"]["role"] == "decode"
+        and ((a.get("status") or {}).get("endpoints") or {}).get("engine")]) == 3, 120)
+    engines = wait_for("the third decode in the load's rotation",
+                       discover_engines(fleet.core.api_client, fleet.ns, NAME), 60,
+                       until=lambda e: len(e.decode) == 3)
+    decodes = fleet.instances("decode")
+    busy = decodes[-1]  # the youngest: what an age or ordinal rule would remove
+    target = next(e for e in engines.decode if e.pod == busy)
+    stop, answers = threading.Event(), []
+    holders = [threading.Thread(target=hold, args=(target, engines.prefill[0], stop, answers),
+                                daemon=True) for _ in range(HELD)]
+    for holder in holders:
+        holder.start()
+    try:
+        wait_for(f"{busy} reporting the requests it holds", lambda: next(
+            (a.get("status") or {}).get("engineRequests") or 0 for a in fleet.agents()
+            if a["metadata"]["name"] == busy), 30, until=lambda n: n > CONCURRENCY)
+        started = time.monotonic()
+        _patch(fleet, {"decode": {"replicas": 2}})
+        wait_for("two decodes", lambda: len(fleet.instances("decode")) == 2, 60)
+        left = next(d for d in decodes if d not in fleet.instances("decode"))
+        wait_for(f"{left} drained and gone", lambda: left not in [
+            p.metadata.name for p in fleet.core.list_namespaced_pod(fleet.ns).items], 90)
+        ended = time.monotonic()
+    finally:
+        stop.set()
+        for holder in holders:
+            holder.join(60)
+    (message,) = wait_for("the scale-down's DeletingInstance Event", lambda: [
+        e["message"] for e in fleet.events() if e["reason"] == "DeletingInstance"
+        and e["message"].startswith("decode 3 -> 2: ")], 10)
+    # the requests in flight when the scale-down began, and those until the holders ended
+    window = fleet.log.window(started - 5.0, time.monotonic())
+    print(f"{message} ({ended - started:.1f} s); load {window}; "
+          f"{len(answers)} held request halves")
+    assert left != busy
+    head = f"decode 3 -> 2: deleting instance {left} ("
+    assert message.startswith(head) and ", the cheapest to lose; kept: " in message, message
+    kept = dict(re.findall(r"(\S+) \((\d+) in flight", message.split("; kept: ")[1]))
+    assert set(kept) == {d for d in decodes if d != left}, message
+    assert int(kept[busy]) > CONCURRENCY, message
+    assert int(message.removeprefix(head).split(" ")[0]) <= CONCURRENCY, message
+    assert answers and all(a.get("state") == "Succeeded" for a in answers), [
+        a for a in answers if a.get("state") != "Succeeded"][:3]
+    assert window["served"] > 0 and window["failed"] == 0, window
 
 
 @pytest.mark.long

@@ -1,8 +1,9 @@
 """Engine instances owned by the operator, against a real control plane: a pod deleted by
 hand comes back under its name, a scale-down removes the instance whose leaving costs least
-and says why, and a PDDeployment whose children a previous release made (a StatefulSet per
-role) moves to instances without a dip. `pd_testbed.ready_kubelet.Kubelet` stands in for a
-kubelet (pods have no node, so a deleted pod is removed at once)."""
+and says why, a delete spares the namesake of the instance a pass chose, and a PDDeployment
+whose children a previous release made (a StatefulSet per role) moves to instances without
+a dip. `pd_testbed.ready_kubelet.Kubelet` stands in for a kubelet (pods have no node, so a
+deleted pod is removed at once)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ from kubernetes import watch as k8s_watch
 from pd_contract.transferagent import Role
 from pd_devcluster import ControlPlaneHandle
 from pd_operator.api import parse_pdd
+from pd_operator.api.revision_status import EngineRolloutStatus
 from pd_operator.build.meta import object_meta
 from pd_operator.build.names import LABEL_ROLE, role_selector, role_workload
 from pd_operator.build.pod import build_pod_template
+from pd_operator.engine_rollout.executor import InstanceExecutor
+from pd_operator.engine_rollout.planner import EngineStep
+from pd_operator.engine_rollout.pods import Instance
 from pd_operator.kube import EVENTS, STATEFULSETS
 from pd_testbed.cluster import CAPS, NAME, Cluster, example_body
 from pd_testbed.kube_factories import make_agent
@@ -153,6 +158,26 @@ def test_scale_down_removes_the_idlest_instance_and_says_why(
         f"decode 3 -> 2: deleting instance {left} (0 in flight, 0 B of KV waiting to be "
         f"pulled), the cheapest to lose; kept: {decodes[0]} (0 in flight, 0 B of KV waiting "
         f"to be pulled), {busy} (4 in flight, 0 B of KV waiting to be pulled)")
+
+
+def test_an_instance_replaced_after_a_pass_chose_it_is_spared(cluster: Cluster) -> None:
+    """Guards against a pass that deletes the namesake which replaced the instance it chose
+    (the pod deleted by hand, or evicted, between the pass's read and its delete), or that
+    fails on it or on a pod already gone: each delete carries the uid the pass saw."""
+    pod: Obj = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{NAME}-decode-0"},
+                "spec": {"containers": [{"name": "engine", "image": "engine:1"}]}}
+    chosen = cluster.core.create_namespaced_pod(cluster.ns, pod).metadata.uid
+    cluster.core.delete_namespaced_pod(f"{NAME}-decode-0", cluster.ns)  # no node: gone at once
+    namesake = cluster.core.create_namespaced_pod(cluster.ns, pod).metadata.uid
+    step = EngineStep((), tuple(
+        Instance(name=name, uid=uid, role=Role.DECODE, revision="abcd1234", kv_compat="k",
+                 ready=True, deleting=False, index=index)
+        for index, (name, uid) in enumerate([
+            (f"{NAME}-decode-0", chosen), (f"{NAME}-decode-1", "0b5e9f8a-gone")])),
+        EngineRolloutStatus())
+    assert InstanceExecutor(cluster.kube).delete(cluster.ns, NAME, step) == 0
+    assert [(p.metadata.name, p.metadata.uid) for p in cluster.core.list_namespaced_pod(
+        cluster.ns).items] == [(f"{NAME}-decode-0", namesake)]
 
 
 def previous_release_statefulset(cluster: Cluster, role: Role) -> Obj:

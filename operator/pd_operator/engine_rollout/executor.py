@@ -89,12 +89,27 @@ class InstanceExecutor:
         return created
 
     def delete(self, namespace: str, name: str, step: EngineStep) -> int:
-        """Delete the step's instances (uid preconditions: a recreated namesake is spared)."""
+        """Delete the step's instances; the number deleted. Each delete carries the uid the
+        pass saw: a pod already gone is done, and a namesake created since (the pass chose
+        an instance that was then deleted and replaced) is spared, for the next pass to
+        judge."""
+        deleted = 0
         for pod in step.delete:
             log.info("%s/%s: deleting %s instance %s (revision %s)", namespace, name,
                      pod.role.value, pod.name, pod.revision)
-            self.kube.delete({"apiVersion": "v1", "kind": "Pod", "metadata": {
-                "namespace": namespace, "name": pod.name, "uid": pod.uid}})
+            try:
+                gone = self.kube.delete({"apiVersion": "v1", "kind": "Pod", "metadata": {
+                    "namespace": namespace, "name": pod.name, "uid": pod.uid}}) is None
+            except ConflictError:
+                log.info("%s/%s: %s instance %s was replaced (uid %s gone) before its "
+                         "deletion; the new pod is left for the next pass", namespace, name,
+                         pod.role.value, pod.name, pod.uid)
+                continue
+            if gone:
+                log.info("%s/%s: %s instance %s was already gone", namespace, name,
+                         pod.role.value, pod.name)
+                continue
+            deleted += 1
             ENGINE_ROLLOUT_DELETIONS.labels(role=pod.role.value).inc()
         for event in step.events:
             if event.reason == "RolloutComplete":
@@ -102,7 +117,7 @@ class InstanceExecutor:
             elif event.reason == "RolloutFailed":
                 ENGINE_ROLLOUTS.labels(result="failed").inc()
         publish_phase(namespace, name, step.status)
-        return len(step.delete)
+        return deleted
 
     def prune(self, pdd: PDDeployment, role: Role, keep: set[str]) -> None:
         """Delete the role's oldest records past `HISTORY_LIMIT`, never one of `keep` (run

@@ -17,7 +17,8 @@ from pd_contract.names import LABEL_ENGINE_INSTANCE, LABEL_KV_COMPAT
 from pd_contract.transferagent import Role
 from pd_operator.status.fleet import FleetObservation, PodObservation, ReportState
 
-__all__ = ["START_FAILURES", "Instance", "RoleTarget", "instance_index", "observe_instances"]
+__all__ = ["START_FAILURES", "Instance", "RoleTarget", "instance_index", "name_index",
+           "observe_instances"]
 
 # A container waiting for one of these will not start by itself: a bad image or a bad
 # reference in the pod template.
@@ -90,12 +91,15 @@ class RoleTarget:
     spec_revision: str
 
 
-def instance_index(name: str, labels: Mapping[str, str]) -> int | None:
-    """The index an instance's name ends with; None for a pod that is no instance."""
-    if labels.get(LABEL_ENGINE_INSTANCE) != name:
-        return None
+def name_index(name: str) -> int | None:
+    """The index an instance name (`api.naming.instance_name`) ends with; None if none."""
     tail = name.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else None
+
+
+def instance_index(name: str, labels: Mapping[str, str]) -> int | None:
+    """The index an instance's name ends with; None for a pod that is no instance."""
+    return name_index(name) if labels.get(LABEL_ENGINE_INSTANCE) == name else None
 
 
 def _container_facts(body: Mapping[str, Any]) -> tuple[int, str]:

@@ -20,7 +20,7 @@ from pd_operator.engine_rollout.planner import (
     NewInstance,
     Pass,
 )
-from pd_operator.engine_rollout.pods import Instance, RoleTarget
+from pd_operator.engine_rollout.pods import Instance, RoleTarget, name_index
 
 __all__ = ["plan_revisions"]
 
@@ -106,7 +106,7 @@ def _fill(p: Pass, role: Role, limit: int) -> None:
     live = {x.name for x in p.live[role]}
     owed = [n for n in p.previous_replacing(role) if n not in live]
     owed += [x.name for x in p.draining[role] if p.is_new(x) and x.name not in owed]
-    owed = sorted(owed, key=_index)[:short]
+    owed = sorted(owed, key=lambda n: name_index(n) or 0)[:short]
     existing = {x.name for x in p.instances}
     waiting = [n for n in owed if n in existing]
     count = max(0, min(short, limit) - len(waiting))
@@ -121,11 +121,6 @@ def _fill(p: Pass, role: Role, limit: int) -> None:
         index += 1
     p.create += [NewInstance(role, n, target.revision) for n in names]
     p.replacing[role] = [n for n in owed if n not in names]
-
-
-def _index(name: str) -> int:
-    tail = name.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
 
 
 def _cheapest(candidates: Sequence[Instance], count: int) -> list[Instance]:

@@ -28,8 +28,10 @@ for `--before-seconds`, then that operator replaced by this checkout's under the
 `helm upgrade` does: stopped, CRDs applied, started), awaited until no StatefulSet is left
 and one instance per role serves; the same figures for that window.
 
-Printed and saved as JSON under benchmarks/results/. Run: `.venv/bin/python benchmarks/rollout_under_load.py` (about 25
-minutes on 2 cores). Needs the vLLM virtualenv (`python -m pd_devcluster.vllm_env`).
+Printed and saved as JSON under benchmarks/results/. Run:
+`.venv/bin/python benchmarks/rollout_under_load.py` (`--before REF --strategies Surge` took 9
+minutes on 2 cores, `--upgrade-from REF` 4). Needs the vLLM virtualenv (`python -m
+pd_devcluster.vllm_env`).
 """
 
 from __future__ import annotations

@@ -39,14 +39,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
@@ -56,6 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "devtools"))  # pd_testbed, pd_devcluster
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from git_trees import worktree  # noqa: E402
 from kubernetes import client as k8s  # noqa: E402
 from scale_drain_cpu import GROUP, NAME, VERSION, Fleet, local_fleet, save_results  # noqa: E402
 
@@ -224,19 +222,6 @@ def run_upgrade(fleet: Fleet, clients: int, before_s: float) -> Obj:
     print("upgrade", json.dumps(result["upgrade"]), flush=True)
     fleet.undeploy(drivers)
     return result
-
-
-@contextmanager
-def worktree(ref: str) -> Iterator[Path]:
-    """A detached git worktree of `ref` (removed after)."""
-    path = Path(tempfile.mkdtemp(prefix="rollout-before-")) / "tree"
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(path),
-                    ref], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
-                       check=False)
 
 
 def main() -> int:

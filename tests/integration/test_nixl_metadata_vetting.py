@@ -40,8 +40,19 @@ from nixl._api import nixl_agent
 from pd_transfer.errors import TransferError
 from pd_transfer.transport import RegisteredRegion, TransferState
 from pd_transfer.transport.nixl import NixlConfig, NixlTransport
-from pd_transfer.transport.nixl_metadata import NixlMetadata, parse_nixl_metadata
-from pd_transfer.transport.nixl_vetter import MetadataVetter, VetOutcome, VetterSpec, VettingStats
+from pd_transfer.transport.nixl_admission import MAX_SOURCE_DEATHS
+from pd_transfer.transport.nixl_metadata import (
+    NixlMetadata,
+    encode_nixl_metadata,
+    parse_nixl_metadata,
+)
+from pd_transfer.transport.nixl_vetter import (
+    MetadataVetter,
+    Verdict,
+    VetOutcome,
+    VetterSpec,
+    VettingStats,
+)
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(300)]
 
@@ -79,6 +90,10 @@ def _victim_command(transport: NixlTransport, source: RegisteredRegion, command:
                     args: list[Any]) -> Any:
     if command == "add_peer":
         return transport.add_peer(args[0], expected_name=args[1])
+    if command == "timed_add_peer":  # seconds add_peer took, measured in the victim
+        started = time.perf_counter()
+        transport.add_peer(args[0], expected_name=args[1])
+        return time.perf_counter() - started
     if command == "write":  # the source's first bytes over the whole remote region
         peer, remote, notification = args
         handle = transport.write(peer, [(source.base_address, remote.size_bytes)],
@@ -115,9 +130,9 @@ class Victim:
         assert self.process.pid is not None
         return self.process.pid
 
-    def peer(self, size: int = 16 * KIB) -> tuple[NixlTransport, RegisteredRegion]:
-        """A new agent in this process with one zeroed region."""
-        peer = NixlTransport(f"peer-{uuid.uuid4().hex[:8]}")
+    def peer(self, size: int = 16 * KIB, name: str = "") -> tuple[NixlTransport, RegisteredRegion]:
+        """A new agent in this process (``name``, or a fresh one) with one zeroed region."""
+        peer = NixlTransport(name or f"peer-{uuid.uuid4().hex[:8]}", NixlConfig(vet_metadata=False))
         self.peers.append(peer)
         return peer, self.register(peer, size)
 
@@ -345,13 +360,117 @@ def test_a_stalled_vetting_process_is_killed_and_replaced_and_ends_with_the_tran
     assert victim.add_peer(peer.local_metadata(), peer.agent_name) == ("ok", peer.agent_name)
     victim.assert_writes(peer, region, b"after-stall")
     (_, stats) = victim.ask("vetting")
-    assert stats == {"starts": 2, "vetted": 2, "refused": 0, "deaths": 1}
+    assert stats == {"starts": 2, "vetted": 2, "refused": 0, "deaths": 1, "remembered": 0}
     (replacement,) = _vetting_processes(victim.pid)
     assert victim.ask("exit") == ("ok", None)
     deadline = time.monotonic() + DEADLINE_S
     while Path(f"/proc/{replacement}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)  # the victim reaped it in close(); /proc may lag a moment
     assert not Path(f"/proc/{replacement}").exists()
+
+
+def _wait_for_vetter(victim: Victim) -> int:
+    """The victim's one vetting process, once it exists."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not (found := _vetting_processes(victim.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (pid,) = found
+    return pid
+
+
+def test_the_vetting_process_starts_with_the_transport_not_on_a_first_contact(
+        victim: Victim) -> None:
+    """Guards against a first contact that waits for a vetting process to start (1.7 s on
+    a GPU host, against 12.5 ms without vetting): it is running before any peer comes, and
+    the first add_peer uses it."""
+    vetter = _wait_for_vetter(victim)
+    time.sleep(2.0)  # let it finish its start (a cold NIXL import on 2 cores: about 0.6 s)
+    peer, region = victim.peer()
+    (_, took) = victim.ask("timed_add_peer", peer.local_metadata(), peer.agent_name)
+    print(f"first contact with a warm vetting process: {took * 1000:.1f} ms")
+    assert took < 0.5, took  # a start alone takes longer than this here
+    assert _vetting_processes(victim.pid) == [vetter]
+    victim.assert_writes(peer, region, b"first-contact")
+    (_, stats) = victim.ask("vetting")
+    assert stats == {"starts": 1, "vetted": 1, "refused": 0, "deaths": 0, "remembered": 0}
+
+
+def test_a_vetting_process_that_does_not_read_is_killed_at_the_deadline() -> None:
+    """Guards against a write to the vetting process without a deadline: a 132 KB blob to
+    one that does not read blocked the rank's worker thread (and every transfer of the
+    rank) until it was killed, 43 s later."""
+    os.environ["UCX_NET_DEVICES"] = "lo"
+    peer = NixlTransport(f"peer-{uuid.uuid4().hex[:8]}", NixlConfig(vet_metadata=False))
+    vetter = MetadataVetter(VetterSpec("deadline", nixl_agent.__module__, ("UCX",), 0,
+                                       tuple(os.environ.items()), timeout_s=1.0))
+    try:
+        vetter.start()
+        legit = parse_nixl_metadata(peer.local_metadata(), peer.agent_name)
+        assert vetter.vet(legit).outcome is VetOutcome.LOADED
+        (pid,) = _vetting_processes(os.getpid())
+        os.kill(pid, signal.SIGSTOP)
+        ((backend, connection),) = legit.connections
+        big = dataclasses.replace(legit, connections=((backend, connection * 2048),))
+        size = len(encode_nixl_metadata(dataclasses.replace(big, agent_name="vetted-2")))
+        assert size > 132 * KIB
+        started = time.monotonic()
+        verdict = vetter.vet(big)
+        took = time.monotonic() - started
+        assert verdict == Verdict(outcome=VetOutcome.STALLED, detail=(
+            f"it did not read a blob of {size} bytes within 1 s; killed"))
+        assert took < 2.0, took
+        assert pid not in _vetting_processes(os.getpid())
+        assert vetter.stats == VettingStats(starts=2, vetted=1, deaths=1)  # replaced at once
+    finally:
+        vetter.close()
+        peer.close()
+
+
+def test_a_blob_that_killed_a_vetting_process_is_remembered_not_vetted_again(
+        victim: Victim) -> None:
+    """Guards against a lethal blob that costs a vetting process (and a start on the
+    worker thread) every time it is sent: the second time it is refused from memory, and
+    the replacement started right after the first death serves the next peer."""
+    _wait_for_vetter(victim)
+    mallory, _ = victim.peer()
+    hostile = _corrupt(mallory.local_metadata(), mallory.agent_name, ADDRESS_VERSION, 0x7F)
+    first = victim.add_peer(hostile, mallory.agent_name)
+    assert first[:2] == ("error", "TransportError") and "(SIGABRT)" in first[2], first
+    replacement = _wait_for_vetter(victim)
+    again = victim.add_peer(hostile, mallory.agent_name)
+    assert again[:2] == ("error", "TransportError")
+    assert "killed a vetting process (SIGABRT; this blob was condemned " in again[2], again
+    assert "s ago, not vetted again); not loaded" in again[2], again
+    assert _vetting_processes(victim.pid) == [replacement]
+    peer, region = victim.peer()
+    assert victim.add_peer(peer.local_metadata(), peer.agent_name) == ("ok", peer.agent_name)
+    victim.assert_writes(peer, region, b"after-a-remembered-blob")
+    (_, stats) = victim.ask("vetting")
+    assert stats == {"starts": 2, "vetted": 1, "refused": 0, "deaths": 1, "remembered": 1}
+
+
+def test_a_host_whose_blobs_killed_three_vetting_processes_is_refused_for_a_while(
+        victim: Victim) -> None:
+    """Guards against a hostile pod that kills a vetting process per request under a new
+    agent name each time (names are bound to its host, not to a count): after three, its
+    agents' new metadata is refused unvetted; a peer of another host still loads."""
+    _wait_for_vetter(victim)
+    for index in range(MAX_SOURCE_DEATHS):
+        mallory, _ = victim.peer(name=f"mallory-{index}@10.66.0.9")
+        answer = victim.add_peer(_corrupt(mallory.local_metadata(), mallory.agent_name,
+                                          ADDRESS_VERSION, 0x7F), mallory.agent_name)
+        assert "killed a vetting process (SIGABRT)" in answer[2], answer
+    mallory, _ = victim.peer(name="mallory-new@10.66.0.9")
+    answer = victim.add_peer(mallory.local_metadata(), mallory.agent_name)
+    assert answer[:2] == ("error", "TransportError")
+    assert (f"transport metadata of agent {mallory.agent_name!r} not loaded: blobs from "
+            f"10.66.0.9 killed or stalled 3 vetting processes in the last 600 s; what its "
+            f"agents bring new is refused for ") in answer[2], answer
+    peer, region = victim.peer(name="decode-0@10.66.0.10")
+    assert victim.add_peer(peer.local_metadata(), peer.agent_name) == ("ok", peer.agent_name)
+    victim.assert_writes(peer, region, b"another-host")
+    (_, stats) = victim.ask("vetting")
+    assert stats["deaths"] == MAX_SOURCE_DEATHS and stats["vetted"] == 1
 
 
 def test_a_vetting_process_that_cannot_start_refuses_every_blob_saying_so() -> None:

@@ -15,17 +15,21 @@ import threading
 import time
 from collections import Counter as _Tally
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from pd_transfer.kv.ring import StagingRing
 from pd_transfer.protocol.lifecycle import FailureReason, Role
 from pd_transfer.protocol.parts import PartEvent, PartState
 
-__all__ = ["PendingKV", "RecentFailure", "RingWatermark", "TransferMetrics", "TransferSnapshot"]
+__all__ = ["PendingKV", "RecentFailure", "RingWatermark", "TransferMetrics", "TransferSnapshot",
+           "VettingCounts"]
 
 RECENT_FAILURES = 32
 _Labelled = TypeVar("_Labelled", Counter, Gauge)
@@ -204,6 +208,11 @@ class TransferMetrics:
             registry=r,
         ).set_function(lambda: self._pending)
 
+    def attach_vetting(self, read: Callable[[], VettingCounts]) -> None:
+        """Export the transport's metadata vetting counters (docs/failure-modes.md #51, #57),
+        read at scrape time."""
+        self.registry.register(_VettingCollector(read))
+
     def attach_pending(self, read: Callable[[], PendingKV]) -> None:
         """Export ``read()`` (the endpoint's live requests' KV) as gauges read at scrape
         time, and put it in every snapshot."""
@@ -333,3 +342,40 @@ class TransferMetrics:
                 refused_transitions=dict(self._refused_transitions),
                 pending=self._pending_kv(),
             )
+
+
+class VettingCounts(Protocol):
+    """What ``attach_vetting`` reads: ``transport.base.VettingStats``, typed by its shape
+    (this module stays torch-free)."""
+
+    starts: int
+    vetted: int
+    refused: int
+    deaths: int
+    remembered: int
+
+
+class _VettingCollector(Collector):
+    """``pd_transfer_metadata_vetters_started_total`` and
+    ``pd_transfer_metadata_vetted_total{outcome}`` from a transport's ``VettingStats``."""
+
+    def __init__(self, read: Callable[[], VettingCounts]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._read()
+        started = CounterMetricFamily(
+            "pd_transfer_metadata_vetters_started",
+            "Metadata vetting processes started (at the transport's start, and to replace one "
+            "a blob killed)")
+        started.add_metric([], stats.starts)
+        blobs = CounterMetricFamily(
+            "pd_transfer_metadata_vetted",
+            "Peer metadata blobs vetted before the engine's NIXL loads them: loaded, refused by "
+            "NIXL, condemned (they killed or stalled the vetting process), remembered (refused "
+            "as condemned before, not vetted again)", labels=["outcome"])
+        for outcome, count in (("loaded", stats.vetted), ("refused", stats.refused),
+                               ("condemned", stats.deaths), ("remembered", stats.remembered)):
+            blobs.add_metric([outcome], count)
+        yield started
+        yield blobs

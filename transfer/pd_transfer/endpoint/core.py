@@ -127,6 +127,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
                                                      detail))
         self.part_machine = PartMachine(self.metrics.part_transition_refused)
         self.metrics.attach_pending(self.pending_kv)
+        self.metrics.attach_vetting(lambda: transport.vetting)
         # CUDA: the stream this endpoint's gathers or scatters run on (bound to the worker's
         # thread by ``thread_started``); None on CPU, where they run in place.
         self._stream = StagingStream(pool.device) if pool.device.type == "cuda" else None

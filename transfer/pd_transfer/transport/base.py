@@ -45,6 +45,7 @@ __all__ = [
     "TransferState",
     "Transport",
     "TransportStats",
+    "VettingStats",
 ]
 
 Span = tuple[int, int]
@@ -144,6 +145,18 @@ class TransportStats:
         )
 
 
+@dataclass
+class VettingStats:
+    """Monotonic counters of a transport's metadata vetting (``nixl_vetter``); only the
+    owning vetter writes them."""
+
+    starts: int = 0  # vetting processes started
+    vetted: int = 0  # blobs a vetting process loaded cleanly
+    refused: int = 0  # blobs its NIXL refused
+    deaths: int = 0  # blobs that killed it or stalled it past the timeout (then killed)
+    remembered: int = 0  # blobs refused as condemned before, without a vetting process
+
+
 @runtime_checkable
 class Transport(Protocol):
     """Moves bytes into a peer's registered memory and carries small messages.
@@ -161,6 +174,11 @@ class Transport(Protocol):
     def stats(self) -> TransportStats:
         """Live counters (see ``TransportStats``)."""
         ...
+
+    @property
+    def vetting(self) -> VettingStats:
+        """A copy of the metadata vetting counters (zero for a transport that vets none)."""
+        return VettingStats()
 
     def register(self, tensor: torch.Tensor, *, name: str | None = None) -> RegisteredRegion:
         """Register a contiguous tensor's memory (CPU → DRAM, CUDA → VRAM) for transfers.

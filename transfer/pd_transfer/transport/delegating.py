@@ -19,6 +19,7 @@ from pd_transfer.transport.base import (
     TransferState,
     Transport,
     TransportStats,
+    VettingStats,
 )
 
 __all__ = ["DelegatingTransport"]
@@ -35,6 +36,10 @@ class DelegatingTransport(Transport):
     @property
     def stats(self) -> TransportStats:
         return self.inner.stats
+
+    @property
+    def vetting(self) -> VettingStats:
+        return self.inner.vetting
 
     def register(self, tensor: torch.Tensor, *, name: str | None = None) -> RegisteredRegion:
         return self.inner.register(tensor, name=name)

@@ -140,6 +140,7 @@ class NixlTransport(Transport):
         self._admission = PeerAdmission(MetadataVetter(VetterSpec(
             agent_name, nixl_agent.__module__, tuple(config.backends), config.num_threads,
             tuple(os.environ.items()), config.vet_timeout_s)) if config.vet_metadata else None)
+        self._admission.warm()  # the vetting process starts now, off any request's path
         self._stats = TransportStats()
         self._regions = RegionTable()
         self._registrations: dict[str, tuple[torch.Tensor, Any]] = {}  # name -> (tensor, dlist)

@@ -14,10 +14,16 @@ NIXL with what ``PeerAdmission.admit`` returns and reports back how that went.
   has one, ``parse_nixl_metadata`` refuses it), and is loaded under it from then on; its
   messages still arrive under its own name (a sender names itself). After
   ``MAX_REFUSED_LOADS`` refusals a peer is not loaded any more (each may leave an endpoint).
+* A source (the host an agent name is bound to, ``<base>@<host>``; the whole name for one
+  without a host) whose blobs killed or stalled ``MAX_SOURCE_DEATHS`` vetting processes
+  within ``CONDEMNED_S`` is hostile or broken: what its agents bring new is refused without
+  vetting until ``CONDEMNED_S`` after its last such blob, so new names and new blobs from
+  it cost no more processes (docs/failure-modes.md #57).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Final
 
@@ -29,11 +35,12 @@ from pd_transfer.transport.nixl_metadata import (
     parse_nixl_metadata,
     unseen_parts,
 )
-from pd_transfer.transport.nixl_vetter import MetadataVetter, VettingStats
+from pd_transfer.transport.nixl_vetter import CONDEMNED_S, MetadataVetter, VettingStats
 
-__all__ = ["MAX_REFUSED_LOADS", "Admitted", "PeerAdmission"]
+__all__ = ["MAX_REFUSED_LOADS", "MAX_SOURCE_DEATHS", "Admitted", "PeerAdmission"]
 
 MAX_REFUSED_LOADS: Final = 8
+MAX_SOURCE_DEATHS: Final = 3
 
 
 @dataclass(frozen=True)
@@ -53,11 +60,17 @@ class PeerAdmission:
         self._loaded: dict[str, NixlMetadata] = {}  # what each loaded peer's metadata said
         self._nixl_names: dict[str, str] = {}  # peer -> the name NIXL knows it by, if not its own
         self._refused: dict[str, int] = {}  # peer -> loads NIXL refused
+        self._deaths: dict[str, list[float]] = {}  # source -> when its blobs killed a vetter
 
     @property
     def vetting(self) -> VettingStats:
         """The vetting process's counters (zero without one)."""
         return replace(self._vetter.stats) if self._vetter is not None else VettingStats()
+
+    def warm(self) -> None:
+        """Start the vetting process in the background (``MetadataVetter.start``)."""
+        if self._vetter is not None:
+            self._vetter.start()
 
     def nixl_name(self, peer: str) -> str:
         return self._nixl_names.get(peer, peer)
@@ -77,13 +90,33 @@ class PeerAdmission:
             check_reload(known, checked)
         unseen = unseen_parts(known, checked)
         if unseen is not None and self._vetter is not None:
+            source = _source(expected_name)
+            self._check_source(source, expected_name)
+            deaths = self._vetter.stats.deaths
             verdict = self._vetter.vet(unseen)
+            if self._vetter.stats.deaths > deaths:
+                self._deaths.setdefault(source, []).append(time.monotonic())
             if (refusal := verdict.refusal(expected_name)) is not None:
                 raise refusal
         nixl_name = self.nixl_name(expected_name)
         blob = metadata if nixl_name == expected_name else encode_nixl_metadata(
             replace(checked, agent_name=nixl_name))
         return Admitted(checked, nixl_name, blob)
+
+    def _check_source(self, source: str, peer: str) -> None:
+        """TransportError if ``source`` is condemned (module docstring)."""
+        now = time.monotonic()
+        recent = [t for t in self._deaths.get(source, ()) if now - t < CONDEMNED_S]
+        if recent:
+            self._deaths[source] = recent
+        else:
+            self._deaths.pop(source, None)
+        if len(recent) >= MAX_SOURCE_DEATHS:
+            raise TransportError(
+                f"transport metadata of agent {peer!r} not loaded: blobs from {source} killed "
+                f"or stalled {len(recent)} vetting processes in the last {CONDEMNED_S:g} s; "
+                f"what its agents bring new is refused for "
+                f"{CONDEMNED_S - (now - recent[-1]):.0f} s more")
 
     def loaded(self, peer: str, admitted: Admitted) -> None:
         """NIXL loaded ``admitted`` for ``peer``."""
@@ -104,3 +137,9 @@ class PeerAdmission:
     def close(self) -> None:
         if self._vetter is not None:
             self._vetter.close()
+
+
+def _source(peer: str) -> str:
+    """The host an agent name is bound to (``<base>@<host>``), or the name itself."""
+    base, at, host = peer.rpartition("@")
+    return host if at and base else peer

@@ -12,13 +12,18 @@ import pydantic
 import pytest
 
 from pd_transfer.errors import TransportError
-from pd_transfer.transport.nixl_admission import MAX_REFUSED_LOADS, PeerAdmission
+from pd_transfer.transport import nixl_admission
+from pd_transfer.transport.nixl_admission import (
+    MAX_REFUSED_LOADS,
+    MAX_SOURCE_DEATHS,
+    PeerAdmission,
+)
 from pd_transfer.transport.nixl_metadata import (
     encode_nixl_metadata,
     parse_nixl_metadata,
     unseen_parts,
 )
-from pd_transfer.transport.nixl_vetter import Verdict, VetOutcome
+from pd_transfer.transport.nixl_vetter import Verdict, VetOutcome, VettingStats
 
 NAME = "decode-1"
 
@@ -165,3 +170,41 @@ def test_a_vetting_process_answer_is_validated() -> None:
     for bad in ('{"outcome": "fine"}', '{"outcome": "loaded", "extra": 1}', "[]"):
         with pytest.raises(pydantic.ValidationError):
             Verdict.model_validate_json(bad)
+
+
+class _DyingVetter:
+    """Stands in for a vetting process whose every blob kills it (the real one:
+    tests/integration/test_nixl_metadata_vetting.py); here, to step past CONDEMNED_S."""
+
+    def __init__(self) -> None:
+        self.stats = VettingStats()
+
+    def start(self) -> None:
+        self.stats.starts += 1
+
+    def vet(self, metadata: object) -> Verdict:
+        self.stats.deaths += 1
+        return Verdict(outcome=VetOutcome.KILLED, detail="SIGSEGV")
+
+
+def test_a_host_whose_blobs_killed_three_vetters_is_refused_until_600_s_after_the_last(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(nixl_admission.time, "monotonic", lambda: now[0])
+    vetter = _DyingVetter()
+    admission = PeerAdmission(vetter)  # type: ignore[arg-type]
+    for index in range(MAX_SOURCE_DEATHS):
+        name = f"m{index}@10.0.0.9"
+        with pytest.raises(TransportError, match=r"killed a vetting process \(SIGSEGV\)"):
+            admission.admit(_blob(ONE, name=name.encode()), name)
+        now[0] += 100.0
+    refused = r"not loaded: blobs from 10.0.0.9 killed or stalled 3 vetting processes in the " \
+              r"last 600 s; what its agents bring new is refused for 500 s more"
+    with pytest.raises(TransportError, match=refused):
+        admission.admit(_blob(ONE, name=b"m9@10.0.0.9"), "m9@10.0.0.9")
+    assert vetter.stats.deaths == MAX_SOURCE_DEATHS  # refused without vetting
+    with pytest.raises(TransportError, match=r"killed a vetting process"):  # another host
+        admission.admit(_blob(ONE, name=b"d0@10.0.0.10"), "d0@10.0.0.10")
+    now[0] += 400.0  # 600 s after the second death: only the third is still recent
+    with pytest.raises(TransportError, match=r"killed a vetting process"):
+        admission.admit(_blob(ONE, name=b"m9@10.0.0.9"), "m9@10.0.0.9")

@@ -10,6 +10,9 @@ acted on from that decode agent (``protocol.tickets``): a re-sent RequestKV of a
 request is idempotent, one seen before for a request no longer live is a replay
 (``replayed``), one below the window ``stale_ticket``, and another ticket for a room whose
 stream is open ``ticket_conflict``; none of them is acted on (docs/failure-modes.md #49).
+Each refused RequestKV is answered with an Abort of its ticket (``ProtocolViolation``,
+naming the refusal), so decode fails that request at once rather than at its deadline
+(#58).
 
 Opening a stream checks the RequestKV against the request (pages, tokens, path, instance)
 and its pre-grant, if any: exactly the writer's whole share, inside the peer's ring, or the
@@ -67,37 +70,42 @@ class StreamOpener:
             return
         if (document.pp_rank, document.tp_rank) != (message.decode_pp_rank,
                                                     message.decode_tp_rank):
-            ctx.reject("coord_mismatch", f"{peer} is rank {document.coord}, claims otherwise")
+            self._refuse(peer, message, "coord_mismatch",
+                         f"{peer} is rank {document.coord}, claims otherwise")
             return
         window = self._tickets.setdefault(peer, TicketWindow())
         state = window.state(message.ticket)
         if state is TicketState.STALE:
-            ctx.reject("stale_ticket", f"RequestKV for {message.room!r} ticket "
-                       f"{message.ticket} from {peer}, below the window ({window.highest})")
+            self._refuse(peer, message, "stale_ticket", f"RequestKV for {message.room!r} "
+                         f"ticket {message.ticket} from {peer}, below the window "
+                         f"({window.highest})")
             return
         if state is TicketState.SEEN:
             if not self._holds(peer, message):
-                ctx.reject("replayed", f"RequestKV for {message.room!r} ticket "
-                           f"{message.ticket} from {peer}: acted on before, no longer live")
+                self._refuse(peer, message, "replayed", f"RequestKV for {message.room!r} "
+                             f"ticket {message.ticket} from {peer}: acted on before, no "
+                             f"longer live")
             return  # else a re-sent RequestKV of a live request: idempotent
         transfer = self._transfers.get(message.room)
         if transfer is None:
             waiting = self._early.setdefault(message.room, [])
             if self.early_count() >= MAX_EARLY_REQUESTS:
-                ctx.reject("early_buffer_full", f"RequestKV for {message.room!r} from {peer}")
+                self._refuse(peer, message, "early_buffer_full",
+                             f"RequestKV for {message.room!r} from {peer}")
             elif all(p != peer for p, _, _ in waiting):
                 waiting.append((peer, message, ctx.clock() + self._early_wait_s()))
                 window.mark(message.ticket)
             else:
-                ctx.reject("ticket_conflict", f"RequestKV for {message.room!r} ticket "
-                           f"{message.ticket} from {peer}, which asked with another already")
+                self._refuse(peer, message, "ticket_conflict", f"RequestKV for "
+                             f"{message.room!r} ticket {message.ticket} from {peer}, which "
+                             f"asked with another already")
             if not waiting:
                 del self._early[message.room]
             return
         if peer in transfer.streams:
-            ctx.reject("ticket_conflict", f"RequestKV for {message.room!r} ticket "
-                       f"{message.ticket} from {peer}; its stream is ticket "
-                       f"{transfer.streams[peer].ticket}")
+            self._refuse(peer, message, "ticket_conflict", f"RequestKV for {message.room!r} "
+                         f"ticket {message.ticket} from {peer}; its stream is ticket "
+                         f"{transfer.streams[peer].ticket}")
             return
         window.mark(message.ticket)
         self._open(peer, message)
@@ -112,6 +120,16 @@ class StreamOpener:
         if peer not in transfer.streams:
             with ctx.guard(transfer):
                 self._open_stream(transfer, peer, document, message)
+
+    def _refuse(self, peer: str, message: wire.RequestKV, reason: str, detail: str) -> None:
+        """Count a refused RequestKV and answer it with an Abort of its ticket, so that the
+        decode rank fails that request now instead of at its deadline (a decode that did not
+        send it has no live request of that ticket, and ignores the Abort)."""
+        self._ctx.reject(reason, detail)
+        self._ctx.send(peer, wire.Abort(
+            room=message.room, ticket=message.ticket,
+            reason=FailureReason.PROTOCOL_VIOLATION.value,
+            detail=f"prefill refused this RequestKV ({reason}): {detail}"[:1024]))
 
     def _holds(self, peer: str, message: wire.RequestKV) -> bool:
         """``peer``'s RequestKV with ``message``'s ticket is live here (held early, or its

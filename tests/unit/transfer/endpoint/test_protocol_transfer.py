@@ -7,6 +7,7 @@ nor a GPU. Each test names the failure mode in docs/failure-modes.md it guards.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import replace
 
@@ -388,6 +389,37 @@ def test_request_kv_for_an_unregistered_room_is_kept_for_decodes_deadline() -> N
     assert refused is not None and refused.reason in (FailureReason.LEASE_EXPIRED,
                                                       FailureReason.TRANSFER_TIMEOUT)
     cluster.run(lambda: cluster.senders[0].debug_counts()["early_requests"] == 0, 10)
+
+
+def test_a_request_kv_prefill_refuses_is_answered_so_decode_fails_at_once() -> None:
+    """Guards against a refused RequestKV that decode waits out to its transfer deadline
+    (docs/failure-modes.md #58): here a decode whose tickets restarted under the same agent
+    name (its window on prefill 5000 ahead) is refused ``stale_ticket``; prefill answers with
+    an Abort of that ticket and decode fails the request within a few steps, naming why.
+    The next request, whose ticket is inside the window again, succeeds bit-exactly."""
+    cluster = Cluster(mode="staged", timeouts=replace(FAST, transfer_s=60.0))
+    receiver, sender = cluster.receivers[0], cluster.senders[0]
+    receiver._tickets = itertools.count(5000)
+    first = cluster.new_request(num_tokens=8)
+    cluster.start(first)
+    cluster.run(lambda: cluster.finished(first.room))
+    assert cluster.states(first.room) == SUCCEEDED
+    receiver._tickets = itertools.count(1)  # far below what prefill has seen from it
+    refused = cluster.new_request(num_tokens=8)
+    cluster.start(refused, send=False)
+    rounds = cluster.run(lambda: receiver.poll(refused.room).finished, 50)  # type: ignore[union-attr]
+    status = receiver.poll(refused.room)
+    assert status is not None and status.reason is FailureReason.ABORTED_BY_PEER, status
+    assert (f"ProtocolViolation: prefill refused this RequestKV (stale_ticket): RequestKV for "
+            f"{refused.room!r} ticket 1 from {receiver.transport.agent_name}, below the window "
+            f"(5000)") in status.detail, status.detail
+    assert rounds < 50 and cluster.clock() < 60.0  # long before decode's deadline
+    assert sender.metrics.snapshot().rejected_by_reason == {"stale_ticket": 1}
+    receiver._tickets = itertools.count(4900)  # inside the window again
+    after = cluster.new_request(num_tokens=8)
+    cluster.start(after)
+    cluster.run(lambda: cluster.finished(after.room))
+    assert cluster.states(after.room) == SUCCEEDED and cluster.verified(after)
 
 
 def test_prefill_kv_hold_has_a_lease() -> None:

@@ -256,7 +256,8 @@ class MetadataVetter:
             self._reap(self._process)
         self.start()
         starting = self._starting
-        assert starting is not None
+        if starting is None:  # closed
+            return Verdict(outcome=VetOutcome.UNAVAILABLE, detail="the vetter is closed")
         try:
             started = starting.result(self._spec.start_timeout_s + 2 * _CLOSE_WAIT_S)
         except TimeoutError:  # left to finish: the next blob waits for it again

@@ -23,7 +23,13 @@ from pd_transfer.transport.nixl_metadata import (
     parse_nixl_metadata,
     unseen_parts,
 )
-from pd_transfer.transport.nixl_vetter import Verdict, VetOutcome, VettingStats
+from pd_transfer.transport.nixl_vetter import (
+    MetadataVetter,
+    Verdict,
+    VetOutcome,
+    VetterSpec,
+    VettingStats,
+)
 
 NAME = "decode-1"
 
@@ -208,3 +214,11 @@ def test_a_host_whose_blobs_killed_three_vetters_is_refused_until_600_s_after_th
     now[0] += 400.0  # 600 s after the second death: only the third is still recent
     with pytest.raises(TransportError, match=r"killed a vetting process"):
         admission.admit(_blob(ONE, name=b"m9@10.0.0.9"), "m9@10.0.0.9")
+
+
+def test_a_closed_vetter_refuses_without_starting_a_process() -> None:
+    vetter = MetadataVetter(VetterSpec("closed", "nixl._api", ("UCX",), 0, ()))
+    vetter.close()
+    verdict = vetter.vet(parse_nixl_metadata(_blob(ONE), NAME))
+    assert verdict == Verdict(outcome=VetOutcome.UNAVAILABLE, detail="the vetter is closed")
+    assert vetter.stats == VettingStats()

@@ -92,6 +92,14 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "rounds": len(rounds)}
 
 
+def _within_repo(path: str) -> str:
+    """`path` as the results record it: relative to the checkout when it lies inside."""
+    if not path:
+        return path
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else path
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,7 +139,8 @@ def main() -> int:
     print(json.dumps(table, indent=1))
     record = {"benchmark": "first_contact", "when": datetime.now(UTC).isoformat(timespec="seconds"),
               "host": {"cpus": os.cpu_count(), "machine": platform.machine()},
-              "settings": {k: v for k, v in vars(args).items() if k != "child"},
+              "settings": {k: _within_repo(v) if k == "before_tree" else v
+                           for k, v in vars(args).items() if k != "child"},
               "results": {"summary": table, "rounds": results}}
     tag = f"-{args.tag}" if args.tag else ""
     out = Path(os.environ.get("OUT") or REPO / "benchmarks" / "results") / (

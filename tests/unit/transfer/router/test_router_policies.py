@@ -6,6 +6,7 @@ the e2e tests). Needs neither NIXL, torch nor a GPU."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -161,6 +162,7 @@ def test_least_load_sends_the_next_request_to_the_idle_decode(fleet: Fleet) -> N
     try:
         assert busy.arrived.wait(10)
         for i in range(3):  # busy holds a stream: every new request goes to the idle one
+            _settle(fleet.router, in_flight=1)
             assert call(fleet.router.url, "POST", "/v1/completions", {"prompt": f"{i}"})[0] \
                 == 200
         assert (len(busy.requests), len(idle.requests)) == (1, 3)
@@ -169,6 +171,16 @@ def test_least_load_sends_the_next_request_to_the_idle_decode(fleet: Fleet) -> N
     finally:
         held.set()
         first.join(10)
+
+
+def _settle(router: Router, in_flight: int) -> None:
+    """Wait until the router counts ``in_flight`` requests. The client has its whole answer
+    a moment before the router's handler thread leaves the request, and a pick in between
+    would see the last answer's engine still loaded (a tie, not least load)."""
+    deadline = time.monotonic() + 5
+    while router.inflight.total() != in_flight:
+        assert time.monotonic() < deadline, router.inflight.snapshot()
+        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("fleet", [PolicyName.CACHE_AWARE], indirect=True)

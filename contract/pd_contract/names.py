@@ -26,6 +26,7 @@ __all__ = [
     "ENV_TENSOR_PARALLEL",
     "ENV_TRANSFER_AUTH_KEY_FILE",
     "ENV_TRANSFER_CONFIG",
+    "ENV_TRANSFER_IDENTITY_FILE",
     "ENV_TRANSFER_METRICS_PORT",
     "LABEL_DEPLOYMENT",
     "LABEL_ENGINE_INSTANCE",
@@ -69,6 +70,9 @@ TRANSFER_AUTH_KEY: Final = "transfer.key"
 TRANSFER_AUTH_MOUNT: Final = "/var/run/pd-transfer/auth"
 TRANSFER_AUTH_PATH: Final = f"{TRANSFER_AUTH_MOUNT}/{TRANSFER_AUTH_KEY}"
 ENV_TRANSFER_AUTH_KEY_FILE: Final = "PD_TRANSFER_AUTH_KEY_FILE"
+# This pod's identity file (pd_contract.identity), where the pod was given one; unset: the
+# pod proves only that it holds the deployment's transfer key.
+ENV_TRANSFER_IDENTITY_FILE: Final = "PD_TRANSFER_IDENTITY_FILE"
 
 # The pod's identity, set through the downward API.
 ENV_POD_NAME: Final = "POD_NAME"

@@ -30,12 +30,13 @@ from typing import Any
 
 import pytest
 
-from pd_testbed.transfer_harness import seal_as
+from pd_contract.identity import IdentityFile, PodIdentity, verify_credential
 from pd_transfer.protocol.messages import (
     PROTOCOL_VERSION,
     Message,
     RingUpdate,
     decode_message,
+    encode_message,
 )
 from pd_transfer.reference.selftest import RequestSpec, SelftestConfig, SelftestGroup
 from pd_transfer.transport.nixl import NixlTransport
@@ -69,6 +70,26 @@ def group() -> Iterator[SelftestGroup]:
 
 def _document(group: SelftestGroup, key: tuple[str, int, int]) -> RankDocument:
     return fetch_document(group.addresses[key], 30.0, group.auth)
+
+
+def stolen_identity(group: SelftestGroup, role: str) -> PodIdentity:
+    """The identity file of the ``role`` rank's pod, as an attacker who took that pod reads
+    it (the selftest's ``identity`` command)."""
+    (text,) = group.broadcast(role, "identity")
+    return PodIdentity(IdentityFile.model_validate_json(text))
+
+
+def seal_from(group: SelftestGroup, identity: PodIdentity, sender: str, target: RankDocument,
+              message: Message | bytes, *, confidential: bool = False) -> bytes:
+    """``message`` sealed by the pod of ``identity`` as agent ``sender`` for ``target``, with
+    the key of their pair (what that pod, and only it, can seal)."""
+    assert target.credential is not None
+    framer = group.auth.pair(identity, verify_credential(target.credential,
+                                                         group.auth.authorities))
+    body = message if isinstance(message, bytes) else encode_message(message)
+    return framer.seal(body, purpose=Purpose.MESSAGE, version=PROTOCOL_VERSION, sender=sender,
+                       receiver=target.agent_name,
+                       confidential=confidential or isinstance(message, RingUpdate))
 
 
 class Impostor:
@@ -216,8 +237,9 @@ def _ring_update(decode: RankDocument, version: int, base: int, size: int) -> Ri
 
 def test_a_ring_announcement_cannot_move_a_decode_ring_into_its_kv_pool(
         group: SelftestGroup) -> None:
-    """A key holder announcing, as the decode rank, a newer ring inside the rank's KV pool
-    (with the rank's own, unchanged metadata) used to be taken: prefill then wrote staged
+    """The decode rank's own pod, compromised (it seals with its own pair key), announcing a
+    newer ring inside the rank's KV pool (with the rank's own, unchanged metadata) used to be
+    taken: prefill then wrote staged
     parts into KV pages of other requests while decode scattered from its real ring. A
     conflicting announcement of the version in force, a version 4001 digits long and one far
     ahead are refused too; staged requests afterwards land bit-exactly."""
@@ -236,10 +258,10 @@ def test_a_ring_announcement_cannot_move_a_decode_ring_into_its_kv_pool(
     huge["ring_version"] = int("9" * 4001)
     huge_body = json.dumps(huge).encode()
     before = _rejected(group, "prefill")
-    frames = [seal_as(decode.agent_name, prefill.agent_name, m, group.auth) for m in forged]
-    frames.append(group.auth.seal(huge_body, purpose=Purpose.MESSAGE,
-                                  version=PROTOCOL_VERSION, sender=decode.agent_name,
-                                  receiver=prefill.agent_name, confidential=True))
+    victim = stolen_identity(group, "decode")
+    frames = [seal_from(group, victim, decode.agent_name, prefill, m) for m in forged]
+    frames.append(seal_from(group, victim, decode.agent_name, prefill, huge_body,
+                            confidential=True))
     impostor = Impostor(decode.agent_name, prefill)
     try:
         impostor.send(frames)
@@ -259,20 +281,25 @@ def test_a_document_cannot_name_an_agent_bound_to_another_pod(group: SelftestGro
     """A key holder serving, from its own address, a document that names a decode rank's
     agent used to win that name at every prefill that fetched it first (and so receive that
     rank's WRITEs). Names are bound to the host that serves them: refused, naming both; a
-    document naming the server's own host is a peer like any other."""
+    document naming the server's own host is a peer like any other. The attacker here is a
+    pod of the deployment with an identity of its own, signing what it serves."""
     decode = _document(group, DECODE)
+    mallory = group.auth.as_pod("decode", "mallory")
+    signer = mallory.pod_identity("decode", "mallory")
+    assert signer is not None
     victim_name = bound_agent_name(f"decode-0-0-{uuid.uuid4().hex[:8]}", "127.0.0.1")
     impostor = NixlTransport(victim_name)
     own = NixlTransport(bound_agent_name(f"mallory-{uuid.uuid4().hex[:8]}", "127.0.0.66"))
+    mine = {"instance": "mallory", "credential": signer.wire}
     claims = {
         "borrowed": decode.model_copy(update={
-            "agent_name": victim_name,
+            **mine, "agent_name": victim_name,
             "transport_metadata_b64": base64.b64encode(impostor.local_metadata()).decode()}),
         "own": decode.model_copy(update={
-            "agent_name": own.agent_name,
+            **mine, "agent_name": own.agent_name,
             "transport_metadata_b64": base64.b64encode(own.local_metadata()).decode()}),
     }
-    servers = {label: BootstrapServer(lambda d=doc: d, group.auth, "127.0.0.66")
+    servers = {label: BootstrapServer(lambda d=doc: d, mallory, "127.0.0.66", signer=signer)
                for label, doc in claims.items()}
     try:
         (borrowed,) = group.broadcast("prefill", "peers", [servers["borrowed"].address])

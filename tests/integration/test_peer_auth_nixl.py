@@ -23,17 +23,18 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from pd_contract.identity import verify_credential
 from pd_testbed.transfer_harness import seal_as
 from pd_transfer.decode import DecodeReceiver
 from pd_transfer.endpoint import RankIdentity
 from pd_transfer.kv.layout import KVLayout
 from pd_transfer.kv.plan import Parallelism, RankCoord
 from pd_transfer.kv.pool import KVPool
-from pd_transfer.protocol.messages import RingUpdate, encode_message
+from pd_transfer.protocol.messages import PROTOCOL_VERSION, RingUpdate, encode_message
 from pd_transfer.reference.selftest import SelftestConfig, SelftestGroup
 from pd_transfer.transport.base import RegisteredRegion
 from pd_transfer.transport.nixl import NixlTransport
-from pd_transfer.trust.auth import PeerAuth
+from pd_transfer.trust.auth import PeerAuth, Purpose
 from pd_transfer.trust.bootstrap import (
     DTYPES,
     BootstrapServer,
@@ -66,7 +67,8 @@ class Mallory:
             self.transport, KVPool.allocate(layout),
             RankIdentity("mallory", RankCoord(0, 0), Parallelism(1), geometry),
             auth=group.auth, ring_bytes=1 << 20)
-        self.server = BootstrapServer(self.receiver.document, group.auth)
+        self.server = BootstrapServer(self.receiver.document, group.auth,
+                                      signer=self.receiver.pod_identity)
         self.prefill = fetch_document(group.addresses[PREFILL], 30.0, group.auth)
         self.transport.add_peer(self.prefill.transport_metadata,
                                 expected_name=self.prefill.agent_name)
@@ -106,8 +108,15 @@ class Mallory:
     def send(self, payload: bytes) -> None:
         self.transport.send_message(self.prefill.agent_name, payload)
 
-    def send_sealed(self, message: RingUpdate, auth: PeerAuth) -> bytes:
-        frame = seal_as(self.name, self.prefill.agent_name, message, auth)
+    def send_sealed(self, message: RingUpdate) -> bytes:
+        """``message`` sealed with the key of mallory's pair with the prefill rank."""
+        identity = self.receiver.pod_identity
+        assert identity is not None and self.prefill.credential is not None
+        framer = self.group.auth.pair(identity, verify_credential(
+            self.prefill.credential, self.group.auth.authorities))
+        frame = framer.seal(encode_message(message), purpose=Purpose.MESSAGE,
+                            version=PROTOCOL_VERSION, sender=self.name,
+                            receiver=self.prefill.agent_name, confidential=True)
         self.send(frame)
         return frame
 
@@ -204,9 +213,10 @@ def test_hostile_metadata_never_reaches_nixl_and_prefill_keeps_serving(
         ]
         replayable = b""
         for metadata in authenticated:
-            replayable = mallory.send_sealed(mallory.ring_update(metadata), group.auth)
-        # The stranger: no key. Unframed, sealed with another key, and mallory's valid frame
-        # replayed from its own agent.
+            replayable = mallory.send_sealed(mallory.ring_update(metadata))
+        # The stranger: no key, no document any rank checked. Unframed, sealed with another
+        # key, and mallory's valid frame replayed from its own agent: no pair key is known for
+        # its name, so none is opened.
         stranger = NixlTransport(f"stranger-{uuid.uuid4().hex[:8]}")
         stranger.add_peer(mallory.prefill.transport_metadata,
                           expected_name=mallory.prefill.agent_name)
@@ -216,7 +226,7 @@ def test_hostile_metadata_never_reaches_nixl_and_prefill_keeps_serving(
                             PeerAuth.generate())
         for payload in (unframed, other_key, replayable):
             stranger.send_message(mallory.prefill.agent_name, payload)
-        expected = {"invalid_ring_update": len(authenticated), "unauthenticated": 3}
+        expected = {"invalid_ring_update": len(authenticated), "unknown_peer": 3}
         attackers = [mallory.transport, stranger]
         assert _wait_rejected(group, sum(expected.values()), attackers) == expected
         assert group.ranks[PREFILL][0].is_alive()
@@ -232,7 +242,7 @@ def test_hostile_metadata_never_reaches_nixl_and_prefill_keeps_serving(
             for _ in range(rng.randint(1, 4)):
                 blob = _mutate(blob, rng.randrange(len(blob)), rng.randrange(256))
             version, before = mallory.version_in_force(), _prefill_rejected(group)
-            mallory.send_sealed(mallory.ring_update(blob, version + 1), group.auth)
+            mallory.send_sealed(mallory.ring_update(blob, version + 1))
             outcomes[_outcome(group, mallory, version, before)] += 1
         # Every fuzzed update is refused (counted: its metadata does not parse, is not vetted,
         # or no longer registers the announced buffer) or loaded as mallory's own update.

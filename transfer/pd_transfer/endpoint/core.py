@@ -5,7 +5,9 @@ An endpoint is driven by exactly one thread (its ``Worker``, or a unit test call
 threads talk to it only through ``submit`` (a command queue, answered by a Future) and
 read published ``RequestStatus`` snapshots (``StatusBoard``).
 
-A message is authenticated before it is decoded, and one its side never receives
+A message is authenticated before it is decoded (with the key of this pod's pair with the
+sender where pods have identities, derived when the peer's checked document is connected;
+docs/failure-modes.md #59), and one its side never receives
 (``protocol.messages.RECEIVED_BY``) is refused before the side's handler sees it.
 Per-request isolation (docs/failure-modes.md #12): everything done on behalf of one request
 runs under ``guard``; an exception fails that request with InternalError and the loop goes
@@ -65,7 +67,7 @@ from pd_transfer.protocol.messages import (
 )
 from pd_transfer.protocol.parts import PartMachine
 from pd_transfer.transport.base import RegisteredRegion, Transport
-from pd_transfer.trust.auth import SECRET_MAGIC, PeerAuth, Purpose
+from pd_transfer.trust.auth import SECRET_MAGIC, PeerAuth, Purpose, Unauthenticated
 from pd_transfer.trust.bootstrap import (
     RankDocument,
     RegionDoc,
@@ -105,6 +107,8 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         CUDA pool; none on CPU, where the idle back-off applies throughout)."""
         self.transport = transport
         self.auth = auth  # the deployment's transfer key (docs/failure-modes.md #26)
+        # This pod's credential and keys (#59), None in a deployment without identities.
+        self.pod_identity = auth.pod_identity(self.role.value, identity.instance)
         self.pool = pool
         self.identity = identity
         self.timeouts = timeouts or Timeouts()
@@ -115,6 +119,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             CUDA_POLL if pool.device.type == "cuda" else None)
         self.wakeup = threading.Event()  # set by submit: the worker starts a command at once
         self.peers: dict[str, RankDocument] = {}
+        self._pairs: dict[str, PeerAuth] = {}  # each identified peer's frame sealer
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -208,6 +213,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             ring=RegionDoc.of(ring) if ring is not None else None,
             ring_version=self._ring_version(),
             transport_metadata_b64=base64.b64encode(self.transport.local_metadata()).decode(),
+            credential=self.pod_identity.wire if self.pod_identity is not None else None,
         )
 
     @property
@@ -329,22 +335,36 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         return True
 
     def seal(self, peer: str, message: Message) -> bytes:
-        """``message`` framed for ``peer`` with the transfer key: what every control message
-        and WRITE notification travels as (docs/failure-modes.md #26)."""
-        return self.auth.seal(encode_message(message), purpose=Purpose.MESSAGE,
-                              version=PROTOCOL_VERSION, sender=self.transport.agent_name,
-                              receiver=peer, confidential=isinstance(message, RingUpdate))
+        """``message`` framed for ``peer`` with the key of this pod and ``peer``'s (the
+        deployment's transfer key without identities): what every control message and WRITE
+        notification travels as (docs/failure-modes.md #26, #59)."""
+        return self._framer(peer).seal(
+            encode_message(message), purpose=Purpose.MESSAGE, version=PROTOCOL_VERSION,
+            sender=self.transport.agent_name, receiver=peer,
+            confidential=isinstance(message, RingUpdate))
 
     def authenticate(self, peer: str, payload: bytes) -> bytes:
         """The body of a frame ``peer`` sealed for this agent, checked before any decoding;
-        Unauthenticated (a RemoteProtocolError, counted as ``unauthenticated``) otherwise."""
-        return self.auth.open(payload, purpose=Purpose.MESSAGE, version=PROTOCOL_VERSION,
-                              sender=peer, receiver=self.transport.agent_name)
+        a RemoteProtocolError otherwise: ``unauthenticated``, or ``unknown_peer`` from a peer
+        whose document this rank has not checked (its pair key is not known yet)."""
+        return self._framer(peer).open(payload, purpose=Purpose.MESSAGE,
+                                       version=PROTOCOL_VERSION, sender=peer,
+                                       receiver=self.transport.agent_name)
+
+    def _framer(self, peer: str) -> PeerAuth:
+        if self.pod_identity is None:
+            return self.auth
+        framer = self._pairs.get(peer)
+        if framer is None:
+            raise RemoteProtocolError("unknown_peer", f"{peer}: no checked document, so no "
+                                      f"key of the pair yet")
+        return framer
 
     def prune_peer(self, peer: str, detail: str) -> None:
         """Forget ``peer`` and fail every request bound to it (docs/failure-modes.md #10, #19)."""
         if self.peers.pop(peer, None) is None:
             return
+        self._pairs.pop(peer, None)
         _log.warning("pruning peer %s: %s", peer, detail)
         self.transport.remove_peer(peer)
         self._on_peer_lost(peer, detail)
@@ -459,10 +479,28 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             metadata = base64.b64decode(document.transport_metadata_b64, validate=True)
         except ValueError as exc:
             raise TransportError(f"peer {name!r}: transport metadata is not base64: {exc}") from exc
+        framer = self._pair_with(document)
         self.transport.add_peer(metadata, expected_name=name)
         self.peers[name] = document
+        if framer is not None:
+            self._pairs[name] = framer
         self._on_peer_added(document)
         return name
+
+    def _pair_with(self, document: RankDocument) -> PeerAuth | None:
+        """The frame sealer of this pod and ``document``'s, its credential checked again (a
+        caller may hand a document that did not come through ``fetch_document``); None
+        without identities; TransportError when the credential does not hold."""
+        if self.pod_identity is None:
+            return None
+        try:
+            credential = self.auth.verify_peer(
+                document.credential, role=document.role, instance=document.instance,
+                what=f"peer {document.agent_name!r}")
+            assert credential is not None  # this side has identities
+            return self.auth.pair(self.pod_identity, credential)
+        except Unauthenticated as exc:
+            raise TransportError(exc.detail) from exc
 
     # Role hooks ------------------------------------------------------------------------------
 

@@ -51,7 +51,14 @@ from pd_transfer.prefill.gathers import EngineGathers
 from pd_transfer.prefill.parts import PartMaker
 from pd_transfer.prefill.posting import Poster
 from pd_transfer.prefill.streams import StreamOpener
-from pd_transfer.prefill.transfer import ReadyEvent, SendTransfer, _Gathered, _PartSpec, _Stream
+from pd_transfer.prefill.transfer import (
+    DecodeBinding,
+    ReadyEvent,
+    SendTransfer,
+    _Gathered,
+    _PartSpec,
+    _Stream,
+)
 from pd_transfer.protocol import messages as wire
 from pd_transfer.protocol.coverage import CoverageError
 from pd_transfer.protocol.lifecycle import Event, FailureReason, Role, State
@@ -136,13 +143,23 @@ class PrefillSender(Endpoint[SendTransfer]):
     # Engine API ----------------------------------------------------------------------------
 
     def register_request(
-        self, room: str, page_ids: Sequence[int], num_tokens: int
+        self, room: str, page_ids: Sequence[int], num_tokens: int, *,
+        decode_instance: str | DecodeBinding = DecodeBinding.FIRST_TO_ASK,
     ) -> Future[None]:
         """Hold ``page_ids`` (the request's KV, in request order) for decode to claim. With
         chunked prefill the pages may be the first ones only; ``extend_request`` appends
-        the rest as the engine allocates them, before the parts that send them."""
+        the rest as the engine allocates them, before the parts that send them.
+
+        ``decode_instance``: the decode engine instance the request was given to (the one
+        at the bootstrap address the router gave); only its ranks' RequestKVs are taken
+        (docs/failure-modes.md #60). ``DecodeBinding.LATER``: ``bind_request`` will name it
+        (RequestKVs wait till then); ``FIRST_TO_ASK``: the first instance to ask."""
         pages = [int(p) for p in page_ids]
-        return self.submit(lambda: self._register(room, pages, num_tokens))
+        return self.submit(lambda: self._register(room, pages, num_tokens, decode_instance))
+
+    def bind_request(self, room: str, decode_instance: str) -> Future[None]:
+        """Name the decode instance of a request registered with ``DecodeBinding.LATER``."""
+        return self.submit(lambda: self._streams.bind(room, decode_instance))
 
     def extend_request(self, room: str, page_ids: Sequence[int]) -> Future[None]:
         """Append ``page_ids`` to a registered request's pages (in request order)."""
@@ -186,7 +203,8 @@ class PrefillSender(Endpoint[SendTransfer]):
 
     # Commands (worker thread) -------------------------------------------------------------
 
-    def _register(self, room: str, pages: list[int], num_tokens: int) -> None:
+    def _register(self, room: str, pages: list[int], num_tokens: int,
+                  decode_instance: str | DecodeBinding) -> None:
         page_size = self.pool.layout.page_size
         if num_tokens > 0 and len(pages) * page_size < num_tokens:  # the first chunk's pages
             self._check_new(room, pages, len(pages) * page_size, "registered")
@@ -195,6 +213,10 @@ class PrefillSender(Endpoint[SendTransfer]):
         transfer = SendTransfer(room, pages, num_tokens, created=self.clock(),
                                 page_size=page_size, stage=self._stage_layers,
                                 kv_lease_s=self.timeouts.kv_lease_s, release=self._release)
+        if isinstance(decode_instance, str):
+            transfer.instance = decode_instance
+        else:
+            transfer.awaiting_binding = decode_instance is DecodeBinding.LATER
         self._admit(transfer)
         decode_pars = {d.parallelism for d in self.peers.values() if d.role == "decode"}
         if len(decode_pars) == 1 and not self._ctx.topology(decode_pars.pop()).plans_from(

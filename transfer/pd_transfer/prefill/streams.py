@@ -14,7 +14,14 @@ Each refused RequestKV is answered with an Abort of its ticket (``ProtocolViolat
 naming the refusal), so decode fails that request at once rather than at its deadline
 (#58).
 
-Opening a stream checks the RequestKV against the request (pages, tokens, path, instance)
+A request serves one decode instance (docs/failure-modes.md #60): the one the engine named
+when it registered the room (the instance at the bootstrap address the router gave), else the
+first to ask. A RequestKV from a rank of any other instance (``unbound_peer``), or a second
+one for coordinates that have a stream already (``duplicate_coords``), is refused like the
+others, and fails nothing: the request goes on with its own decode. Where the engine names
+the instance after registering (``bind``), RequestKVs wait for it as early ones do.
+
+Opening a stream checks the RequestKV against the request (pages, tokens, path)
 and its pre-grant, if any: exactly the writer's whole share, inside the peer's ring, or the
 request fails ProtocolViolation. A staged stream with a pre-grant is armed for gathers on
 the engine's thread (gathers.py).
@@ -58,9 +65,25 @@ class StreamOpener:
         return sum(len(v) for v in self._early.values())
 
     def take_early(self, room: str) -> None:
-        """``room`` was just registered: open the streams its early RequestKVs asked for."""
+        """``room`` was just registered (or bound): open the streams its early RequestKVs
+        asked for, unless it still waits for the engine to name its decode instance."""
+        transfer = self._transfers.get(room)
+        if transfer is not None and transfer.awaiting_binding:
+            return
         for peer, message, _ in self._early.pop(room, []):
             self._open(peer, message)  # checked, and its ticket marked, when it came
+
+    def bind(self, room: str, instance: str) -> None:
+        """The engine names ``room``'s decode instance; the RequestKVs that waited go on."""
+        transfer = self._transfers.get(room)
+        if transfer is None:
+            return  # finished meanwhile
+        if transfer.instance not in (None, instance):
+            raise ValueError(f"room {room!r} serves decode instance {transfer.instance!r}, "
+                             f"not {instance!r}")
+        transfer.instance = instance
+        transfer.awaiting_binding = False
+        self.take_early(room)
 
     def on_request_kv(self, peer: str, message: wire.RequestKV) -> None:
         ctx = self._ctx
@@ -74,7 +97,13 @@ class StreamOpener:
                          f"{peer} is rank {document.coord}, claims otherwise")
             return
         window = self._tickets.setdefault(peer, TicketWindow())
-        state = window.state(message.ticket)
+        now = ctx.clock()
+        state = window.state(message.ticket, now)
+        if state is TicketState.LEAP:
+            self._refuse(peer, message, "ticket_leap", f"RequestKV for {message.room!r} "
+                         f"ticket {message.ticket} from {peer}, far ahead of its highest "
+                         f"({window.highest})")
+            return
         if state is TicketState.STALE:
             self._refuse(peer, message, "stale_ticket", f"RequestKV for {message.room!r} "
                          f"ticket {message.ticket} from {peer}, below the window "
@@ -87,14 +116,14 @@ class StreamOpener:
                              f"longer live")
             return  # else a re-sent RequestKV of a live request: idempotent
         transfer = self._transfers.get(message.room)
-        if transfer is None:
+        if transfer is None or transfer.awaiting_binding:
             waiting = self._early.setdefault(message.room, [])
             if self.early_count() >= MAX_EARLY_REQUESTS:
                 self._refuse(peer, message, "early_buffer_full",
                              f"RequestKV for {message.room!r} from {peer}")
             elif all(p != peer for p, _, _ in waiting):
                 waiting.append((peer, message, ctx.clock() + self._early_wait_s()))
-                window.mark(message.ticket)
+                window.mark(message.ticket, now)
             else:
                 self._refuse(peer, message, "ticket_conflict", f"RequestKV for "
                              f"{message.room!r} ticket {message.ticket} from {peer}, which "
@@ -107,7 +136,7 @@ class StreamOpener:
                          f"ticket {message.ticket} from {peer}; its stream is ticket "
                          f"{transfer.streams[peer].ticket}")
             return
-        window.mark(message.ticket)
+        window.mark(message.ticket, now)
         self._open(peer, message)
 
     def _open(self, peer: str, message: wire.RequestKV) -> None:
@@ -117,9 +146,20 @@ class StreamOpener:
         if document is None or transfer is None:  # pruned meanwhile (failed its requests)
             ctx.reject("unknown_peer", f"RequestKV from {peer}, no longer a known peer")
             return
-        if peer not in transfer.streams:
-            with ctx.guard(transfer):
-                self._open_stream(transfer, peer, document, message)
+        if peer in transfer.streams:
+            return
+        if transfer.instance not in (None, document.instance):
+            self._refuse(peer, message, "unbound_peer",
+                         f"RequestKV for {message.room!r} from {peer} of decode instance "
+                         f"{document.instance!r}; the request serves {transfer.instance!r}")
+            return
+        if any(stream.document.coord == document.coord for stream in transfer.streams.values()):
+            self._refuse(peer, message, "duplicate_coords",
+                         f"RequestKV for {message.room!r} from {peer} as rank "
+                         f"{document.coord}, which another agent of the instance asked as")
+            return
+        with ctx.guard(transfer):
+            self._open_stream(transfer, peer, document, message)
 
     def _refuse(self, peer: str, message: wire.RequestKV, reason: str, detail: str) -> None:
         """Count a refused RequestKV and answer it with an Abort of its ticket, so that the
@@ -194,8 +234,6 @@ class StreamOpener:
                        f"{layout.packing.value} (it needs token-major pages)")
         elif message.path == "staged" and document.ring is None:
             problem = "staged path but the decode rank published no staging ring"
-        elif transfer.instance not in (None, document.instance):
-            problem = f"decode instance {document.instance} but {transfer.instance} asked first"
         if problem is not None:
             ctx.violation(transfer, peer, problem)
             return

@@ -11,6 +11,7 @@ through either terminal state runs its ``release`` once (``Endings.release``).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -30,7 +31,7 @@ from pd_transfer.protocol.parts import Part
 from pd_transfer.transport.base import TransferHandle
 from pd_transfer.trust.bootstrap import RankDocument
 
-__all__ = ["ReadyEvent", "SendTransfer"]
+__all__ = ["DecodeBinding", "ReadyEvent", "SendTransfer"]
 
 
 class ReadyEvent(Protocol):
@@ -111,6 +112,13 @@ class _Stream:
                                  size_bytes=out.size_bytes)
 
 
+class DecodeBinding(enum.Enum):
+    """Which decode instance a request registered without naming one serves."""
+
+    FIRST_TO_ASK = "first_to_ask"  # the first instance whose RequestKV opens a stream
+    LATER = "later"  # the engine names it with ``bind_request``; RequestKVs wait for it
+
+
 class SendTransfer(Transfer):
     """All state of one request on one prefill rank (see module docstring)."""
 
@@ -132,7 +140,11 @@ class SendTransfer(Transfer):
         self.specs: list[_PartSpec] = []
         self.coverage = Coverage(range(stage.start, stage.stop), self.total_pages)
         self.last_given = False
+        # The decode instance this request serves (docs/failure-modes.md #60): given at
+        # registration or by ``bind_request``, else the first to ask; ``awaiting_binding``:
+        # the engine will name it, and RequestKVs wait for that.
         self.instance: str | None = None
+        self.awaiting_binding = False
         self.expected: frozenset[tuple[int, int]] | None = None  # decode (pp, tp) coords
         self.streams: dict[str, _Stream] = {}
 

@@ -100,7 +100,8 @@ def _serve(endpoint: EndpointT, name: str, options: RankOptions) -> OpenRank[End
     """Publish ``endpoint``'s document and start its worker, all or nothing (the module
     docstring): on an error the endpoint is closed again and the error propagates."""
     try:
-        server = BootstrapServer(endpoint.document, endpoint.auth, options.host, options.port)
+        server = BootstrapServer(endpoint.document, endpoint.auth, options.host, options.port,
+                                 signer=endpoint.pod_identity)
     except BaseException:
         endpoint.close()
         raise

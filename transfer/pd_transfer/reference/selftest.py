@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from pd_contract.identity import identity_json
 from pd_contract.transferagent import AgentStaging, Role
 from pd_transfer.common.paths import PathMode, choose_path
 from pd_transfer.endpoint import Endpoint, RankIdentity, Timeouts
@@ -168,7 +169,9 @@ def _rank_main(  # noqa: PLR0917 - a spawned process's target takes positional a
             source = compute_request_source(spec.seed, kv, len(spec.src_pages) * config.page_size)
             fill_pool(pool, geometry=kv, parallelism=parallelism, coord=coord,
                       pages=spec.src_pages, source=source)
-            return sender.endpoint.register_request(spec.room, spec.src_pages, spec.num_tokens)
+            # The group's one decode instance: only its ranks may take the KV.
+            return sender.endpoint.register_request(spec.room, spec.src_pages, spec.num_tokens,
+                                                    decode_instance="decode-0")
 
         commands = _RoleCommands(
             register=register, verify=None,
@@ -266,6 +269,9 @@ def _serve(conn: Connection, rank: OpenRank[Endpoint[Any]], transport: NixlTrans
         elif command == "peer_rings":  # the ring version in force of each peer
             conn.send(endpoint.submit(lambda: {name: doc.ring_version for name, doc in
                                                endpoint.peers.items()}).result(READY_TIMEOUT_S))
+        elif command == "identity":  # this pod's identity file (tests: a compromised pod)
+            conn.send(None if endpoint.pod_identity is None
+                      else identity_json(endpoint.pod_identity.file))
         elif command == "frames":  # what the rank received (tap_frames), oldest first
             conn.send(transport.taken() if isinstance(transport, _Tap) else [])
         elif command == "exit":

@@ -25,7 +25,15 @@ Key file format (both sides of ``pd_contract`` agree): UTF-8 text, one key per l
 64 lowercase hex characters (32 random bytes). The first line is the key in force (it signs);
 further lines (at most 4 in all) are previous keys still accepted during a rotation.
 
-Pure: no I/O except reading the key file (``PeerAuth.from_file``).
+Per-pod identities (``pd_contract.identity``, docs/failure-modes.md #59): a ``PeerAuth`` may
+also carry this pod's identity (``from_file(..., identity_path=)``: the file the operator
+mounts into this pod only). Then every control message between two pods is sealed with the
+key of their pair (``pair``) rather than the deployment's, and documents are signed
+(``trust.bootstrap``). ``generate()`` (tests, selftests, benchmarks that start every peer
+themselves) holds an authority instead and issues each endpoint an identity of its own role
+and instance (``pod_identity``); no file ever holds an authority, so no pod can issue one.
+
+Pure: no I/O except reading the key and identity files (``PeerAuth.from_file``).
 """
 
 from __future__ import annotations
@@ -41,11 +49,19 @@ import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar, Final
+from typing import ClassVar, Final, Literal
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from pd_contract.identity import (
+    Authority,
+    Credential,
+    CredentialWire,
+    IdentityError,
+    PodIdentity,
+    verify_credential,
+)
 from pd_transfer.errors import RemoteProtocolError, TransferError
 
 __all__ = [
@@ -106,9 +122,11 @@ class Unauthenticated(RemoteProtocolError):
 
 
 class PeerAuth:
-    """The deployment's transfer keys: ``keys[0]`` signs; every key verifies."""
+    """The deployment's transfer keys: ``keys[0]`` signs; every key verifies. With an
+    identity (or, in tests, an authority): who this pod is (module docstring)."""
 
-    def __init__(self, keys: Sequence[bytes]) -> None:
+    def __init__(self, keys: Sequence[bytes], *, identity: PodIdentity | None = None,
+                 issuer: Authority | None = None, deployment: str = "local/test") -> None:
         if not 1 <= len(keys) <= MAX_KEYS:
             raise AuthKeyError(f"a transfer key set holds 1 to {MAX_KEYS} keys, got {len(keys)}")
         for index, key in enumerate(keys):
@@ -122,19 +140,118 @@ class PeerAuth:
         self._source: Path | None = None
         self._stamp: tuple[int, int, int] | None = None
         self._checked_at = 0.0
+        if identity is not None and issuer is not None:
+            raise AuthKeyError("a PeerAuth holds this pod's identity or an authority, not both")
+        self._identity = identity
+        self._issuer = issuer
+        self._deployment = identity.credential.deployment if identity else deployment
+        self._issued: dict[tuple[str, str], PodIdentity] = {}
 
     def __getstate__(self) -> dict[str, object]:
         """Picklable (a spawned process gets the keys): the ciphers are rebuilt there."""
-        return {k: v for k, v in self.__dict__.items() if k != "_ciphers"}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_ciphers", "_issuer")}
+        state["_issuer"] = self._issuer.private_text if self._issuer is not None else None
+        return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
+        issuer = state.pop("_issuer")
         self.__dict__.update(state)
+        self._issuer = Authority.from_private(issuer) if isinstance(issuer, str) else None
         self._ciphers = _ciphers(self._keys)
 
     @classmethod
     def generate(cls) -> PeerAuth:
-        """One fresh random key (tests, selftests and benchmarks that start their peers)."""
+        """One fresh random key and an authority that issues every endpoint its identity
+        (tests, selftests and benchmarks that start all their peers)."""
+        return cls([secrets.token_bytes(KEY_BYTES)], issuer=Authority.generate())
+
+    @classmethod
+    def shared_key_only(cls) -> PeerAuth:
+        """One fresh random key and no identities: a deployment whose pods were given
+        none (an older operator), where any key holder may speak as any pod."""
         return cls([secrets.token_bytes(KEY_BYTES)])
+
+    # Identities ----------------------------------------------------------------------------
+
+    @property
+    def authorities(self) -> tuple[str, ...]:
+        """The authority keys credentials are checked against; () without identities."""
+        if self._identity is not None:
+            return self._identity.authorities
+        return (self._issuer.public,) if self._issuer is not None else ()
+
+    @property
+    def deployment(self) -> str:
+        return self._deployment
+
+    def pod_identity(self, role: str, instance: str) -> PodIdentity | None:
+        """The identity an endpoint of ``role`` serving ``instance`` speaks with: this pod's
+        (AuthKeyError if it was issued for another role or instance), one the authority
+        issues (tests), or None without identities."""
+        if self._identity is not None:
+            credential = self._identity.credential
+            if (credential.role, credential.instance) != (role, instance):
+                raise AuthKeyError(
+                    f"this pod's identity is for {credential.describe()}, but it runs a "
+                    f"{role} rank of instance {instance!r}; the operator issues each pod "
+                    f"the identity of the instance it creates it for (is the engine's "
+                    f"instance name overridden?)")
+            return self._identity
+        if self._issuer is None:
+            return None
+        issued = self._issued.get((role, instance))
+        if issued is None:
+            issued = PodIdentity(self._issuer.issue(
+                deployment=self._deployment, role=_role(role), instance=instance,
+                pod=instance))
+            self._issued[(role, instance)] = issued
+        return issued
+
+    def as_pod(self, role: str, instance: str) -> PeerAuth:
+        """This deployment's keys with one identity the authority issues, and no authority:
+        what one pod holds (tests: a pod that must not be able to issue itself another)."""
+        identity = self.pod_identity(role, instance)
+        assert identity is not None, "as_pod needs an authority or this pod's identity"
+        return self.holding(identity)
+
+    def holding(self, identity: PodIdentity) -> PeerAuth:
+        """This deployment's keys with ``identity``: what the pod it was issued to holds."""
+        return PeerAuth(self._keys, identity=identity)
+
+    def verify_peer(self, wire: CredentialWire | None, *, role: str, instance: str,
+                    what: str) -> Credential | None:
+        """The credential of a peer that claims to be ``role`` instance ``instance``, checked
+        against this deployment's authorities; None where this side has no identities (a
+        credential is then ignored). Unauthenticated when it is missing, does not verify, or
+        was issued for another deployment, role or instance."""
+        authorities = self.authorities
+        if not authorities:
+            return None
+        if wire is None:
+            raise Unauthenticated(f"{what}: no pod credential, and this deployment's pods "
+                                  f"each prove who they are (a peer of an older operator or "
+                                  f"version, or one pretending to be)")
+        try:
+            credential = verify_credential(wire, authorities)
+        except IdentityError as exc:
+            raise Unauthenticated(f"{what}: {exc}") from exc
+        if credential.deployment != self._deployment:
+            raise Unauthenticated(f"{what}: a credential of deployment "
+                                  f"{credential.deployment!r}, not {self._deployment!r}")
+        if (credential.role, credential.instance) != (role, instance):
+            raise Unauthenticated(
+                f"{what} claims {role} instance {instance!r}, but its credential is "
+                f"{credential.describe()}; a pod may speak only as the instance the operator "
+                f"made it for")
+        return credential
+
+    def pair(self, mine: PodIdentity, peer: Credential) -> PeerAuth:
+        """The frame sealer of this pod and ``peer``: one key only the two derive."""
+        try:
+            key = mine.pair_key(peer)
+        except IdentityError as exc:
+            raise Unauthenticated(str(exc)) from exc
+        return PeerAuth([key])
 
     @classmethod
     def parse(cls, text: str, source: str = "the transfer key file") -> PeerAuth:
@@ -164,8 +281,9 @@ class PeerAuth:
         return cls(keys)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> PeerAuth:
-        """Read and parse a key file; a missing, unreadable or non-UTF-8 one is AuthKeyError."""
+    def from_file(cls, path: str | Path, identity_path: str | Path | None = None) -> PeerAuth:
+        """Read and parse a key file, and this pod's identity file if given; a missing,
+        unreadable or malformed one is AuthKeyError."""
         try:
             raw = Path(path).read_bytes()
         except OSError as exc:
@@ -179,6 +297,13 @@ class PeerAuth:
                 f"the transfer key file {str(path)!r} is not UTF-8 text (byte {exc.start}): "
                 f"{_KEY_FORMAT_HINT}") from exc
         auth = cls.parse(text, f"the transfer key file {str(path)!r}")
+        if identity_path is not None:
+            try:
+                identity = PodIdentity.from_file(identity_path)
+            except IdentityError as exc:
+                raise AuthKeyError(f"{exc}; the operator mounts each pod's identity "
+                                   f"there") from exc
+            auth = cls(auth._keys, identity=identity)
         auth._source = Path(path)
         auth._stamp = _stamp_of(auth._source)
         return auth
@@ -278,6 +403,14 @@ class PeerAuth:
         raise Unauthenticated(
             f"{what}: no accepted key decrypts it (wrong deployment, a key rotated out, or a "
             f"frame meant for another peer)")
+
+
+def _role(role: str) -> Literal["prefill", "decode"]:
+    if role == "prefill":
+        return "prefill"
+    if role == "decode":
+        return "decode"
+    raise AuthKeyError(f"role {role!r}: prefill or decode")
 
 
 def _stamp_of(path: Path) -> tuple[int, int, int] | None:

@@ -35,6 +35,15 @@ a document whose name is bound to another host than the one it was fetched from.
 holder can only name agents of its own address, so it cannot take a decode rank's name and
 receive that rank's WRITEs. ``add_peer`` checks the metadata embeds the document's name.
 
+Signed (docs/failure-modes.md #59): where the deployment gives each pod an identity
+(``pd_contract.identity``), the document carries its pod's credential and the frame's body is
+``{"document": <the document's JSON>, "signature": <the pod's Ed25519 signature over it>}``.
+A fetcher accepts it only under a credential its deployment's authority signed, for the
+role and instance the document claims, signed by that credential's key: a pod can publish
+documents as the instance it was made for only. And the document names the port it is served
+from, which the fetcher checks with the host, so a process on the same address but another
+port cannot pass a copy of a pod's document as its own.
+
 Version history of ``DOCUMENT_VERSION``:
   1: first version.
   2: the body is sealed in a ``pd_transfer.trust.auth`` frame (HMAC-SHA256 with the transfer key).
@@ -43,6 +52,9 @@ Version history of ``DOCUMENT_VERSION``:
      address of each (part, local layer).
   4: the frame is encrypted (AES-256-GCM), and ``agent_name`` is ``<base>@<host>``, bound to
      the host the document is served from.
+  5: the body is an envelope with the pod's signature; the document gains ``credential``
+     (its pod's, or null in a deployment without identities) and ``port`` (the one it is
+     served from).
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ from typing import Annotated, Final, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pd_contract.identity import Credential, CredentialWire, PodIdentity, signed_by
 from pd_transfer.errors import BootstrapError, GeometryMismatch, PlanError
 from pd_transfer.kv.plan import Attention, KVGeometry, Parallelism, RankCoord, compute_local_heads
 from pd_transfer.transport.base import MemoryKind, RegisteredRegion
@@ -88,7 +101,7 @@ __all__ = [
     "seal_document",
 ]
 
-DOCUMENT_VERSION: Final = 4
+DOCUMENT_VERSION: Final = 5
 MAX_DOCUMENT_BYTES: Final = 1 << 20
 MAX_KV_REGIONS: Final = 2 * 1024
 """Registered KV ranges a document may list (one per layer tensor, two parts at most)."""
@@ -180,7 +193,7 @@ _BaseRow = Annotated[
 class RankDocument(_Doc):
     """Everything a peer needs to address this rank."""
 
-    v: Literal[4] = DOCUMENT_VERSION
+    v: Literal[5] = DOCUMENT_VERSION
     role: Literal["prefill", "decode"]
     instance: str = Field(min_length=1, max_length=253)
     agent_name: str = Field(min_length=1, max_length=512)
@@ -195,6 +208,8 @@ class RankDocument(_Doc):
     ring: RegionDoc | None = None
     ring_version: int = Field(default=0, ge=0)
     transport_metadata_b64: str
+    credential: CredentialWire | None = None
+    port: int = Field(default=0, ge=0, le=65535)  # set by the server that renders it
 
     @model_validator(mode="after")
     def _check_addressing(self) -> RankDocument:
@@ -295,19 +310,32 @@ def check_compatible(local: GeometryDoc, remote: RankDocument, address: str) -> 
             )
 
 
-def seal_document(document: RankDocument, auth: PeerAuth) -> bytes:
-    """The document's JSON in a frame sealed with the key in force (what the server sends)."""
-    return auth.seal(document.model_dump_json().encode(), purpose=Purpose.DOCUMENT,
-                     version=DOCUMENT_VERSION, sender="", receiver="", confidential=True)
+class _Envelope(_Doc):
+    """A sealed document's body: the document's JSON and its pod's signature over it."""
+
+    v: Literal[5] = DOCUMENT_VERSION
+    document: str = Field(max_length=MAX_DOCUMENT_BYTES)
+    signature: str | None = Field(default=None, min_length=88, max_length=88)
+
+
+def seal_document(document: RankDocument, auth: PeerAuth,
+                  signer: PodIdentity | None = None) -> bytes:
+    """The document in a frame sealed with the key in force, signed by ``signer`` (this
+    pod's identity; None in a deployment without identities): what the server sends."""
+    text = document.model_dump_json()
+    signature = signer.sign(text.encode()) if signer is not None else None
+    body = _Envelope(document=text, signature=signature).model_dump_json().encode()
+    return auth.seal(body, purpose=Purpose.DOCUMENT, version=DOCUMENT_VERSION, sender="",
+                     receiver="", confidential=True)
 
 
 def open_document(raw: bytes, auth: PeerAuth, source: str) -> RankDocument:
-    """Decrypt and verify a sealed document, then parse it; raises BootstrapError naming
-    ``source``.
+    """Decrypt and verify a sealed document, check its pod's signature and credential (where
+    the deployment has identities), then parse it; raises BootstrapError naming ``source``.
 
     The frame binds no agent names (a fetcher is anonymous): the agent name is inside the
-    encrypted body, ``fetch_document`` checks it is bound to the host it came from, and
-    ``Transport.add_peer`` checks the metadata against it.
+    encrypted body, ``fetch_document`` checks it is bound to the host and port it came
+    from, and ``Transport.add_peer`` checks the metadata against it.
     """
     try:
         body = auth.open(raw, purpose=Purpose.DOCUMENT, version=DOCUMENT_VERSION,
@@ -326,9 +354,28 @@ def open_document(raw: bytes, auth: PeerAuth, source: str) -> RankDocument:
             f"run the same pd-transfer version on prefill and decode"
         )
     try:
-        return RankDocument.model_validate_json(body)
+        envelope = _Envelope.model_validate_json(body)
+        document = RankDocument.model_validate_json(envelope.document)
     except ValidationError as exc:
         raise BootstrapError(f"{source}: invalid rank document: {exc}") from exc
+    credential = _verified_credential(document, auth, source)
+    if credential is not None and (envelope.signature is None or not signed_by(
+            credential, envelope.signature, envelope.document.encode())):
+        raise BootstrapError(f"{source}: a document of {credential.describe()} that its pod "
+                             f"did not sign (a key holder passing off another pod's "
+                             f"credential)")
+    return document
+
+
+def _verified_credential(document: RankDocument, auth: PeerAuth,
+                         source: str) -> Credential | None:
+    """The document's credential if the deployment has identities (checked: signed by its
+    authority, for the document's role and instance); BootstrapError otherwise."""
+    try:
+        return auth.verify_peer(document.credential, role=document.role,
+                                instance=document.instance, what=f"{source}: the document")
+    except Unauthenticated as exc:
+        raise BootstrapError(exc.detail) from exc
 
 
 def fetch_document(address: str, timeout_s: float, auth: PeerAuth) -> RankDocument:
@@ -345,6 +392,12 @@ def fetch_document(address: str, timeout_s: float, auth: PeerAuth) -> RankDocume
         raise BootstrapError(f"{url}: document larger than {MAX_DOCUMENT_BYTES} bytes")
     document = open_document(raw, auth, url)
     host = _address_host(address)
+    port = int(address.rpartition(":")[2] or 0)
+    if document.port != port:
+        raise BootstrapError(
+            f"{url}: the document was rendered for port {document.port}, but port {port} "
+            f"served it; a rank's document is bound to the pod and port that serve it (a "
+            f"process on the same host passing off a copy)")
     if agent_host(document.agent_name) != host:
         raise BootstrapError(
             f"{url}: the document names agent {document.agent_name!r}, bound to host "
@@ -360,15 +413,18 @@ class BootstrapServer:
 
     def __init__(
         self, render: Callable[[], RankDocument], auth: PeerAuth, host: str = "127.0.0.1",
-        port: int = 0,
+        port: int = 0, signer: PodIdentity | None = None,
     ) -> None:
+        """``signer``: this pod's identity, which signs the document (module docstring)."""
         routes: dict[tuple[str, str], tuple[RouteHandler, int]] = {}
         self._routes = routes
+        served_port: list[int] = []
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 if self.path == ROUTE:
-                    self._reply(200, seal_document(render(), auth))
+                    document = render().model_copy(update={"port": served_port[0]})
+                    self._reply(200, seal_document(document, auth, signer))
                     return
                 self._added("GET")
 
@@ -413,6 +469,7 @@ class BootstrapServer:
                 return  # one line per fetch on stderr is noise; failures surface at clients
 
         self._server = ThreadingHTTPServer((host, port), Handler)
+        served_port.append(int(self._server.server_address[1]))
         self._server.daemon_threads = True
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="pd-transfer-bootstrap", daemon=True

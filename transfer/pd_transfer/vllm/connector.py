@@ -177,7 +177,7 @@ class PDTransferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         config = load_transfer_config(settings.config_file)
         tp_rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
         cache = map_kv_caches(kv_caches, config.model, tp_size=self._tp_size, tp_rank=tp_rank)
-        auth = PeerAuth.from_file(settings.key_file)
+        auth = PeerAuth.from_file(settings.key_file, settings.identity_file)
         timeouts = Timeouts.from_config(config.timeouts)
         # Bound to the pod IP the router hands out as this pod's bootstrap address (a peer
         # refuses a document whose agent is bound to another host: docs/failure-modes.md #48).

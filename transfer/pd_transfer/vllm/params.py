@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pd_contract.names import (
     ENV_TRANSFER_AUTH_KEY_FILE,
     ENV_TRANSFER_CONFIG,
+    ENV_TRANSFER_IDENTITY_FILE,
     TRANSFER_AUTH_PATH,
     TRANSFER_CONFIG_PATH,
 )
@@ -37,6 +38,11 @@ class ConnectorSettings(BaseModel):
     key_file: Path = Field(
         default_factory=lambda: Path(os.environ.get(ENV_TRANSFER_AUTH_KEY_FILE,
                                                     TRANSFER_AUTH_PATH)))
+    identity_file: Path | None = Field(
+        default_factory=lambda: Path(p) if (p := os.environ.get(ENV_TRANSFER_IDENTITY_FILE))
+        else None,
+        description="This pod's identity (docs/failure-modes.md #59); absent: the shared "
+                    "key alone.")
     bind_host: str = "0.0.0.0"
     instance: str | None = Field(default=None, min_length=1, max_length=253,
                                  description="Default: $POD_NAME, else vLLM's engine id.")

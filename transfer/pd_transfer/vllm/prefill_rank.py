@@ -22,7 +22,7 @@ import torch
 
 from pd_contract.config import LayerPipelineConfig
 from pd_transfer.kv.pipeline import compute_layer_groups, record_ready_event
-from pd_transfer.prefill import PrefillSender
+from pd_transfer.prefill import DecodeBinding, PrefillSender
 from pd_transfer.protocol.lifecycle import RequestStatus
 from pd_transfer.rank.pod_peers import PodConnections
 from pd_transfer.vllm.rank import RankSide, Tracked, TransferResults
@@ -73,10 +73,15 @@ class PrefillRankSide(RankSide[PrefillSender]):
         sender = self.endpoint
         if chunk.req_id not in self._tracked:
             self._track(chunk.req_id, chunk.room)
-            self._watch(sender.register_request(chunk.room, chunk.new_pages,
-                                                chunk.num_prompt_tokens), chunk.room)
-            # Decode's RequestKV is refused until this rank knows decode; decode re-sends it.
-            self._connect(chunk.decode, "decode", chunk.room, None)
+            self._watch(sender.register_request(
+                chunk.room, chunk.new_pages, chunk.num_prompt_tokens,
+                decode_instance=DecodeBinding.LATER), chunk.room)
+            # Decode's RequestKV is refused until this rank knows decode (decode re-sends
+            # it), then waits until the request is bound to the instance at the address the
+            # router gave (docs/failure-modes.md #60).
+            room = chunk.room
+            self._connect(chunk.decode, "decode", room, lambda instance: self._watch(
+                sender.bind_request(room, instance), room))
         elif chunk.new_pages:
             self._watch(sender.extend_request(chunk.room, chunk.new_pages), chunk.room)
         if chunk.page_stop <= chunk.page_start:

@@ -365,7 +365,7 @@ def test_document_publishes_regions_and_the_base_table_and_round_trips() -> None
     cluster = cpu_cluster()
     receiver = cluster.receivers[0]
     document = receiver.document()
-    assert document.v == 4
+    assert document.v == 5
     assert (document.geometry.page_format, document.geometry.packing) == ("hnd", "per_head")
     assert document.layer_bases == receiver.pool.base_table()
     assert len(document.kv_regions) == 1  # one allocation shared by every layer

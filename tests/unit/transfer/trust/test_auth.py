@@ -267,7 +267,7 @@ def test_documents_are_verified_before_they_are_parsed() -> None:
     document = cluster.receivers[0].document()
     sealed = seal_document(document, TEST_AUTH)
     assert open_document(sealed, TEST_AUTH, "d:1") == document
-    assert document.v == DOCUMENT_VERSION == 4
+    assert document.v == DOCUMENT_VERSION == 5
     assert sealed.startswith(SECRET_MAGIC)
     assert document.agent_name.encode() not in sealed
     assert document.transport_metadata_b64.encode()[:16] not in sealed

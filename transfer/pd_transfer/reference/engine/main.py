@@ -34,7 +34,11 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from pd_contract.config import TransferConfig
-from pd_contract.names import ENV_TRANSFER_AUTH_KEY_FILE, TRANSFER_AUTH_PATH
+from pd_contract.names import (
+    ENV_TRANSFER_AUTH_KEY_FILE,
+    ENV_TRANSFER_IDENTITY_FILE,
+    TRANSFER_AUTH_PATH,
+)
 from pd_contract.transferagent import AgentEndpoints, AgentStaging
 from pd_transfer.agent.engine_load import engine_requests
 from pd_transfer.agent.errors import AgentError, IdentityError
@@ -136,8 +140,9 @@ def _facts(identity: PodIdentity, config: TransferConfig, service: EngineService
 
 
 def load_auth(environ: Mapping[str, str]) -> PeerAuth:
-    """The PDDeployment's transfer key, from the file ``$PD_TRANSFER_AUTH_KEY_FILE`` names;
-    EngineConfigError when it is unset, missing or malformed (the engine must not start)."""
+    """The PDDeployment's transfer key, from the file ``$PD_TRANSFER_AUTH_KEY_FILE`` names,
+    and this pod's identity where ``$PD_TRANSFER_IDENTITY_FILE`` names one; EngineConfigError
+    when the key is unset, or either is missing or malformed (the engine must not start)."""
     path = environ.get(ENV_TRANSFER_AUTH_KEY_FILE, "")
     if not path:
         raise EngineConfigError(
@@ -145,7 +150,7 @@ def load_auth(environ: Mapping[str, str]) -> PeerAuth:
             f"transfer key file (the operator mounts its Secret at {TRANSFER_AUTH_PATH} and "
             f"sets the variable); without it no peer could be authenticated")
     try:
-        return PeerAuth.from_file(path)
+        return PeerAuth.from_file(path, environ.get(ENV_TRANSFER_IDENTITY_FILE) or None)
     except AuthKeyError as exc:
         raise EngineConfigError(str(exc)) from exc
 

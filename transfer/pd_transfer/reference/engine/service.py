@@ -52,7 +52,7 @@ from pd_transfer.kv.layout import KVLayout
 from pd_transfer.kv.pipeline import LayerPipeline, compute_chunk_plan
 from pd_transfer.kv.plan import Parallelism, RankCoord, compute_local_heads
 from pd_transfer.kv.pool import KVPool
-from pd_transfer.prefill import PrefillSender
+from pd_transfer.prefill import DecodeBinding, PrefillSender
 from pd_transfer.protocol.lifecycle import RequestStatus, State
 from pd_transfer.rank.opening import (
     OpenRank,
@@ -342,8 +342,10 @@ class EngineService:
         self._begin(room)
         started = time.monotonic()
         try:
-            for address in decode:
-                self.connect(address, "decode")
+            instances = {d.instance for address in decode
+                         for d in self.connect(address, "decode")}
+            # One decode instance: only its ranks may take the KV (docs/failure-modes.md #60).
+            bound = instances.pop() if len(instances) == 1 else DecodeBinding.FIRST_TO_ASK
             vocab = self.model.config.vocab_size
             if tokens is not None:
                 if any(not 0 <= t < vocab for t in tokens):
@@ -353,7 +355,8 @@ class EngineService:
                 gen = torch.Generator().manual_seed(zlib.crc32(room.encode()))  # reproducible
                 ids = torch.randint(0, vocab, (num_tokens,), generator=gen)
             return self._run(room, len(ids), started, timeout_s,
-                             compute=lambda pages: self._prefill_compute(room, ids, pages))
+                             compute=lambda pages: self._prefill_compute(room, ids, pages),
+                             decode_instance=bound)
         finally:
             with self._results_lock:
                 self._live.discard(room)
@@ -389,13 +392,15 @@ class EngineService:
                 self._live.discard(room)
 
     def _run(self, room: str, num_tokens: int, started: float, timeout_s: float | None, *,
-             compute: Callable[[list[int]], None] | None,
-             instance: str | None = None) -> RequestResult:
+             compute: Callable[[list[int]], None] | None, instance: str | None = None,
+             decode_instance: str | DecodeBinding = DecodeBinding.FIRST_TO_ASK,
+             ) -> RequestResult:
         """Allocate pages, register on every rank, compute (prefill), wait, free pages."""
         pages = self.pages.allocate(math.ceil(num_tokens / self.options.page_size))
         registered = False
         try:
-            futures = [s.endpoint.register_request(room, pages, num_tokens)
+            futures = [s.endpoint.register_request(room, pages, num_tokens,
+                                                   decode_instance=decode_instance)
                        for s in self._senders]
             futures += [d.endpoint.expect(room, pages, num_tokens, prefill_instance=instance)
                         for d in self._receivers]

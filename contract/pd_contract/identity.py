@@ -96,6 +96,12 @@ class Credential(_Frozen):
         """SHA-256 of the credential's canonical JSON: what a pair key is bound to."""
         return hashlib.sha256(self.model_dump_json().encode()).digest()
 
+    def names(self, instance: str) -> bool:
+        """Whether an engine may serve as ``instance`` under this credential: its own
+        instance, or an incarnation of it (``<instance>@<incarnation>``: a pod name holds no
+        ``@``, so no other instance's name has that form)."""
+        return instance == self.instance or instance.startswith(f"{self.instance}@")
+
     def describe(self) -> str:
         return f"{self.role} instance {self.instance!r} (pod {self.pod!r}, {self.deployment})"
 

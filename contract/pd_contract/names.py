@@ -39,6 +39,9 @@ __all__ = [
     "TRANSFER_CONFIG_KEY",
     "TRANSFER_CONFIG_MOUNT",
     "TRANSFER_CONFIG_PATH",
+    "TRANSFER_IDENTITY_KEY",
+    "TRANSFER_IDENTITY_MOUNT",
+    "TRANSFER_IDENTITY_PATH",
     "TRANSFER_READY_CONDITION",
 ]
 
@@ -73,6 +76,9 @@ ENV_TRANSFER_AUTH_KEY_FILE: Final = "PD_TRANSFER_AUTH_KEY_FILE"
 # This pod's identity file (pd_contract.identity), where the pod was given one; unset: the
 # pod proves only that it holds the deployment's transfer key.
 ENV_TRANSFER_IDENTITY_FILE: Final = "PD_TRANSFER_IDENTITY_FILE"
+TRANSFER_IDENTITY_KEY: Final = "identity.json"
+TRANSFER_IDENTITY_MOUNT: Final = "/var/run/pd-transfer/identity"
+TRANSFER_IDENTITY_PATH: Final = f"{TRANSFER_IDENTITY_MOUNT}/{TRANSFER_IDENTITY_KEY}"
 
 # The pod's identity, set through the downward API.
 ENV_POD_NAME: Final = "POD_NAME"

@@ -5,6 +5,7 @@ is none), and a client acting as the deployment's agents (`agent_api_client`).""
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Mapping
 from typing import Any, cast
@@ -13,15 +14,22 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
+from pd_contract.identity import IdentityError, IdentityFile, verify_credential
+from pd_contract.names import TRANSFER_IDENTITY_KEY
 from pd_contract.transferagent import Role
 from pd_devcluster import ControlPlaneHandle, service_account_kubeconfig
 from pd_operator.api import parse_pdd
+from pd_operator.api.naming import transfer_authority_name
+from pd_operator.api.resources import PDDeployment
 from pd_operator.build import Capabilities, build_children, child_key
+from pd_operator.build.identity import IDENTITY_COMPONENT, read_authority
 from pd_operator.build.instances import build_instance_pod
 from pd_operator.build.names import LABEL_TEMPLATE_HASH, agent_service_account
 from pd_operator.build.pod import build_pod_template
-from pd_operator.kube import CHILD_KINDS, CONTROLLER_REVISIONS, PDB, PODS, KubeClient
+from pd_operator.engines import runs_pd_transfer
+from pd_operator.kube import CHILD_KINDS, CONTROLLER_REVISIONS, PDB, PODS, SECRETS, KubeClient
 from pd_operator.reconcile import first_difference
+from pd_operator.reconcile.identity import desired_authority
 from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
 from pd_testbed.checkout import EXAMPLES_DIR
 from pd_testbed.polling import wait_for
@@ -95,17 +103,29 @@ class Cluster:
                                                     {"spec": patch})
 
     def desired(self, name: str = NAME) -> list[Obj]:
-        """The builders' children plus the transfer key Secret holding the live keys (a
-        random key when there is none: then it shows as missing)."""
+        """The builders' children plus the transfer key and identity authority Secrets
+        holding the live keys (random ones when there are none: then they show as
+        missing)."""
         pdd = parse_pdd(self.pdd(name))
-        secret = desired_transfer_key_secret(self.kube, pdd, self.live(name))
-        return [secret, *build_children(pdd, CAPS)]
+        live = self.live(name)
+        secrets = [desired_transfer_key_secret(self.kube, pdd, live)]
+        if runs_pd_transfer(pdd):
+            secrets.append(desired_authority(self.kube, pdd, live)[1])
+        return [*secrets, *build_children(pdd, CAPS)]
 
     def live(self, name: str = NAME) -> dict[tuple[str, str, str, str], Obj]:
-        """The PDDeployment's children of every applied kind (`records` has the templates
-        its instances' revisions keep)."""
-        selector = f"pd.serving.dev/deployment={name}"
+        """The PDDeployment's children of every applied kind but the instances' identity
+        Secrets (`identities`; `records` has the templates its instances' revisions keep)."""
+        selector = f"pd.serving.dev/deployment={name},app.kubernetes.io/component!=" \
+                   f"{IDENTITY_COMPONENT}"
         return {child_key(o): o for o in self.kube.list_children(self.ns, selector, KINDS)}
+
+    def identities(self, name: str = NAME) -> dict[str, Obj]:
+        """The instances' identity Secrets, by instance."""
+        selector = f"pd.serving.dev/deployment={name},app.kubernetes.io/component=" \
+                   f"{IDENTITY_COMPONENT}"
+        return {o["metadata"]["labels"]["pd.serving.dev/instance"]: o
+                for o in self.kube.list_objects(SECRETS, self.ns, selector)}
 
     def records(self, name: str = NAME) -> list[Obj]:
         """The ControllerRevisions keeping each role's pod template per revision."""
@@ -133,6 +153,7 @@ class Cluster:
             diff = first_difference(want, pod)
             if diff is not None:
                 problems.append(f"Pod/{meta['name']} differs at {diff}")
+        problems += self._identity_problems(pdd, name)
         for want in desired:
             have = live.get(child_key(want))
             if have is None:
@@ -143,6 +164,34 @@ class Cluster:
                 problems.append(f"{want['kind']}/{want['metadata']['name']} differs at {diff}")
             if have["metadata"]["ownerReferences"] != want["metadata"]["ownerReferences"]:
                 problems.append(f"{want['kind']}/{want['metadata']['name']} owner refs differ")
+        return problems
+
+    def _identity_problems(self, pdd: PDDeployment, name: str) -> list[str]:
+        """Each instance's identity Secret issued by the live authority for its role and
+        instance, and none left without its instance."""
+        if not runs_pd_transfer(pdd):
+            return []
+        authority = read_authority(self.kube.get(SECRETS, self.ns,
+                                                 transfer_authority_name(name)))
+        pods = {p["metadata"]["name"]: p["metadata"]["labels"]["pd.serving.dev/role"]
+                for p in self.pods(name=name)}
+        problems = []
+        for instance, secret in sorted(self.identities(name).items()):
+            if instance not in pods:
+                problems.append(f"Secret/{secret['metadata']['name']}: no instance")
+                continue
+            data = base64.b64decode(secret["data"][TRANSFER_IDENTITY_KEY])
+            try:
+                credential = verify_credential(IdentityFile.model_validate_json(data).credential,
+                                               (authority.public,) if authority else ())
+            except (ValueError, IdentityError) as exc:
+                problems.append(f"Secret/{secret['metadata']['name']}: {exc}")
+                continue
+            if (credential.role, credential.instance) != (pods[instance], instance):
+                problems.append(f"Secret/{secret['metadata']['name']}: issued for "
+                                f"{credential.describe()}")
+        problems += [f"Pod/{pod}: no identity Secret" for pod in sorted(pods)
+                     if pod not in self.identities(name)]
         return problems
 
     def status(self, name: str = NAME) -> Obj:

@@ -33,9 +33,11 @@ from kubernetes.config import kube_config
 from pd_devcluster import ControlPlaneHandle, helm_path, service_account_kubeconfig
 from pd_operator import settings
 from pd_operator.api import parse_pdd
+from pd_operator.api.naming import transfer_authority_name
 from pd_operator.build.capabilities import Capabilities
 from pd_operator.build.children import build_children, child_key
 from pd_operator.build.names import transfer_key_name
+from pd_operator.engines import runs_pd_transfer
 from pd_operator.leader import LeaseConfig
 from pd_testbed.operator_runner import kopf_runner
 
@@ -165,8 +167,11 @@ def expected_children(body: dict[str, Any]) -> set[tuple[str, str, str, str]]:
     no PodDisruptionBudgets."""
     pdd = parse_pdd({**body, "metadata": {**body["metadata"], "uid": "x"}})
     children = build_children(pdd, Capabilities(pod_disruption_budgets=False))
-    secret = ("v1", "Secret", pdd.metadata.namespace, transfer_key_name(pdd.metadata.name))
-    return {secret, *(child_key(c) for c in children)}
+    namespace, name = pdd.metadata.namespace, pdd.metadata.name
+    secrets = {("v1", "Secret", namespace, transfer_key_name(name))}
+    if runs_pd_transfer(pdd):  # the identity authority (docs/failure-modes.md #59)
+        secrets.add(("v1", "Secret", namespace, transfer_authority_name(name)))
+    return {*secrets, *(child_key(c) for c in children)}
 
 
 def as_dict(api: k8s.ApiClient, obj: object) -> dict[str, Any]:

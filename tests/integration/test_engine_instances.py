@@ -7,6 +7,7 @@ deleted pod is removed at once)."""
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 from kopf.testing import KopfRunner
 from kubernetes import watch as k8s_watch
 
+from pd_contract.identity import Authority, IdentityFile, verify_credential
 from pd_contract.transferagent import Role
 from pd_devcluster import ControlPlaneHandle
 from pd_operator.api import parse_pdd
@@ -127,6 +129,36 @@ def test_a_pod_deleted_by_hand_comes_back_under_its_name_within_10_s(
                                                                        "CreatingInstances"))
 
 
+def test_each_instance_has_an_identity_of_its_own_and_loses_it_with_it(
+        operator: KopfRunner, cluster: Cluster, kubelet: Kubelet) -> None:
+    """Guards against pods that can speak as each other (docs/failure-modes.md #59): each
+    instance's pod mounts an identity Secret of its own, issued by the deployment's authority
+    (which no pod mounts) for its role and instance, and the Secret goes with the instance."""
+    create(cluster, prefill=1, decode=2)
+    serving(cluster, 1, 2)
+    stored = cluster.core.read_namespaced_secret(f"{NAME}-transfer-authority", cluster.ns)
+    authority = base64.b64decode(stored.data["authority.key"]).decode()
+    public = Authority.from_private(authority).public
+    keys = set()
+    for pod in cluster.pods():
+        name, role = pod["metadata"]["name"], pod["metadata"]["labels"]["pd.serving.dev/role"]
+        secrets = {v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v}
+        assert secrets == {f"{NAME}-transfer-key", f"{name}-transfer-identity"}
+        held = cluster.core.read_namespaced_secret(f"{name}-transfer-identity", cluster.ns)
+        file = IdentityFile.model_validate_json(base64.b64decode(held.data["identity.json"]))
+        credential = verify_credential(file.credential, (public,))
+        assert (credential.deployment, credential.role, credential.instance, credential.pod) \
+            == (f"{cluster.ns}/{NAME}", role, name, name)
+        keys.add(credential.x25519)
+    assert len(keys) == 3
+    gone = cluster.instances("decode")[-1]
+    cluster.patch_spec({"decode": {"replicas": 1}})
+    wait_for("one decode", lambda: len(cluster.instances("decode")) == 1, 30)
+    wait_for(f"{gone}'s identity Secret deleted", lambda: not any(
+        s.metadata.name == f"{gone}-transfer-identity"
+        for s in cluster.core.list_namespaced_secret(cluster.ns).items), 10)
+
+
 def test_scale_down_removes_the_idlest_instance_and_says_why(
         operator: KopfRunner, cluster: Cluster, kubelet: Kubelet) -> None:
     """Guards against a scale-down that removes the highest ordinal whatever it holds: of
@@ -195,9 +227,19 @@ def previous_release_statefulset(cluster: Cluster, role: Role) -> Obj:
             "selector": {"matchLabels": role_selector(name, role)},
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "OnDelete"},
-            "template": build_pod_template(pdd, role, CAPS.agent_image),
+            "template": _without_identity(build_pod_template(pdd, role, CAPS.agent_image)),
         },
     }
+
+
+def _without_identity(template: Obj) -> Obj:
+    """`template` as the previous release built it: its pods had no identity of their own."""
+    for container in template["spec"]["containers"]:
+        container["volumeMounts"] = [m for m in container.get("volumeMounts") or []
+                                     if m["name"] != "transfer-identity"]
+        container["env"] = [e for e in container.get("env") or []
+                            if e["name"] != "PD_TRANSFER_IDENTITY_FILE"]
+    return template
 
 
 def test_a_previous_release_deployment_moves_to_instances_without_a_dip(

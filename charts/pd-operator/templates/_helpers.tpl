@@ -138,13 +138,15 @@ integration test tests/integration/test_chart_install.py runs the operator under
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
-# The per-PDDeployment transfer key Secret: watched (a deleted one is recreated at once),
-# read to keep its key, server-side applied (create, patch). Never updated nor deleted: the
-# garbage collector removes it with its PDDeployment. Engine pods need no RBAC for it: the
-# key reaches them as a volume.
+# The per-PDDeployment transfer key and identity authority Secrets: watched (a deleted one
+# is recreated at once), read to keep their keys, server-side applied (create, patch); the
+# garbage collector removes them with their PDDeployment. Each engine instance's identity
+# Secret is created before its pod and deleted after it (delete), one issued by an authority
+# no longer in force replaced. Engine pods need no RBAC for any of them: they reach a pod as
+# volumes.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Events about PDDeployments. Both kopf and the operator (kube.create_event) POST core/v1
 # Events and never update them, so neither `patch`, `list` nor events.k8s.io is granted.
 - apiGroups: [""]

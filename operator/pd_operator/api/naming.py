@@ -33,7 +33,9 @@ __all__ = [
     "role_workload",
     "router_name",
     "router_service_account",
+    "transfer_authority_name",
     "transfer_config_name",
+    "transfer_identity_name",
     "transfer_key_name",
 ]
 
@@ -85,6 +87,16 @@ def agent_service_account(name: str) -> str:
 def transfer_key_name(name: str) -> str:
     """Secret holding the PDDeployment's transfer key (peer authentication)."""
     return f"{name}-transfer-key"
+
+
+def transfer_authority_name(name: str) -> str:
+    """Secret holding the PDDeployment's identity authority (no pod mounts it)."""
+    return f"{name}-transfer-authority"
+
+
+def transfer_identity_name(instance: str) -> str:
+    """Secret holding one engine instance's identity, mounted by its pod only."""
+    return f"{instance}-transfer-identity"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ Its inputs are the spec fields that decide the KV's bytes and meaning:
 - the page size;
 - the engine framework and image: the image carries the engine version and the transfer
   module's wire version;
-- the transfer backend.
+- the transfer backend, and whether its pods prove who they are with identities of their own
+  (docs/failure-modes.md #59): a pod with an identity accepts only peers with one.
 
 Replica counts, parallelism, resources, engine arguments and environment, staging sizes,
 the router and placement are not inputs: a change of them leaves the KV exchangeable. An
@@ -27,6 +28,7 @@ import json
 from typing import Any, Final
 
 from pd_operator.api.resources import PDDeployment
+from pd_operator.engines import runs_pd_transfer
 
 __all__ = ["KV_COMPAT_DIGITS", "kv_compat_inputs", "kv_compat_key"]
 
@@ -44,6 +46,7 @@ def kv_compat_inputs(pdd: PDDeployment) -> dict[str, Any]:
         "pageSize": spec.decode.page_size,
         "engine": {"framework": spec.engine.framework.value, "image": spec.engine.image},
         "transferBackend": spec.transfer_backend.value,
+        **({"transferIdentity": "pod"} if runs_pd_transfer(pdd) else {}),
     }
 
 

@@ -21,6 +21,7 @@ from pd_contract.names import LABEL_ENGINE_INSTANCE
 from pd_contract.transferagent import Role
 from pd_operator.api.naming import revision_record_name
 from pd_operator.api.resources import PDDeployment
+from pd_operator.build.identity import IDENTITY_VOLUME, identity_volume
 from pd_operator.build.meta import Manifest, object_meta, owner_reference
 from pd_operator.build.names import LABEL_ROLE, LABEL_TEMPLATE_HASH, role_workload
 
@@ -32,11 +33,15 @@ REVISION_RECORD: Final = "pod-template"
 
 def build_instance_pod(pdd: PDDeployment, role: Role, template: dict[str, Any],
                        instance: str) -> Manifest:
-    """The pod of engine instance `instance`, from the role's pod template."""
+    """The pod of engine instance `instance`, from the role's pod template (with the volume
+    of its own identity Secret where the template mounts one)."""
     meta = template["metadata"]
     labels = dict(meta.get("labels") or {})
     labels[LABEL_ENGINE_INSTANCE] = instance
     spec = copy.deepcopy(template["spec"])
+    if any(mount.get("name") == IDENTITY_VOLUME for container in spec.get("containers", ())
+           for mount in container.get("volumeMounts") or ()):
+        spec.setdefault("volumes", []).append(identity_volume(instance))
     spec["hostname"] = instance
     spec["subdomain"] = role_workload(pdd.metadata.name, role)
     return {

@@ -8,9 +8,12 @@ from typing import Any, Final
 
 from pd_contract.names import (
     ENV_TRANSFER_AUTH_KEY_FILE,
+    ENV_TRANSFER_IDENTITY_FILE,
     LABEL_KV_COMPAT,
     TRANSFER_AUTH_MOUNT,
     TRANSFER_AUTH_PATH,
+    TRANSFER_IDENTITY_MOUNT,
+    TRANSFER_IDENTITY_PATH,
 )
 from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
@@ -26,6 +29,7 @@ from pd_operator.build.engine import (
     engine_probes,
     engine_resources,
 )
+from pd_operator.build.identity import IDENTITY_VOLUME
 from pd_operator.build.meta import content_hash
 from pd_operator.build.names import (
     ANNOTATION_TRANSFER_CONFIG_HASH,
@@ -109,17 +113,22 @@ def _volumes(pdd: PDDeployment, role: Role) -> tuple[list[Any], list[Any]]:
                                    "defaultMode": 0o400}})
         mounts.append({"name": "transfer-key", "mountPath": TRANSFER_AUTH_MOUNT,
                        "readOnly": True})
+        # The instance's own identity (docs/failure-modes.md #59): its Secret is named after
+        # the instance, so the volume is added per pod (build.instances), the mount here.
+        mounts.append({"name": IDENTITY_VOLUME, "mountPath": TRANSFER_IDENTITY_MOUNT,
+                       "readOnly": True})
     volumes += copy.deepcopy(rs.pod.volumes)
     mounts += copy.deepcopy(rs.pod.volume_mounts)
     return volumes, mounts
 
 
 def _env(pdd: PDDeployment, role: Role) -> list[dict[str, Any]]:
-    """The engine's environment, then where the transfer key is: listed last, so a user
-    variable of the same name cannot point pd_transfer at another key."""
+    """The engine's environment, then where the transfer key and the pod's identity are:
+    listed last, so a user variable of the same name cannot point pd_transfer elsewhere."""
     env = engine_env(pdd, role)
     if runs_pd_transfer(pdd):
         env.append({"name": ENV_TRANSFER_AUTH_KEY_FILE, "value": TRANSFER_AUTH_PATH})
+        env.append({"name": ENV_TRANSFER_IDENTITY_FILE, "value": TRANSFER_IDENTITY_PATH})
     return env
 
 

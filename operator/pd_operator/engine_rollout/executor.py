@@ -5,20 +5,32 @@ retired without stopping their pods. It decides nothing: `steps.plan_revisions` 
 Every write is safe to repeat after a crash or a failover: a creation whose name exists
 (409) was made by an earlier attempt; a deletion carries the uid it was planned for, so a
 namesake created since is spared.
+
+Where pods prove who they are (docs/failure-modes.md #59), each instance's identity Secret
+is created before its pod (one left by an earlier attempt is kept if the authority in force
+issued it for this instance, else replaced) and deleted after it.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-from pd_contract.names import LABEL_DEPLOYMENT, LABEL_ROLE
+from pd_contract.identity import Authority, IdentityError, IdentityFile, verify_credential
+from pd_contract.names import LABEL_DEPLOYMENT, LABEL_ROLE, TRANSFER_IDENTITY_KEY
 from pd_contract.transferagent import Role
-from pd_operator.api.naming import revision_record_name
+from pd_operator.api.naming import revision_record_name, transfer_identity_name
 from pd_operator.api.resources import PDDeployment
 from pd_operator.api.revision_status import EngineRolloutPhase, EngineRolloutStatus
+from pd_operator.build.identity import (
+    IDENTITY_VOLUME,
+    build_identity_secret,
+    deployment_of,
+    issue_identity,
+)
 from pd_operator.build.instances import (
     REVISION_RECORD,
     build_instance_pod,
@@ -29,7 +41,7 @@ from pd_operator.build.meta import owned_by, owner_reference
 from pd_operator.build.names import LABEL_COMPONENT, LABEL_TEMPLATE_HASH
 from pd_operator.engine_rollout.planner import EngineStep
 from pd_operator.errors import ConflictError
-from pd_operator.kube import CONTROLLER_REVISIONS, PODS, KubeClient
+from pd_operator.kube import CONTROLLER_REVISIONS, PODS, SECRETS, KubeClient
 from pd_operator.metrics import (
     ENGINE_INSTANCES_CREATED,
     ENGINE_ROLLOUT_DELETIONS,
@@ -68,10 +80,11 @@ class InstanceExecutor:
                                revision_record_name(meta.name, role, revision))
         return None if record is None else recorded_template(record)
 
-    def create(self, pdd: PDDeployment, step: EngineStep,
-               templates: Mapping[Role, Obj]) -> list[str]:
+    def create(self, pdd: PDDeployment, step: EngineStep, templates: Mapping[Role, Obj],
+               authority: Authority | None = None) -> list[str]:
         """Create the step's instances from each role's target template (its revision
-        recorded first). Returns `Pod/<name>` of each one created."""
+        recorded first), each after its identity Secret where the template mounts one
+        (issued by `authority`). Returns `Pod/<name>` of each one created."""
         created = []
         for role in sorted({x.role for x in step.create}):
             self.keep_template(pdd, role, templates[role])
@@ -80,6 +93,8 @@ class InstanceExecutor:
             assert template["metadata"]["labels"][LABEL_TEMPLATE_HASH] == new.revision
             log.info("%s/%s: creating %s instance %s (revision %s)", pdd.metadata.namespace,
                      pdd.metadata.name, new.role.value, new.name, new.revision)
+            if authority is not None and _mounts_identity(template):
+                self._ensure_identity(pdd, new.role, new.name, authority)
             try:
                 self.kube.create(build_instance_pod(pdd, new.role, template, new.name))
             except ConflictError:
@@ -105,6 +120,7 @@ class InstanceExecutor:
                          "deletion; the new pod is left for the next pass", namespace, name,
                          pod.role.value, pod.name, pod.uid)
                 continue
+            self._delete_identity(namespace, pod.name)
             if gone:
                 log.info("%s/%s: %s instance %s was already gone", namespace, name,
                          pod.role.value, pod.name)
@@ -118,6 +134,32 @@ class InstanceExecutor:
                 ENGINE_ROLLOUTS.labels(result="failed").inc()
         publish_phase(namespace, name, step.status)
         return deleted
+
+    def _ensure_identity(self, pdd: PDDeployment, role: Role, instance: str,
+                         authority: Authority) -> None:
+        """Create `instance`'s identity Secret; one that exists is kept when `authority`
+        issued it for this deployment, role and instance, else replaced."""
+        name = transfer_identity_name(instance)
+        for _ in range(2):
+            try:
+                self.kube.create(build_identity_secret(
+                    pdd, role, instance, issue_identity(pdd, authority, role, instance)))
+                return
+            except ConflictError:
+                live = self.kube.get(SECRETS, pdd.metadata.namespace, name)
+                if live is None or _issued_for(live, pdd, authority, role, instance):
+                    return
+                log.info("%s/%s: replacing identity Secret %s (issued by another authority "
+                         "or for another instance)", pdd.metadata.namespace,
+                         pdd.metadata.name, name)
+                self.kube.delete(live)
+
+    def _delete_identity(self, namespace: str, instance: str) -> None:
+        """Delete `instance`'s identity Secret as read now (one made since is spared)."""
+        live = self.kube.get(SECRETS, namespace, transfer_identity_name(instance))
+        if live is not None:
+            with contextlib.suppress(ConflictError):
+                self.kube.delete(live)
 
     def prune(self, pdd: PDDeployment, role: Role, keep: set[str]) -> None:
         """Delete the role's oldest records past `HISTORY_LIMIT`, never one of `keep` (run
@@ -181,3 +223,22 @@ def publish_phase(namespace: str, name: str, status: EngineRolloutStatus | None)
         else:
             ENGINE_ROLLOUT_PHASE.labels(namespace=namespace, name=name, phase=phase.value).set(
                 1.0 if status.phase is phase else 0.0)
+
+
+def _mounts_identity(template: Obj) -> bool:
+    return any(mount.get("name") == IDENTITY_VOLUME
+               for container in template["spec"].get("containers", ())
+               for mount in container.get("volumeMounts") or ())
+
+
+def _issued_for(secret: Obj, pdd: PDDeployment, authority: Authority, role: Role,
+                instance: str) -> bool:
+    """Whether `secret` holds an identity `authority` issued for this instance."""
+    encoded = (secret.get("data") or {}).get(TRANSFER_IDENTITY_KEY)
+    try:
+        file = IdentityFile.model_validate_json(base64.b64decode(str(encoded)))
+        credential = verify_credential(file.credential, (authority.public,))
+    except (ValueError, IdentityError):
+        return False
+    return (credential.deployment, credential.role, credential.instance) == (
+        deployment_of(pdd), role.value, instance)

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pd_contract.identity import Authority
 from pd_contract.names import LABEL_KV_COMPAT
 from pd_contract.transferagent import Role
 from pd_operator.api.resources import PDDeployment
@@ -95,12 +96,14 @@ class EngineRollouts:
         return step
 
     def create(self, pdd: PDDeployment, step: EngineStep, templates: RoleTemplates,
-               live: Iterable[Obj], pods: Sequence[Obj]) -> list[str]:
+               live: Iterable[Obj], pods: Sequence[Obj], *,
+               authority: Authority | None = None) -> list[str]:
         """Retire the previous release's StatefulSets (adopting their pods), then create the
-        step's instances; `Pod/<name>` of each one created."""
+        step's instances (with identities `authority` issues); `Pod/<name>` of each one
+        created."""
         self.executor.retire_statefulsets(pdd, live)
         self.executor.adopt(pdd, pods)
-        created = self.executor.create(pdd, step, templates.target)
+        created = self.executor.create(pdd, step, templates.target, authority)
         if any(e.reason in ("RolloutComplete", "RolledBack") for e in step.events):
             for role in ROLES:  # a rollout ended: the records of older revisions may go
                 self.executor.prune(pdd, role, {

@@ -51,6 +51,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
+from pd_contract.identity import Authority
 from pd_operator.api import (
     PDDeployment,
     PDDeploymentStatus,
@@ -61,8 +62,10 @@ from pd_operator.api import (
 from pd_operator.api.name_rules import name_violations
 from pd_operator.api.resources import ObjectMeta
 from pd_operator.build import Capabilities, build_children, child_key
+from pd_operator.build.identity import IDENTITY_COMPONENT
 from pd_operator.build.meta import owned_by
 from pd_operator.build.names import (
+    LABEL_COMPONENT,
     LABEL_DEPLOYMENT,
     LABEL_MANAGED_BY,
     MANAGER,
@@ -73,7 +76,7 @@ from pd_operator.build.names import (
 from pd_operator.build.pod import reports_transfer_health
 from pd_operator.cache import Watched
 from pd_operator.engine_rollout.planner import EngineStep
-from pd_operator.engines import role_spec
+from pd_operator.engines import role_spec, runs_pd_transfer
 from pd_operator.errors import (
     ConflictError,
     OperatorError,
@@ -91,6 +94,7 @@ from pd_operator.reconcile.children import apply_children, delete_unwanted
 from pd_operator.reconcile.engine_rollout import EngineRollouts, RoleTemplates
 from pd_operator.reconcile.events import EventSpec, gate_events, transition_events
 from pd_operator.reconcile.gates import GateChange, transfer_gate_changes
+from pd_operator.reconcile.identity import desired_authority
 from pd_operator.reconcile.role_scale import RoleScales
 from pd_operator.reconcile.transfer_key import desired_transfer_key_secret
 from pd_operator.staging_rollout.executor import RolloutExecutor
@@ -226,8 +230,13 @@ class Reconciler:
         roles = {r: _role(pdd, templates, r) for r in (Role.PREFILL, Role.DECODE)}
         valid = self._last_valid[namespace, name] = _ValidGeneration(
             pdd, {r: o.revision for r, o in roles.items()})
-        # First: the pods about to be created mount it.
+        # First: the pods about to be created mount the key, and their identities are
+        # issued by the authority (docs/failure-modes.md #59).
         desired.insert(0, desired_transfer_key_secret(self.kube, pdd, live))
+        authority: Authority | None = None
+        if runs_pd_transfer(pdd):
+            authority, authority_secret = desired_authority(self.kube, pdd, live)
+            desired.insert(1, authority_secret)
         pods, fleet = self._observe_fleet(namespace, name, valid, watched)
         revisions = self.engine_rollouts.plan(pdd, parsed.previous.rollout, templates,
                                               fleet=fleet)
@@ -238,7 +247,7 @@ class Reconciler:
             self._apply(desired, live, created)
             self._delete_unwanted(pdd, desired, live)
             created += self.engine_rollouts.create(pdd, revisions, templates, live.values(),
-                                                   pods)
+                                                   pods, authority=authority)
         except ConflictError:
             raise
         except PermanentError as exc:
@@ -304,12 +313,15 @@ class Reconciler:
 
     def _children(self, namespace: str, name: str, watched: Watched | None) -> list[Obj]:
         """Our children of every kind the server serves: cached, or listed by label."""
+        # Instances' identity Secrets are the engine rollout's, made and deleted with them.
         if watched is None:
-            selector = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_DEPLOYMENT}={name}"
+            selector = (f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_DEPLOYMENT}={name},"
+                        f"{LABEL_COMPONENT}!={IDENTITY_COMPONENT}")
             return self.kube.list_children(namespace, selector, self.kinds)
         kinds = {(k.api_version, k.kind) for k in self.kinds}
         return [obj for obj in watched.children if (obj["apiVersion"], obj["kind"]) in kinds
-                and (obj["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGER]
+                and (labels := obj["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY)
+                == MANAGER and labels.get(LABEL_COMPONENT) != IDENTITY_COMPONENT]
 
     def _observe_fleet(
         self, namespace: str, name: str, valid: _ValidGeneration, watched: Watched | None

@@ -88,3 +88,11 @@ def test_an_identity_file_round_trips_and_refuses_keys_not_its_own(tmp_path: Pat
         PodIdentity.from_file(path)
     with pytest.raises(IdentityError, match="cannot read the pod identity file"):
         PodIdentity.from_file(path.parent / "missing.json")
+
+
+def test_a_credential_names_its_instance_and_its_incarnations_only() -> None:
+    credential = _pod("decode", "llm-decode-ab12-0").credential
+    assert credential.names("llm-decode-ab12-0")
+    assert credential.names("llm-decode-ab12-0@3f2a")  # a restarted engine of the pod
+    assert not credential.names("llm-decode-ab12-01")
+    assert not credential.names("llm-decode-ab12-1@llm-decode-ab12-0")

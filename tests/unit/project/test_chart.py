@@ -71,7 +71,7 @@ EXPECTED_PERMISSIONS: dict[tuple[str, str], set[str]] = {
     ("rbac.authorization.k8s.io", "rolebindings"): CRUD,
     ("policy", "poddisruptionbudgets"): CRUD,
     ("networking.k8s.io", "networkpolicies"): CRUD,
-    ("", "secrets"): {"get", "list", "watch", "create", "patch"},
+    ("", "secrets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "events"): {"create"},
 }
 

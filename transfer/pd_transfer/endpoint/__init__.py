@@ -5,6 +5,8 @@
 - ``transfer``: ``Transfer``, what every request has on either side for its lifetime;
 - ``core``: ``Endpoint``, the worker-driven core (commands, authenticated message intake
   against one direction table, peers, admission and endings of a ``Transfer``);
+- ``frames``: ``PeerFrames``, the frames its messages travel in, sealed per peer pair where
+  pods have identities;
 - ``statuses``: ``StatusBoard``, the request statuses engine threads poll;
 - ``memory``: ``StagingMemory``, a side's registered staging memory and its swap;
 - ``resize``: ``StagingResizes``, the drain → swap lifecycle of a staging resize.

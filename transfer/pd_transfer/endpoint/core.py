@@ -42,6 +42,7 @@ from pd_contract import transferagent
 from pd_contract.transferagent import AgentStaging
 from pd_transfer.common.metrics import PendingKV, TransferMetrics
 from pd_transfer.common.phases import PartTimes, PhaseLog, RequestTimes
+from pd_transfer.endpoint.frames import PeerFrames
 from pd_transfer.endpoint.resize import StagingResizes, StagingSide
 from pd_transfer.endpoint.statuses import StatusBoard
 from pd_transfer.endpoint.transfer import Transfer
@@ -57,17 +58,15 @@ from pd_transfer.kv.pool import KVPool
 from pd_transfer.kv.staging import StagingStream
 from pd_transfer.protocol.lifecycle import Event, FailureReason, RequestStatus, Role
 from pd_transfer.protocol.messages import (
-    PROTOCOL_VERSION,
     RECEIVED_BY,
     Abort,
     Message,
     RingUpdate,
     decode_message,
-    encode_message,
 )
 from pd_transfer.protocol.parts import PartMachine
 from pd_transfer.transport.base import RegisteredRegion, Transport
-from pd_transfer.trust.auth import SECRET_MAGIC, PeerAuth, Purpose, Unauthenticated
+from pd_transfer.trust.auth import SECRET_MAGIC, PeerAuth
 from pd_transfer.trust.bootstrap import (
     RankDocument,
     RegionDoc,
@@ -119,7 +118,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             CUDA_POLL if pool.device.type == "cuda" else None)
         self.wakeup = threading.Event()  # set by submit: the worker starts a command at once
         self.peers: dict[str, RankDocument] = {}
-        self._pairs: dict[str, PeerAuth] = {}  # each identified peer's frame sealer
+        self.frames = PeerFrames(auth, self.pod_identity, transport.agent_name)
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -335,36 +334,21 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         return True
 
     def seal(self, peer: str, message: Message) -> bytes:
-        """``message`` framed for ``peer`` with the key of this pod and ``peer``'s (the
-        deployment's transfer key without identities): what every control message and WRITE
-        notification travels as (docs/failure-modes.md #26, #59)."""
-        return self._framer(peer).seal(
-            encode_message(message), purpose=Purpose.MESSAGE, version=PROTOCOL_VERSION,
-            sender=self.transport.agent_name, receiver=peer,
-            confidential=isinstance(message, RingUpdate))
+        """``message`` framed for ``peer``: what every control message and WRITE notification
+        travels as (``frames``; docs/failure-modes.md #26, #59)."""
+        return self.frames.seal(peer, message)
 
     def authenticate(self, peer: str, payload: bytes) -> bytes:
         """The body of a frame ``peer`` sealed for this agent, checked before any decoding;
         a RemoteProtocolError otherwise: ``unauthenticated``, or ``unknown_peer`` from a peer
         whose document this rank has not checked (its pair key is not known yet)."""
-        return self._framer(peer).open(payload, purpose=Purpose.MESSAGE,
-                                       version=PROTOCOL_VERSION, sender=peer,
-                                       receiver=self.transport.agent_name)
-
-    def _framer(self, peer: str) -> PeerAuth:
-        if self.pod_identity is None:
-            return self.auth
-        framer = self._pairs.get(peer)
-        if framer is None:
-            raise RemoteProtocolError("unknown_peer", f"{peer}: no checked document, so no "
-                                      f"key of the pair yet")
-        return framer
+        return self.frames.open(peer, payload)
 
     def prune_peer(self, peer: str, detail: str) -> None:
         """Forget ``peer`` and fail every request bound to it (docs/failure-modes.md #10, #19)."""
         if self.peers.pop(peer, None) is None:
             return
-        self._pairs.pop(peer, None)
+        self.frames.drop(peer)
         _log.warning("pruning peer %s: %s", peer, detail)
         self.transport.remove_peer(peer)
         self._on_peer_lost(peer, detail)
@@ -479,28 +463,12 @@ class Endpoint(abc.ABC, Generic[TransferT]):
             metadata = base64.b64decode(document.transport_metadata_b64, validate=True)
         except ValueError as exc:
             raise TransportError(f"peer {name!r}: transport metadata is not base64: {exc}") from exc
-        framer = self._pair_with(document)
+        sealer = self.frames.pair_with(document)
         self.transport.add_peer(metadata, expected_name=name)
         self.peers[name] = document
-        if framer is not None:
-            self._pairs[name] = framer
+        self.frames.add(name, sealer)
         self._on_peer_added(document)
         return name
-
-    def _pair_with(self, document: RankDocument) -> PeerAuth | None:
-        """The frame sealer of this pod and ``document``'s, its credential checked again (a
-        caller may hand a document that did not come through ``fetch_document``); None
-        without identities; TransportError when the credential does not hold."""
-        if self.pod_identity is None:
-            return None
-        try:
-            credential = self.auth.verify_peer(
-                document.credential, role=document.role, instance=document.instance,
-                what=f"peer {document.agent_name!r}")
-            assert credential is not None  # this side has identities
-            return self.auth.pair(self.pod_identity, credential)
-        except Unauthenticated as exc:
-            raise TransportError(exc.detail) from exc
 
     # Role hooks ------------------------------------------------------------------------------
 

@@ -190,7 +190,7 @@ class PeerAuth:
         issues (tests), or None without identities."""
         if self._identity is not None:
             credential = self._identity.credential
-            if (credential.role, credential.instance) != (role, instance):
+            if credential.role != role or not credential.names(instance):
                 raise AuthKeyError(
                     f"this pod's identity is for {credential.describe()}, but it runs a "
                     f"{role} rank of instance {instance!r}; the operator issues each pod "
@@ -238,7 +238,7 @@ class PeerAuth:
         if credential.deployment != self._deployment:
             raise Unauthenticated(f"{what}: a credential of deployment "
                                   f"{credential.deployment!r}, not {self._deployment!r}")
-        if (credential.role, credential.instance) != (role, instance):
+        if credential.role != role or not credential.names(instance):
             raise Unauthenticated(
                 f"{what} claims {role} instance {instance!r}, but its credential is "
                 f"{credential.describe()}; a pod may speak only as the instance the operator "

@@ -38,6 +38,7 @@ TINY_KV_INPUTS = {
     "pageSize": 16,
     "engine": {"framework": "reference", "image": "pd-operator/reference-engine:0.1.0"},
     "transferBackend": "PDTransfer",
+    "transferIdentity": "pod",  # its pods prove who they are (failure-modes #59)
 }
 TINY_KV_COMPAT = hashlib.sha256(json.dumps(
     TINY_KV_INPUTS, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
@@ -104,6 +105,9 @@ def test_decode_instance_pod_whole_object() -> None:
                     # pd_transfer reads the peer key here (failure-modes #26).
                     {"name": "PD_TRANSFER_AUTH_KEY_FILE",
                      "value": "/var/run/pd-transfer/auth/transfer.key"},
+                    # ...and this instance's own identity here (failure-modes #59).
+                    {"name": "PD_TRANSFER_IDENTITY_FILE",
+                     "value": "/var/run/pd-transfer/identity/identity.json"},
                 ],
                 "ports": [
                     {"name": "http", "containerPort": 30000, "protocol": "TCP"},
@@ -120,6 +124,8 @@ def test_decode_instance_pod_whole_object() -> None:
                      "readOnly": True},
                     {"name": "transfer-key", "mountPath": "/var/run/pd-transfer/auth",
                      "readOnly": True},
+                    {"name": "transfer-identity",
+                     "mountPath": "/var/run/pd-transfer/identity", "readOnly": True},
                 ],
                 # Only IPC_LOCK (RDMA pins KV memory); everything else dropped.
                 "securityContext": {"allowPrivilegeEscalation": False,
@@ -146,6 +152,9 @@ def test_decode_instance_pod_whole_object() -> None:
                 {"name": "transfer-config", "configMap": {"name": "tiny-transfer"}},
                 {"name": "transfer-key",
                  "secret": {"secretName": "tiny-transfer-key", "defaultMode": 0o400}},
+                # This instance's identity alone (named after the instance).
+                {"name": "transfer-identity",
+                 "secret": {"secretName": f"{name}-transfer-identity", "defaultMode": 0o400}},
             ],
         },
     }

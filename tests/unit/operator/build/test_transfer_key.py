@@ -273,14 +273,18 @@ def test_native_connector_pods_get_no_key(framework: str) -> None:
         assert "PD_TRANSFER_AUTH_KEY_FILE" not in {e["name"] for e in container["env"]}
 
 
-def test_user_env_cannot_redirect_the_key_file() -> None:
-    """The key file variable comes after the user's variables, so it wins (Kubernetes keeps
-    the last of duplicate names): a spec cannot point pd_transfer at another key."""
-    pdd = tiny_pdd(engine={"framework": "reference", "image": "r:1",
-                       "env": [{"name": "PD_TRANSFER_AUTH_KEY_FILE", "value": "/tmp/k"}]})
+def test_user_env_cannot_redirect_the_key_or_identity_file() -> None:
+    """The key and identity file variables come after the user's variables, so they win
+    (Kubernetes keeps the last of duplicate names): a spec cannot point pd_transfer at another
+    key or another pod's identity."""
+    pdd = tiny_pdd(engine={"framework": "reference", "image": "r:1", "env": [
+        {"name": "PD_TRANSFER_AUTH_KEY_FILE", "value": "/tmp/k"},
+        {"name": "PD_TRANSFER_IDENTITY_FILE", "value": "/tmp/i"}]})
     env = build_pod_template(pdd, Role.DECODE)["spec"]["containers"][0]["env"]
-    assert env[-1] == {"name": "PD_TRANSFER_AUTH_KEY_FILE",
-                       "value": "/var/run/pd-transfer/auth/transfer.key"}
+    assert env[-2:] == [
+        {"name": "PD_TRANSFER_AUTH_KEY_FILE", "value": "/var/run/pd-transfer/auth/transfer.key"},
+        {"name": "PD_TRANSFER_IDENTITY_FILE",
+         "value": "/var/run/pd-transfer/identity/identity.json"}]
 
 
 # -- the dev kubelet --------------------------------------------------------------------------

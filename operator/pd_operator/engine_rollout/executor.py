@@ -20,12 +20,18 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from pd_contract.identity import Authority, IdentityError, IdentityFile, verify_credential
-from pd_contract.names import LABEL_DEPLOYMENT, LABEL_ROLE, TRANSFER_IDENTITY_KEY
+from pd_contract.names import (
+    LABEL_DEPLOYMENT,
+    LABEL_ENGINE_INSTANCE,
+    LABEL_ROLE,
+    TRANSFER_IDENTITY_KEY,
+)
 from pd_contract.transferagent import Role
 from pd_operator.api.naming import revision_record_name, transfer_identity_name
 from pd_operator.api.resources import PDDeployment
 from pd_operator.api.revision_status import EngineRolloutPhase, EngineRolloutStatus
 from pd_operator.build.identity import (
+    IDENTITY_COMPONENT,
     IDENTITY_VOLUME,
     build_identity_secret,
     deployment_of,
@@ -160,6 +166,22 @@ class InstanceExecutor:
         if live is not None:
             with contextlib.suppress(ConflictError):
                 self.kube.delete(live)
+
+    def sweep_identities(self, pdd: PDDeployment, known: set[str]) -> None:
+        """Delete the identity Secrets of instances whose pod is gone (read from the API,
+        not a cache) and not `known` (observed, or about to be created)."""
+        meta = pdd.metadata
+        selector = (f"{LABEL_DEPLOYMENT}={meta.name},"
+                    f"{LABEL_COMPONENT}={IDENTITY_COMPONENT}")
+        for secret in self.kube.list_objects(SECRETS, meta.namespace, selector):
+            instance = (secret["metadata"].get("labels") or {}).get(LABEL_ENGINE_INSTANCE, "")
+            if (not owned_by(secret, meta.uid) or instance in known
+                    or self.kube.get(PODS, meta.namespace, instance) is not None):
+                continue
+            log.info("%s/%s: deleting identity Secret %s: its instance is gone",
+                     meta.namespace, meta.name, secret["metadata"]["name"])
+            with contextlib.suppress(ConflictError):
+                self.kube.delete(secret)
 
     def prune(self, pdd: PDDeployment, role: Role, keep: set[str]) -> None:
         """Delete the role's oldest records past `HISTORY_LIMIT`, never one of `keep` (run

@@ -7,9 +7,10 @@ release's StatefulSets retired.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from pd_contract.identity import Authority
 from pd_contract.names import LABEL_KV_COMPAT
@@ -29,6 +30,9 @@ from pd_operator.status import FleetObservation
 __all__ = ["EngineRollouts", "RoleTemplates"]
 
 Obj = dict[str, Any]
+
+# How often each PDDeployment's identity Secrets are checked for ones without an instance.
+IDENTITY_SWEEP_S: Final = 600.0
 
 
 def _revision(template: Mapping[str, Any]) -> str:
@@ -55,8 +59,10 @@ class EngineRollouts:
     `plan` before the children are applied, `create` with them, `delete` after the status
     write."""
 
-    def __init__(self, kube: KubeClient) -> None:
+    def __init__(self, kube: KubeClient, clock: Callable[[], float] = time.monotonic) -> None:
         self.executor = InstanceExecutor(kube)
+        self._clock = clock
+        self._swept: dict[tuple[str, str], float] = {}  # per PDDeployment: the last sweep
 
     def templates(self, pdd: PDDeployment, agent_image: str,
                   previous: EngineRolloutStatus) -> RoleTemplates:
@@ -103,6 +109,14 @@ class EngineRollouts:
         created."""
         self.executor.retire_statefulsets(pdd, live)
         self.executor.adopt(pdd, pods)
+        key, now = (pdd.metadata.namespace, pdd.metadata.name), self._clock()
+        if authority is not None and now - self._swept.get(key, -IDENTITY_SWEEP_S) \
+                >= IDENTITY_SWEEP_S:
+            # A leader that stopped between an instance's pod and its identity Secret left
+            # the Secret behind: the first pass of each process, and one in a while, sweeps.
+            self._swept[key] = now
+            self.executor.sweep_identities(
+                pdd, {p["metadata"]["name"] for p in pods} | {x.name for x in step.create})
         created = self.executor.create(pdd, step, templates.target, authority)
         if any(e.reason in ("RolloutComplete", "RolledBack") for e in step.events):
             for role in ROLES:  # a rollout ended: the records of older revisions may go
@@ -114,6 +128,6 @@ class EngineRollouts:
     def delete(self, namespace: str, name: str, step: EngineStep) -> None:
         self.executor.delete(namespace, name, step)
 
-    @staticmethod
-    def forget(namespace: str, name: str) -> None:
+    def forget(self, namespace: str, name: str) -> None:
+        self._swept.pop((namespace, name), None)
         publish_phase(namespace, name, None)

@@ -5,10 +5,8 @@ An endpoint is driven by exactly one thread (its ``Worker``, or a unit test call
 threads talk to it only through ``submit`` (a command queue, answered by a Future) and
 read published ``RequestStatus`` snapshots (``StatusBoard``).
 
-A message is authenticated before it is decoded (with the key of this pod's pair with the
-sender where pods have identities, derived when the peer's checked document is connected;
-docs/failure-modes.md #59), and one its side never receives
-(``protocol.messages.RECEIVED_BY``) is refused before the side's handler sees it.
+A message is authenticated before it is decoded (``frames``: per pod pair where pods have
+identities, #59), and one its side never receives (``RECEIVED_BY``) is refused first.
 Per-request isolation (docs/failure-modes.md #12): everything done on behalf of one request
 runs under ``guard``; an exception fails that request with InternalError and the loop goes
 on. Peers are keyed by agent name, which carries an incarnation id; a peer that is
@@ -106,8 +104,7 @@ class Endpoint(abc.ABC, Generic[TransferT]):
         CUDA pool; none on CPU, where the idle back-off applies throughout)."""
         self.transport = transport
         self.auth = auth  # the deployment's transfer key (docs/failure-modes.md #26)
-        # This pod's credential and keys (#59), None in a deployment without identities.
-        self.pod_identity = auth.pod_identity(self.role.value, identity.instance)
+        self.pod_identity = auth.pod_identity(self.role.value, identity.instance)  # #59
         self.pool = pool
         self.identity = identity
         self.timeouts = timeouts or Timeouts()
